@@ -1,0 +1,270 @@
+"""The typed schema of ``params.yaml``.
+
+Every stage loads the parameters once through :func:`load_params`; the library below
+never reads ``params.yaml`` itself. An unknown key, a wrong type or an impossible value
+stops the stage before any work with a message naming the key, the value and what is
+allowed (:class:`aiayn.errors.ParamsError`).
+
+Defaults are the paper's (Vaswani et al., 2017) where the paper says something; the
+committed ``params.yaml`` is the small demo preset composed from ``conf/``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from aiayn.errors import ParamsError
+
+# Languages the corpus sources know how to name. WMT14 pairs English with these.
+KNOWN_LANGUAGES = ("cs", "de", "en", "fr", "hi", "ru")
+Language = Literal["cs", "de", "en", "fr", "hi", "ru"]
+SPLITS = ("train", "valid", "test")
+
+
+class Strict(BaseModel):
+    """Base for every section: unknown keys are errors, values are validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class SplitNames(Strict):
+    """How the source names our three splits."""
+
+    train: str = "train"
+    valid: str = "validation"
+    test: str = "test"
+
+
+class ToySource(Strict):
+    """The built-in synthetic English→German-like task (see ``aiayn.toy``)."""
+
+    train_pairs: int = Field(20_000, gt=0)
+    valid_pairs: int = Field(500, gt=0)
+    test_pairs: int = Field(500, gt=0)
+    min_words: int = Field(3, ge=1)
+    max_words: int = Field(40, ge=1)
+    seed: int = 1
+
+    @model_validator(mode="after")
+    def _lengths(self) -> ToySource:
+        if self.min_words > self.max_words:
+            raise ValueError(
+                f"min_words ({self.min_words}) must not exceed max_words ({self.max_words})"
+            )
+        return self
+
+
+class HubSource(Strict):
+    """A dataset on the Hugging Face hub with rows ``{"translation": {lang: text}}``."""
+
+    path: str = "wmt/wmt14"
+    name: str | None = "de-en"
+    revision: str | None = None
+    splits: SplitNames = SplitNames(train="train", valid="validation", test="test")
+
+
+class LocalSource(Strict):
+    """A folder of line-aligned plain-text files, e.g. ``train.en`` / ``train.de``."""
+
+    dir: str = "data/corpus"
+    # File name of one side of one split; {split} is the name from `splits`, {lang} a language.
+    pattern: str = "{split}.{lang}"
+    splits: SplitNames = SplitNames(train="train", valid="valid", test="test")
+
+    @model_validator(mode="after")
+    def _pattern(self) -> LocalSource:
+        for key in ("{split}", "{lang}"):
+            if key not in self.pattern:
+                raise ValueError(
+                    f"pattern {self.pattern!r} must contain {key}, e.g. '{{split}}.{{lang}}'"
+                )
+        return self
+
+
+class Cleaning(Strict):
+    """Which pairs the download stage drops (each drop is counted by reason)."""
+
+    max_words: int = Field(250, gt=0, description="drop a pair if either side has more words")
+    max_ratio: float = Field(
+        3.0, ge=1.0, description="drop a pair if the longer side has > ratio x the words"
+    )
+    clean_test: bool = Field(
+        False, description="also filter valid/test (off: the test set is scored as published)"
+    )
+
+
+class DataConfig(Strict):
+    source: Literal["toy", "hub", "local"] = "toy"
+    src_lang: Language = "en"
+    tgt_lang: Language = "de"
+    toy: ToySource = ToySource()
+    hub: HubSource = HubSource()
+    local: LocalSource = LocalSource()
+    clean: Cleaning = Cleaning()
+
+    @model_validator(mode="after")
+    def _direction(self) -> DataConfig:
+        if self.src_lang == self.tgt_lang:
+            raise ValueError(f"src_lang and tgt_lang are both {self.src_lang!r}; pick two")
+        if self.source == "toy" and {self.src_lang, self.tgt_lang} != {"en", "de"}:
+            raise ValueError(
+                f"the toy source speaks en and de only, not {self.src_lang}-{self.tgt_lang}"
+            )
+        if self.source == "hub" and self.hub.name and "-" in self.hub.name:
+            pair = set(self.hub.name.split("-"))
+            if {self.src_lang, self.tgt_lang} != pair:
+                raise ValueError(
+                    f"hub config {self.hub.name!r} holds {sorted(pair)}, "
+                    f"not {self.src_lang}-{self.tgt_lang}"
+                )
+        return self
+
+    @property
+    def languages(self) -> tuple[str, str]:
+        return (self.src_lang, self.tgt_lang)
+
+
+class VocabConfig(Strict):
+    size: int = Field(37_000, ge=300, description="BPE vocabulary size incl. special tokens")
+    min_frequency: int = Field(2, ge=1)
+
+
+class SurveyConfig(Strict):
+    max_len_candidates: list[int] = Field(default_factory=lambda: [64, 128, 256, 512])
+    bins: int = Field(60, gt=0)
+
+    @model_validator(mode="after")
+    def _positive(self) -> SurveyConfig:
+        if not self.max_len_candidates or min(self.max_len_candidates) <= 0:
+            raise ValueError("max_len_candidates must be a non-empty list of positive lengths")
+        return self
+
+
+class ShardConfig(Strict):
+    max_tokens: int = Field(
+        4096,
+        gt=0,
+        description="tokens per batch on each side, padding included (source and target alike)",
+    )
+    max_len: int = Field(256, gt=0, description="pairs with a longer side (in tokens) are dropped")
+    shard_tokens: int = Field(
+        50_000_000, gt=0, description="upper bound on tokens per shard file pair"
+    )
+
+    @model_validator(mode="after")
+    def _fits(self) -> ShardConfig:
+        # +2: each sequence carries bos/eos; the longest allowed pair must fit in one batch.
+        if self.max_len + 2 > self.max_tokens:
+            raise ValueError(
+                f"max_len ({self.max_len}) + 2 special tokens exceeds max_tokens "
+                f"({self.max_tokens}): the longest pair could never be batched"
+            )
+        return self
+
+
+class ModelConfig(Strict):
+    """Table 3 of the paper: base is d_model 512, 6+6 layers, 8 heads, d_ff 2048, dropout 0.1."""
+
+    d_model: int = Field(512, gt=0)
+    heads: int = Field(8, gt=0)
+    encoder_layers: int = Field(6, gt=0)
+    decoder_layers: int = Field(6, gt=0)
+    d_ff: int = Field(2048, gt=0)
+    dropout: float = Field(0.1, ge=0.0, lt=1.0)
+    norm: Literal["post", "pre"] = "post"
+    max_positions: int = Field(1024, gt=0)
+
+    @model_validator(mode="after")
+    def _heads(self) -> ModelConfig:
+        if self.d_model % self.heads:
+            raise ValueError(
+                f"d_model ({self.d_model}) must be divisible by heads ({self.heads}); "
+                f"e.g. heads={_divisor_hint(self.d_model, self.heads)}"
+            )
+        return self
+
+
+def _divisor_hint(n: int, near: int) -> int:
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    return min(divisors, key=lambda d: abs(d - near))
+
+
+class Params(Strict):
+    seed: int = 1
+    data: DataConfig = DataConfig()
+    vocab: VocabConfig = VocabConfig()
+    survey: SurveyConfig = SurveyConfig()
+    shard: ShardConfig = ShardConfig()
+    model: ModelConfig = ModelConfig()
+    # Sections filled by later stages (train, average, decode) are accepted as-is until their
+    # schema lands, so that presets can carry them already.
+    train: dict[str, Any] = Field(default_factory=dict)
+    decode: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _positions(self) -> Params:
+        if self.shard.max_len + 2 > self.model.max_positions:
+            raise ValueError(
+                f"shard.max_len ({self.shard.max_len}) + 2 exceeds model.max_positions "
+                f"({self.model.max_positions})"
+            )
+        return self
+
+
+def _format_location(loc: tuple[Any, ...]) -> str:
+    return ".".join(str(p) for p in loc if not str(p).startswith("function-after"))
+
+
+def _lookup(raw: Any, loc: tuple[Any, ...]) -> Any:
+    node = raw
+    for part in loc:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+            node = node[part]
+        else:
+            return None
+    return node
+
+
+def parse_params(raw: Any, source: str = "params.yaml") -> Params:
+    """Validate a parsed YAML mapping; raise ParamsError naming key, value and rule."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ParamsError(f"{source}: the top level must be a mapping of sections, not {raw!r}")
+    try:
+        return Params.model_validate(raw)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            key = _format_location(err["loc"]) or "(top level)"
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "extra_forbidden":
+                lines.append(
+                    f"  {key}: unknown key (value {err['input']!r}); remove it or fix its "
+                    "spelling — see conf/config.yaml for every known key"
+                )
+            else:
+                value = _lookup(raw, err["loc"])
+                shown = f" = {value!r}" if value is not None else ""
+                lines.append(f"  {key}{shown}: {msg}")
+        raise ParamsError(f"{source}: invalid parameters\n" + "\n".join(lines)) from None
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    """Read and validate a params file; every stage calls this once, before any work."""
+    path = Path(path)
+    if not path.is_file():
+        raise ParamsError(
+            f"{path}: no such params file; run from the repository root or pass --params PATH"
+        )
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ParamsError(f"{path}: not valid YAML: {exc}") from None
+    return parse_params(raw, str(path))

@@ -1,0 +1,20 @@
+"""Errors meant for the person running a stage.
+
+An ``AiaynError`` says what went wrong, where (file, line, key) and how to fix it. The stage
+commands print its message without a traceback and exit non-zero; anything else is a bug
+and keeps its traceback.
+"""
+
+
+class AiaynError(Exception):
+    """A user-facing error: the message names the file or key and the fix."""
+
+    exit_code = 2
+
+
+class ParamsError(AiaynError):
+    """params.yaml has an unknown key, a wrong type or an impossible value."""
+
+
+class DataError(AiaynError):
+    """Input data is missing, malformed or inconsistent."""

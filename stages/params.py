@@ -1,0 +1,73 @@
+"""params: compose conf/ (base + experiment preset) into params.yaml, as `dvc exp run` does.
+
+`dvc exp run -S experiment=NAME` composes conf/config.yaml with Hydra and overwrites
+params.yaml; this command performs the same composition by hand (for `dvc repro` and the
+stage commands), validates the result, and can check that params.yaml is up to date.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+import yaml
+
+from aiayn.config import parse_params
+from aiayn.errors import ParamsError
+from aiayn.io import write_text
+from stages.common import log, single_command_app, stage
+
+
+def compose(conf_dir: Path, experiment: str | None, overrides: list[str]) -> str:
+    """The YAML text Hydra composes from conf_dir (identical to what DVC writes)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+
+    if not (conf_dir / "config.yaml").is_file():
+        raise ParamsError(f"{conf_dir}/config.yaml: missing; run from the repository root")
+    all_overrides = ([f"experiment={experiment}"] if experiment else []) + list(overrides)
+    try:
+        with initialize_config_dir(str(conf_dir.resolve()), version_base=None):
+            cfg = hydra_compose(config_name="config", overrides=all_overrides)
+    except HydraException as exc:
+        presets = sorted(p.stem for p in (conf_dir / "experiment").glob("*.yaml"))
+        raise ParamsError(f"{conf_dir}: cannot compose {all_overrides}: {exc}\n"
+                          f"known experiments: {', '.join(presets)}") from None
+    OmegaConf.resolve(cfg)
+    return OmegaConf.to_yaml(cfg)
+
+
+@stage
+def params(
+    experiment: Annotated[str | None, typer.Argument(help="Preset in conf/experiment/ (default: conf/config.yaml's).")] = None,
+    overrides: Annotated[list[str] | None, typer.Argument(help="Hydra overrides, e.g. vocab.size=8000.")] = None,
+    out: Annotated[Path, typer.Option(help="File to write.")] = Path("params.yaml"),
+    conf: Annotated[Path, typer.Option(help="Folder of Hydra configs.")] = Path("conf"),
+    check: Annotated[bool, typer.Option("--check", help="Only check that OUT equals the composition; exit 1 if not.")] = False,
+) -> None:
+    """Compose conf/config.yaml with an experiment preset into params.yaml and validate it.
+
+    Examples: `aiayn params multi30k`, `aiayn params demo train.lr_scale=2`,
+    `aiayn params --check`. Under `dvc exp run -S experiment=NAME` DVC does this itself.
+    """
+    text = compose(conf, experiment, overrides or [])
+    parse_params(yaml.safe_load(text), f"composition of {conf}/ {experiment or ''}".strip())
+    if check:
+        current = out.read_text(encoding="utf-8") if out.is_file() else ""
+        if yaml.safe_load(current) != yaml.safe_load(text):
+            typer.secho(f"{out} differs from the composition of {conf}/; run `aiayn params "
+                        f"{experiment or ''}` to regenerate it", fg=typer.colors.RED, err=True)
+            raise typer.Exit(code=1)
+        log.info("%s is up to date with %s/", out, conf)
+        return
+    write_text(out, text)
+    log.info("wrote %s (%s)", out, experiment or "default experiment")
+
+
+app = single_command_app(params, "Compose params.yaml from conf/.")
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,83 @@
+"""Shared fixtures: small corpora in the layouts the sources read (no network, no ../shared)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Real sentences with the things lossless tokenization must survive.
+SENTENCES_EN = [
+    "The house is small.",
+    "\"Quotes\", 'apostrophes' and (brackets) — plus 3.14 km/h at 10:30 on 2014-06-01.",
+    "A well-known, state-of-the-art translation system costs $1,200.50!",
+    "Two  spaces,   three spaces and a tab\there.",
+    "Mr. O'Neill said: \"It's the 21st century; isn't it?\"",
+    "He works for the European Union's High Representative.",
+]
+SENTENCES_DE = [
+    "Das Haus ist klein.",
+    "„Anführungszeichen“, ‚einfache‘ und (Klammern) — dazu 3,14 km/h um 10:30 Uhr am 1.6.2014.",
+    "Ein bekanntes, hochmodernes Übersetzungssystem kostet 1.200,50 $!",
+    "Zwei  Leerzeichen,   drei Leerzeichen und ein Tab\thier.",
+    "Herr O'Neill sagte: »Es ist das 21. Jahrhundert; nicht wahr?«",
+    "Er arbeitet für den Hohen Vertreter der Europäischen Union; Straßenbahn-Haltestelle, Größe.",
+]
+
+
+def write_parallel(folder: Path, split: str, en: list[str], de: list[str],
+                   pattern: str = "{split}.{lang}") -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for lang, lines in (("en", en), ("de", de)):
+        path = folder / pattern.format(split=split, lang=lang)
+        path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+
+
+@pytest.fixture
+def local_corpus(tmp_path: Path) -> Path:
+    """A folder train/valid/test.{en,de} of real sentences."""
+    folder = tmp_path / "corpus"
+    write_parallel(folder, "train", SENTENCES_EN * 5, SENTENCES_DE * 5)
+    write_parallel(folder, "valid", SENTENCES_EN[:3], SENTENCES_DE[:3])
+    write_parallel(folder, "test", SENTENCES_EN[3:], SENTENCES_DE[3:])
+    return folder
+
+
+def make_fake_hub(folder: Path, splits: dict[str, list[tuple[str, str]]],
+                  config: str = "de-en") -> Path:
+    """A local folder laid out like the hub's wmt/wmt14 repository: parquet files with one
+    column ``translation: {de, en}`` and a README whose metadata names the config."""
+    (folder / config).mkdir(parents=True, exist_ok=True)
+    meta = ["---", "configs:", f"- config_name: {config}", "  data_files:"]
+    for split, pairs in splits.items():
+        rows = [{"de": de, "en": en} for en, de in pairs]
+        table = pa.table({"translation": pa.array(rows, type=pa.struct(
+            [("de", pa.string()), ("en", pa.string())]))})
+        pq.write_table(table, folder / config / f"{split}-00000-of-00001.parquet")
+        meta += [f"  - split: {split}", f"    path: {config}/{split}-*"]
+    (folder / "README.md").write_text("\n".join(meta + ["---", "# a test copy"]) + "\n")
+    return folder
+
+
+@pytest.fixture
+def fake_hub(tmp_path: Path) -> Path:
+    pairs = list(zip(SENTENCES_EN, SENTENCES_DE, strict=True))
+    return make_fake_hub(tmp_path / "wmt14", {"train": pairs * 3, "validation": pairs[:2],
+                                              "test": pairs[2:]})
+
+
+@pytest.fixture
+def cli_env() -> dict[str, str]:
+    """Environment for running the project's commands in a subprocess, offline."""
+    env = dict(os.environ)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env["HF_HUB_OFFLINE"] = "1"
+    env["HF_DATASETS_OFFLINE"] = "1"
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return env

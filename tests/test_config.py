@@ -1,0 +1,112 @@
+"""The params schema: presets compose and validate; bad values stop with a clear message."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+
+from aiayn.config import Params, load_params, parse_params
+from aiayn.errors import ParamsError
+from stages.params import compose
+from tests.conftest import REPO
+
+PRESETS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
+
+
+def committed() -> dict:
+    return yaml.safe_load((REPO / "params.yaml").read_text())
+
+
+def test_committed_params_are_the_demo_composition():
+    assert committed() == yaml.safe_load(compose(REPO / "conf", None, []))
+    assert committed() == yaml.safe_load(compose(REPO / "conf", "demo", []))
+    p = load_params(REPO / "params.yaml")
+    assert p.data.source == "toy"
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_composes_and_validates(preset):
+    assert {"demo", "multi30k", "wmt14_base", "wmt14_big"} <= set(PRESETS)
+    p = parse_params(yaml.safe_load(compose(REPO / "conf", preset, [])), preset)
+    assert isinstance(p, Params)
+
+
+def test_presets_carry_the_paper_settings():
+    base = parse_params(yaml.safe_load(compose(REPO / "conf", "wmt14_base", [])))
+    big = parse_params(yaml.safe_load(compose(REPO / "conf", "wmt14_big", [])))
+    # Table 3: base and big.
+    assert (base.model.d_model, base.model.heads, base.model.d_ff) == (512, 8, 2048)
+    assert (big.model.d_model, big.model.heads, big.model.d_ff) == (1024, 16, 4096)
+    assert base.model.encoder_layers == base.model.decoder_layers == 6
+    assert base.vocab.size == big.vocab.size == 37000
+    assert base.data.hub.path == "wmt/wmt14" and base.data.hub.name == "de-en"
+    assert big.model.dropout == 0.3 and base.model.dropout == 0.1
+    assert base.train["average_last"] == 5 and big.train["average_last"] == 20
+
+
+def test_overrides_compose_like_dvc_exp_run():
+    p = parse_params(yaml.safe_load(compose(REPO / "conf", "demo", ["vocab.size=777"])))
+    assert p.vocab.size == 777
+
+
+def bad(mutate) -> str:
+    raw = copy.deepcopy(committed())
+    mutate(raw)
+    with pytest.raises(ParamsError) as err:
+        parse_params(raw, "params.yaml")
+    return str(err.value)
+
+
+def test_unknown_key_is_named():
+    msg = bad(lambda r: r["vocab"].update(sise=100))
+    assert "vocab.sise" in msg and "unknown key" in msg
+    msg = bad(lambda r: r.update(trian={}))
+    assert "trian" in msg
+
+
+def test_wrong_type_names_key_and_value():
+    msg = bad(lambda r: r["vocab"].update(size="big"))
+    assert "vocab.size" in msg and "'big'" in msg and "integer" in msg
+
+
+def test_negative_sizes_are_refused():
+    msg = bad(lambda r: r["shard"].update(max_tokens=-5))
+    assert "shard.max_tokens" in msg and "-5" in msg and "greater than 0" in msg
+    msg = bad(lambda r: r["data"]["toy"].update(train_pairs=0))
+    assert "data.toy.train_pairs" in msg
+
+
+def test_heads_must_divide_d_model():
+    msg = bad(lambda r: r["model"].update(d_model=100, heads=8))
+    assert "model" in msg and "d_model (100)" in msg and "heads (8)" in msg
+
+
+def test_unknown_language_is_named():
+    msg = bad(lambda r: r["data"].update(src_lang="xx"))
+    assert "data.src_lang" in msg and "'xx'" in msg and "'de'" in msg
+    msg = bad(lambda r: r["data"].update(source="hub", src_lang="fr"))
+    assert "de-en" in msg
+
+
+def test_same_language_on_both_sides():
+    assert "both 'en'" in bad(lambda r: r["data"].update(tgt_lang="en"))
+
+
+def test_max_len_must_fit_a_batch():
+    msg = bad(lambda r: r["shard"].update(max_len=5000, max_tokens=2048))
+    assert "max_len (5000)" in msg and "max_tokens (2048)" in msg
+
+
+def test_local_pattern_needs_placeholders():
+    assert "{lang}" in bad(lambda r: r["data"]["local"].update(pattern="{split}.txt"))
+
+
+def test_missing_or_broken_params_file(tmp_path):
+    with pytest.raises(ParamsError, match="no such params file"):
+        load_params(tmp_path / "nope.yaml")
+    broken = tmp_path / "p.yaml"
+    broken.write_text("vocab: [unclosed\n")
+    with pytest.raises(ParamsError, match="not valid YAML"):
+        load_params(broken)
