@@ -1,0 +1,180 @@
+"""Corpus sources, cleaning and the raw split files, including every kind of bad input."""
+
+from __future__ import annotations
+
+import gzip
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from aiayn.config import Cleaning, HubSource, LocalSource, SplitNames
+from aiayn.corpus import HubPairs, LocalPairs, SplitStats, clean_batch, iter_raw, write_raw_splits
+from aiayn.errors import DataError
+from tests.conftest import REPO, SENTENCES_DE, SENTENCES_EN, make_fake_hub, write_parallel
+
+LANGS = ("en", "de")
+SPLITS_PLAIN = SplitNames(train="train", valid="valid", test="test")
+
+
+def local(folder: Path, pattern: str = "{split}.{lang}") -> LocalPairs:
+    return LocalPairs(LocalSource(dir=str(folder), pattern=pattern, splits=SPLITS_PLAIN), LANGS)
+
+
+def read_split(out: Path, split: str) -> dict[str, list[str]]:
+    table = pq.read_table(out / f"{split}.parquet")
+    return {name: table.column(name).to_pylist() for name in table.column_names}
+
+
+def test_local_source_round_trip(local_corpus, tmp_path):
+    out = tmp_path / "raw"
+    stats = write_raw_splits(local(local_corpus), LANGS, Cleaning(), out)
+    train = read_split(out, "train")
+    assert train["en"] == SENTENCES_EN * 5 and train["de"] == SENTENCES_DE * 5
+    assert read_split(out, "test")["de"] == SENTENCES_DE[3:]
+    assert stats["train"].kept == stats["train"].read == 30
+    assert sorted(p.name for p in out.iterdir()) == ["test.parquet", "train.parquet",
+                                                     "valid.parquet"]
+
+
+def test_gzipped_files(tmp_path):
+    folder = tmp_path / "gz"
+    for split in ("train", "valid", "test"):
+        for lang, lines in (("en", SENTENCES_EN), ("de", SENTENCES_DE)):
+            folder.mkdir(exist_ok=True)
+            with gzip.open(folder / f"{split}.{lang}.gz", "wt", encoding="utf-8") as f:
+                f.write("\n".join(lines) + "\n")
+    out = tmp_path / "raw"
+    write_raw_splits(local(folder, "{split}.{lang}.gz"), LANGS, Cleaning(), out)
+    assert read_split(out, "valid")["en"] == SENTENCES_EN
+
+
+def test_cleaning_counts_every_drop_by_reason():
+    batch = {
+        "en": ["  ok pair  ", "", "a b c d e f", "one two", "fine", "x " * 11, "y"],
+        "de": ["gutes Paar", "leer", "a", "eins zwei", "   ", "x", "y " * 12],
+    }
+    stats = SplitStats()
+    out = clean_batch(batch, LANGS, Cleaning(max_words=10, max_ratio=3.0), stats)
+    # Expected by hand: two empties, "a b c d e f"/"a" is 6:1 > 3, "x "*11 has 11 > 10 words,
+    # "y"/"y "*12 has 12 > 10 words.
+    assert out == {"en": ["ok pair", "one two"], "de": ["gutes Paar", "eins zwei"]}
+    assert stats.read == 7 and stats.kept == 2
+    assert stats.dropped == {"empty": 2, "length_ratio": 1, "too_long": 2}
+
+
+def test_valid_and_test_keep_all_but_empty_pairs(tmp_path):
+    folder = tmp_path / "c"
+    long_en = " ".join(["word"] * 300)
+    write_parallel(folder, "train", ["short", long_en, "a b c d e f g h"], ["kurz", "lang", "a"])
+    write_parallel(folder, "valid", ["short", long_en, ""], ["kurz", "lang", "leer"])
+    write_parallel(folder, "test", ["a b c d e f g h"], ["a"])
+    stats = write_raw_splits(local(folder), LANGS, Cleaning(), tmp_path / "raw")
+    assert stats["train"].as_dict() == {"read": 3, "kept": 1,
+                                        "dropped": {"length_ratio": 1, "too_long": 1}}
+    assert stats["valid"].as_dict() == {"read": 3, "kept": 2, "dropped": {"empty": 1}}
+    assert read_split(tmp_path / "raw", "test")["de"] == ["a"]
+
+
+def previous_output(tmp_path: Path) -> Path:
+    out = tmp_path / "raw"
+    out.mkdir()
+    (out / "train.parquet").write_text("previous run")
+    return out
+
+
+def assert_untouched(out: Path) -> None:
+    assert [p.name for p in out.iterdir()] == ["train.parquet"]
+    assert (out / "train.parquet").read_text() == "previous run"
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".raw")]
+
+
+def test_different_line_counts_name_the_files(tmp_path):
+    folder = tmp_path / "c"
+    write_parallel(folder, "train", SENTENCES_EN, SENTENCES_DE)
+    write_parallel(folder, "valid", SENTENCES_EN, SENTENCES_DE[:4])
+    write_parallel(folder, "test", SENTENCES_EN, SENTENCES_DE)
+    out = previous_output(tmp_path)
+    with pytest.raises(DataError) as err:
+        write_raw_splits(local(folder), LANGS, Cleaning(), out)
+    assert f"{folder / 'valid.de'} has 4 lines" in str(err.value)
+    assert "same number of lines" in str(err.value)
+    assert_untouched(out)
+
+
+def test_invalid_utf8_names_file_and_line(tmp_path):
+    folder = tmp_path / "c"
+    write_parallel(folder, "train", SENTENCES_EN, SENTENCES_DE)
+    write_parallel(folder, "valid", SENTENCES_EN, SENTENCES_DE)
+    write_parallel(folder, "test", SENTENCES_EN, SENTENCES_DE)
+    (folder / "test.de").write_bytes(b"gut\nauch gut\nGr\xf6\xdfe in Latin-1\n" + b"x\n" * 3)
+    out = previous_output(tmp_path)
+    with pytest.raises(DataError) as err:
+        write_raw_splits(local(folder), LANGS, Cleaning(), out)
+    assert f"{folder / 'test.de'}, line 3: invalid UTF-8" in str(err.value)
+    assert "iconv" in str(err.value)
+    assert_untouched(out)
+
+
+def test_missing_file_and_folder(tmp_path, local_corpus):
+    (local_corpus / "test.en").unlink()
+    out = previous_output(tmp_path)
+    with pytest.raises(DataError, match=r"missing parallel text file\(s\): .*test\.en"):
+        write_raw_splits(local(local_corpus), LANGS, Cleaning(), out)
+    assert_untouched(out)
+    with pytest.raises(DataError, match="data.local.dir: folder .*nowhere does not exist"):
+        local(tmp_path / "nowhere").check()
+
+
+def test_hub_schema_loads_through_the_hub_code_path(fake_hub, tmp_path):
+    """A local copy of the hub's wmt/wmt14 layout goes through datasets.load_dataset."""
+    source = HubPairs(HubSource(path=str(fake_hub), name="de-en"), LANGS)
+    out = tmp_path / "raw"
+    stats = write_raw_splits(source, LANGS, Cleaning(), out)
+    assert read_split(out, "train")["de"] == SENTENCES_DE * 3
+    assert read_split(out, "valid")["en"] == SENTENCES_EN[:2]   # hub split "validation"
+    assert read_split(out, "test")["en"] == SENTENCES_EN[2:]
+    assert stats["train"].kept == 18
+    batches = list(iter_raw(out, "train", batch_size=7))
+    assert [len(b["en"]) for b in batches] == [7, 7, 4]
+
+
+def test_hub_rows_without_the_language(tmp_path):
+    hub = make_fake_hub(tmp_path / "h", {s: [("a", "b")] for s in ("train", "validation", "test")})
+    source = HubPairs(HubSource(path=str(hub), name="de-en"), ("fr", "de"))
+    with pytest.raises(DataError, match="no translation.fr"):
+        next(source.batches("train"))
+
+
+def run_download(params: dict, tmp_path: Path, env: dict) -> subprocess.CompletedProcess:
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    return subprocess.run([sys.executable, "-m", "stages.download", "--params", "params.yaml",
+                           "--out", "data/raw", "--metrics", "metrics/download.json"],
+                          cwd=tmp_path, env={**env, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_unreachable_hub_fails_fast_and_clearly(tmp_path, cli_env):
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["data"]["source"] = "hub"
+    result = run_download(params, tmp_path, cli_env)
+    assert result.returncode == 2
+    assert "could not load 'wmt/wmt14'" in result.stderr and "HF_HUB_OFFLINE" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "data" / "raw").exists()
+    assert not (tmp_path / "metrics" / "download.json").exists()
+
+
+def test_download_stage_on_a_local_folder(tmp_path, local_corpus, cli_env):
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["data"]["source"] = "local"
+    params["data"]["local"] = {"dir": str(local_corpus), "pattern": "{split}.{lang}",
+                               "splits": {"train": "train", "valid": "valid", "test": "test"}}
+    result = run_download(params, tmp_path, cli_env)
+    assert result.returncode == 0, result.stderr
+    metrics = yaml.safe_load((tmp_path / "metrics" / "download.json").read_text())
+    assert metrics["splits"]["train"] == {"read": 30, "kept": 30, "dropped": {}}
+    assert read_split(tmp_path / "data" / "raw", "valid")["de"] == SENTENCES_DE[:3]
