@@ -1,0 +1,320 @@
+"""The Transformer of "Attention Is All You Need" (Vaswani et al., 2017), Section 3.
+
+Readable top to bottom against the paper:
+
+* 3.1  encoder and decoder stacks of N identical layers; each sub-layer is wrapped as
+       LayerNorm(x + Dropout(Sublayer(x)))  (post-LN, the paper) or, as an option,
+       x + Dropout(Sublayer(LayerNorm(x)))  (pre-LN, with a final LayerNorm per stack);
+* 3.2  multi-head scaled dot-product attention, through
+       ``torch.nn.functional.scaled_dot_product_attention`` (fused kernels where available),
+       with an explicit path that also returns the attention weights for plots;
+* 3.3  position-wise feed-forward network  max(0, xW1 + b1)W2 + b2;
+* 3.4  one weight matrix shared by the source embedding, the target embedding and the
+       pre-softmax projection; embeddings multiplied by sqrt(d_model);
+* 3.5  sinusoidal positional encodings;
+* 5.4  dropout on every sub-layer output and on the sums of embeddings and positions.
+
+The model knows nothing of files or tokenizers. Decoding uses ``encode`` once per source
+and ``decode_step`` per target token with a key/value cache (self-attention keys/values
+grow by one position per step; cross-attention keys/values are computed once).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class TransformerConfig:
+    vocab_size: int
+    d_model: int = 512
+    heads: int = 8
+    encoder_layers: int = 6
+    decoder_layers: int = 6
+    d_ff: int = 2048
+    dropout: float = 0.1  # residual and embedding dropout, Section 5.4
+    # Not in the paper (which names only residual dropout); tensor2tensor later added both.
+    attention_dropout: float = 0.0
+    activation_dropout: float = 0.0
+    norm: str = "post"  # "post" as the paper, or "pre"
+    max_positions: int = 1024
+    pad_id: int = 0
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by heads ({self.heads})")
+        if self.norm not in ("post", "pre"):
+            raise ValueError(f"norm must be 'post' or 'pre', not {self.norm!r}")
+
+    @classmethod
+    def base(cls, vocab_size: int, **kw) -> TransformerConfig:
+        """Table 3, base: N=6, d_model=512, d_ff=2048, h=8, P_drop=0.1."""
+        return cls(vocab_size=vocab_size, **kw)
+
+    @classmethod
+    def big(cls, vocab_size: int, **kw) -> TransformerConfig:
+        """Table 3, big: N=6, d_model=1024, d_ff=4096, h=16, P_drop=0.3."""
+        return cls(vocab_size=vocab_size, d_model=1024, d_ff=4096, heads=16,
+                   dropout=kw.pop("dropout", 0.3), **kw)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def sinusoidal_positions(length: int, d_model: int) -> Tensor:
+    """Section 3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...)."""
+    position = torch.arange(length, dtype=torch.float64).unsqueeze(1)
+    inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64)
+                         * (-math.log(10000.0) / d_model))
+    pe = torch.zeros(length, d_model, dtype=torch.float64)
+    pe[:, 0::2] = torch.sin(position * inv_freq)
+    pe[:, 1::2] = torch.cos(position * inv_freq[: d_model // 2])
+    return pe.float()
+
+
+class MultiHeadAttention(nn.Module):
+    """Section 3.2.2: h heads of scaled dot-product attention over d_model/h dimensions."""
+
+    def __init__(self, d_model: int, heads: int, dropout: float, cross: bool):
+        super().__init__()
+        self.heads, self.d_head, self.dropout, self.cross = heads, d_model // heads, dropout, cross
+        if cross:  # queries from the decoder, keys and values from the encoder output
+            self.q_proj = nn.Linear(d_model, d_model)
+            self.kv_proj = nn.Linear(d_model, 2 * d_model)
+        else:  # one fused projection for queries, keys and values
+            self.qkv_proj = nn.Linear(d_model, 3 * d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+
+    def split_heads(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, self.heads, self.d_head).transpose(1, 2)  # (B, H, T, d_head)
+
+    def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        k, v = self.kv_proj(memory).chunk(2, dim=-1)
+        return self.split_heads(k), self.split_heads(v)
+
+    def forward(self, x: Tensor, *, mask: Tensor | None = None, causal: bool = False,
+                memory: Tensor | None = None, kv: tuple[Tensor, Tensor] | None = None,
+                cache: dict | None = None, need_weights: bool = False
+                ) -> tuple[Tensor, Tensor | None]:
+        """x: (B, Tq, d). mask: bool (B, 1, Tq|1, Tk), True where attention is allowed.
+
+        Self-attention with ``cache`` appends this step's keys/values to cache["k"/"v"];
+        cross-attention takes precomputed ``kv`` or projects ``memory``.
+        """
+        b, tq, d = x.shape
+        if self.cross:
+            q = self.split_heads(self.q_proj(x))
+            k, v = kv if kv is not None else self.project_kv(memory)
+        else:
+            q, k, v = (self.split_heads(t) for t in self.qkv_proj(x).chunk(3, dim=-1))
+            if cache is not None:
+                if "k" in cache:
+                    k = torch.cat([cache["k"], k], dim=2)  # (B, H, t_past + Tq, d_head)
+                    v = torch.cat([cache["v"], v], dim=2)
+                cache["k"], cache["v"] = k, v
+        drop = self.dropout if self.training else 0.0
+        tk = k.shape[2]
+        # A single query at the end of a cached prefix sees every key: no causal mask then.
+        # Queries after a cached prefix (tk > tq) align to the bottom-right of the mask.
+        if causal and tq > 1 and (need_weights or tk != tq):
+            allowed = torch.ones(tq, tk, dtype=torch.bool, device=x.device).tril(tk - tq)
+            mask = allowed if mask is None else mask & allowed
+            causal = False
+        if need_weights:
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.d_head)  # (B, H, Tq, Tk)
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            weights = scores.softmax(dim=-1)
+            out = F.dropout(weights, drop, self.training) @ v
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop,
+                                                 is_causal=causal and tq > 1)
+            weights = None
+        out = out.transpose(1, 2).reshape(b, tq, d)  # (B, Tq, H * d_head)
+        return self.out_proj(out), weights
+
+
+class FeedForward(nn.Module):
+    """Section 3.3: FFN(x) = max(0, x W1 + b1) W2 + b2."""
+
+    def __init__(self, d_model: int, d_ff: int, activation_dropout: float):
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
+        self.activation_dropout = activation_dropout
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = F.dropout(F.relu(self.w1(x)), self.activation_dropout, self.training)
+        return self.w2(h)
+
+
+class Residual(nn.Module):
+    """Section 3.1 / 5.4: LayerNorm(x + Dropout(Sublayer(x))) or its pre-LN variant."""
+
+    def __init__(self, d_model: int, dropout: float, pre_norm: bool):
+        super().__init__()
+        self.norm, self.dropout, self.pre_norm = nn.LayerNorm(d_model), dropout, pre_norm
+
+    def forward(self, x: Tensor, sublayer) -> tuple[Tensor, Tensor | None]:
+        out, weights = sublayer(self.norm(x) if self.pre_norm else x)
+        x = x + F.dropout(out, self.dropout, self.training)
+        return (x if self.pre_norm else self.norm(x)), weights
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        pre = cfg.norm == "pre"
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.attention_dropout, False)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout)
+        self.res_attn = Residual(cfg.d_model, cfg.dropout, pre)
+        self.res_ffn = Residual(cfg.d_model, cfg.dropout, pre)
+
+    def forward(self, x: Tensor, src_mask: Tensor, need_weights: bool = False):
+        x, w = self.res_attn(x, lambda h: self.self_attn(h, mask=src_mask,
+                                                         need_weights=need_weights))
+        x, _ = self.res_ffn(x, lambda h: (self.ffn(h), None))
+        return x, w
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        pre = cfg.norm == "pre"
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.attention_dropout, False)
+        self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.attention_dropout, True)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout)
+        self.res_self = Residual(cfg.d_model, cfg.dropout, pre)
+        self.res_cross = Residual(cfg.d_model, cfg.dropout, pre)
+        self.res_ffn = Residual(cfg.d_model, cfg.dropout, pre)
+
+    def forward(self, y: Tensor, memory: Tensor | None, src_mask: Tensor, *,
+                cache: dict | None = None, need_weights: bool = False):
+        y, w_self = self.res_self(y, lambda h: self.self_attn(
+            h, causal=True, cache=cache, need_weights=need_weights))
+        kv = cache.get("cross") if cache is not None else None
+        if cache is not None and kv is None:
+            kv = cache["cross"] = self.cross_attn.project_kv(memory)
+        y, w_cross = self.res_cross(y, lambda h: self.cross_attn(
+            h, mask=src_mask, memory=memory, kv=kv, need_weights=need_weights))
+        y, _ = self.res_ffn(y, lambda h: (self.ffn(h), None))
+        return y, w_self, w_cross
+
+
+@dataclass
+class DecoderState:
+    """What decoding carries between steps: encoder output, mask and per-layer caches."""
+
+    memory: Tensor  # (B, S, d)
+    src_mask: Tensor  # (B, 1, 1, S) bool
+    caches: list[dict] = field(default_factory=list)
+    position: int = 0
+
+    def reorder(self, index: Tensor) -> DecoderState:
+        """Select batch rows (beam search keeps the survivors), caches included."""
+        def pick(t):
+            return t.index_select(0, index)
+        caches = [{k: (tuple(pick(t) for t in v) if isinstance(v, tuple) else pick(v))
+                   for k, v in c.items()} for c in self.caches]
+        return DecoderState(pick(self.memory), pick(self.src_mask), caches, self.position)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.cfg = cfg
+        # Section 3.4: one matrix for source embedding, target embedding and output projection.
+        self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_id)
+        self.register_buffer("positions", sinusoidal_positions(cfg.max_positions, cfg.d_model),
+                             persistent=False)
+        self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
+        self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
+        pre = cfg.norm == "pre"
+        self.encoder_norm = nn.LayerNorm(cfg.d_model) if pre else nn.Identity()
+        self.decoder_norm = nn.LayerNorm(cfg.d_model) if pre else nn.Identity()
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # Embedding ~ N(0, d^-1/2), so that after the sqrt(d) scaling inputs have unit
+        # variance; Xavier-uniform linear layers with zero biases (as tensor2tensor).
+        nn.init.normal_(self.embedding.weight, mean=0.0, std=self.cfg.d_model ** -0.5)
+        with torch.no_grad():
+            self.embedding.weight[self.cfg.pad_id].zero_()
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                nn.init.zeros_(module.bias)
+
+    def embed(self, tokens: Tensor, offset: int = 0) -> Tensor:
+        """Section 3.4-3.5: sqrt(d) * E[token] + PE[position], then dropout (5.4)."""
+        t = tokens.shape[1]
+        if offset + t > self.cfg.max_positions:
+            raise ValueError(f"sequence of {offset + t} tokens exceeds model.max_positions "
+                             f"({self.cfg.max_positions})")
+        x = self.embedding(tokens) * math.sqrt(self.cfg.d_model)
+        x = x + self.positions[offset:offset + t].to(x.dtype)
+        return F.dropout(x, self.cfg.dropout, self.training)
+
+    def source_mask(self, src: Tensor) -> Tensor:
+        return (src != self.cfg.pad_id)[:, None, None, :]  # (B, 1, 1, S): keys allowed
+
+    def encode(self, src: Tensor, need_weights: bool = False):
+        """src: (B, S) token ids → memory (B, S, d) [, per-layer self-attention weights]."""
+        mask = self.source_mask(src)
+        x, weights = self.embed(src), []
+        for layer in self.encoder:
+            x, w = layer(x, mask, need_weights)
+            weights.append(w)
+        x = self.encoder_norm(x)
+        return (x, weights) if need_weights else x
+
+    def logits(self, y: Tensor) -> Tensor:
+        return y @ self.embedding.weight.t()  # (B, T, V): the shared matrix, Section 3.4
+
+    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        """Teacher forcing: src (B, S), tgt_in (B, T) → logits (B, T, V)."""
+        memory = self.encode(src)
+        mask = self.source_mask(src)
+        y = self.embed(tgt_in)
+        for layer in self.decoder:
+            y, _, _ = layer(y, memory, mask)
+        return self.logits(self.decoder_norm(y))
+
+    def attention_maps(self, src: Tensor, tgt_in: Tensor) -> dict[str, list[Tensor]]:
+        """Every attention distribution, per layer: each (B, heads, T_query, T_key)."""
+        memory, enc = self.encode(src, need_weights=True)
+        mask = self.source_mask(src)
+        y, dec_self, cross = self.embed(tgt_in), [], []
+        for layer in self.decoder:
+            y, w_self, w_cross = layer(y, memory, mask, need_weights=True)
+            dec_self.append(w_self)
+            cross.append(w_cross)
+        return {"encoder_self": enc, "decoder_self": dec_self, "cross": cross}
+
+    # -- incremental decoding -------------------------------------------------------------
+
+    def start(self, src: Tensor) -> DecoderState:
+        """Encode once; the returned state feeds ``decode_step``."""
+        return DecoderState(self.encode(src), self.source_mask(src),
+                            [{} for _ in self.decoder], 0)
+
+    def decode_step(self, tokens: Tensor, state: DecoderState) -> Tensor:
+        """tokens: (B, t) new target tokens (usually t=1) → logits (B, t, V).
+
+        Appends to the state's caches; the result equals the last t positions of a full
+        forward pass over all tokens fed so far.
+        """
+        y = self.embed(tokens, offset=state.position)
+        for layer, cache in zip(self.decoder, state.caches, strict=True):
+            y, _, _ = layer(y, state.memory, state.src_mask, cache=cache)
+        state.position += tokens.shape[1]
+        return self.logits(self.decoder_norm(y))
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

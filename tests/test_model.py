@@ -1,0 +1,161 @@
+"""The Transformer against the paper and against recomputation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from aiayn.model import Transformer, TransformerConfig, count_parameters, sinusoidal_positions
+
+PAD = 0
+
+
+def tiny(norm: str = "post", **kw) -> Transformer:
+    torch.manual_seed(0)
+    cfg = TransformerConfig(vocab_size=50, d_model=32, heads=4, encoder_layers=2,
+                            decoder_layers=2, d_ff=64, norm=norm, max_positions=64, **kw)
+    return Transformer(cfg).eval()
+
+
+def batch(b=3, s=7, t=6, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(4, 50, (b, s), generator=g), torch.randint(4, 50, (b, t), generator=g))
+
+
+def closed_form_count(V, d, dff, n_enc, n_dec, pre_norm):
+    attn = 4 * (d * d + d)            # W_Q, W_K, W_V, W_O with biases
+    ffn = d * dff + dff + dff * d + d  # W1, b1, W2, b2
+    ln = 2 * d                         # gain and bias
+    enc = attn + ffn + 2 * ln
+    dec = 2 * attn + ffn + 3 * ln
+    final = 2 * ln if pre_norm else 0
+    return V * d + n_enc * enc + n_dec * dec + final   # one shared V x d matrix
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_base_parameter_count_matches_closed_form(norm):
+    model = Transformer(TransformerConfig.base(37000, norm=norm))
+    expected = closed_form_count(37000, 512, 2048, 6, 6, norm == "pre")
+    assert count_parameters(model) == expected
+    assert expected == 63_082_496 + (4 * 512 if norm == "pre" else 0)  # ~63M (paper: 65M)
+
+
+def test_big_parameter_count_matches_closed_form():
+    model = Transformer(TransformerConfig.big(37000))
+    assert count_parameters(model) == closed_form_count(37000, 1024, 4096, 6, 6, False)
+    assert model.cfg.dropout == 0.3
+
+
+def test_one_shared_matrix_for_embeddings_and_output():
+    model = tiny()
+    vocab_sized = [n for n, p in model.named_parameters() if p.shape[0] == 50]
+    assert vocab_sized == ["embedding.weight"]
+    src, tgt = batch()
+    model(src, tgt).sum().backward()
+    assert model.embedding.weight.grad is not None
+
+
+def test_sinusoidal_positions_follow_the_formula():
+    pe = sinusoidal_positions(50, 16)
+    for pos in (0, 1, 7, 49):
+        for i in range(8):
+            angle = pos / 10000 ** (2 * i / 16)
+            assert pe[pos, 2 * i].item() == pytest.approx(math.sin(angle), abs=1e-6)
+            assert pe[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
+
+
+def test_shapes():
+    model = tiny()
+    src, tgt = batch(b=3, s=7, t=6)
+    assert model(src, tgt).shape == (3, 6, 50)
+    assert model.encode(src).shape == (3, 7, 32)
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_causal_mask_no_earlier_logit_sees_a_later_token(norm):
+    model = tiny(norm)
+    src, tgt = batch()
+    base = model(src, tgt)
+    for j in range(1, tgt.shape[1]):
+        changed = tgt.clone()
+        changed[:, j] = (changed[:, j] + 1 - 4) % 46 + 4
+        out = model(src, changed)
+        torch.testing.assert_close(out[:, :j], base[:, :j], rtol=0, atol=1e-6)
+        assert not torch.allclose(out[:, j:], base[:, j:])
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_padding_changes_no_real_position(norm):
+    model = tiny(norm)
+    src, tgt = batch(b=2, s=5, t=4)
+    base = model(src, tgt)
+    padded_src = torch.cat([src, torch.full((2, 3), PAD)], dim=1)
+    padded_tgt = torch.cat([tgt, torch.full((2, 2), PAD)], dim=1)
+    out = model(padded_src, padded_tgt)
+    torch.testing.assert_close(out[:, :4], base, rtol=0, atol=1e-5)
+    torch.testing.assert_close(model.encode(padded_src)[:, :5], model.encode(src),
+                               rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_cached_decoding_equals_full_forward(norm):
+    model = tiny(norm).double()
+    src, tgt = batch(b=3, s=7, t=9)
+    src[1, 5:] = PAD  # ragged sources
+    full = model(src, tgt)
+    state = model.start(src)
+    steps = [model.decode_step(tgt[:, i:i + 1], state) for i in range(tgt.shape[1])]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-10, atol=1e-10)
+    # Several tokens per step (a prefix, then the rest) agree as well.
+    state = model.start(src)
+    chunks = [model.decode_step(tgt[:, :4], state), model.decode_step(tgt[:, 4:], state)]
+    torch.testing.assert_close(torch.cat(chunks, dim=1), full, rtol=1e-10, atol=1e-10)
+
+
+def test_cached_decoding_fp32_tight():
+    model = tiny()
+    src, tgt = batch(b=2, s=6, t=8)
+    full = model(src, tgt)
+    state = model.start(src)
+    steps = torch.cat([model.decode_step(tgt[:, i:i + 1], state) for i in range(8)], dim=1)
+    torch.testing.assert_close(steps, full, rtol=1e-5, atol=1e-5)
+
+
+def test_reordered_state_continues_like_recomputation():
+    model = tiny().double()
+    src, tgt = batch(b=3, s=5, t=6)
+    state = model.start(src)
+    for i in range(3):
+        model.decode_step(tgt[:, i:i + 1], state)
+    order = torch.tensor([2, 2, 0])
+    state = state.reorder(order)
+    out = model.decode_step(tgt[order, 3:4], state)
+    expected = model(src[order], tgt[order, :4])[:, 3:4]
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+
+
+def test_attention_maps_are_distributions_and_match_the_fused_path():
+    model = tiny().double()
+    src, tgt = batch(b=2, s=6, t=5)
+    src[0, 4:] = PAD
+    maps = model.attention_maps(src, tgt)
+    assert len(maps["encoder_self"]) == 2 and maps["cross"][0].shape == (2, 4, 5, 6)
+    for kind in ("encoder_self", "decoder_self", "cross"):
+        for w in maps[kind]:
+            torch.testing.assert_close(w.sum(-1), torch.ones_like(w.sum(-1)))
+    for w in maps["decoder_self"]:
+        assert torch.all(w.triu(diagonal=1) == 0)            # nothing from the future
+    for w in maps["cross"] + maps["encoder_self"]:
+        assert torch.all(w[0, :, :, 4:] == 0)                 # nothing from padding
+    # The explicit-weights path computes the same function as the fused kernel.
+    memory, _ = model.encode(src, need_weights=True)
+    torch.testing.assert_close(memory, model.encode(src), rtol=1e-10, atol=1e-10)
+
+
+def test_config_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="divisible"):
+        TransformerConfig(vocab_size=10, d_model=30, heads=4)
+    with pytest.raises(ValueError, match="max_positions"):
+        tiny()(torch.ones(1, 70, dtype=torch.long), torch.ones(1, 3, dtype=torch.long))
