@@ -1,0 +1,30 @@
+"""The umbrella command `aiayn`: one subcommand per pipeline stage."""
+
+from __future__ import annotations
+
+import typer
+
+from stages.download import download
+from stages.params import params
+from stages.shard import shard
+from stages.survey import survey
+from stages.vocab import vocab
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help=(
+        "aiayn: the Transformer of 'Attention Is All You Need' as a DVC pipeline.\n\n"
+        "Each subcommand is one stage of dvc.yaml and reads params.yaml (--params to change). "
+        "Run the whole pipeline with `dvc repro`; run one stage by hand with its subcommand."
+    ),
+)
+app.command("params")(params)
+app.command("download")(download)
+app.command("vocab")(vocab)
+app.command("survey")(survey)
+app.command("shard")(shard)
+
+if __name__ == "__main__":
+    app()
