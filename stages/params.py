@@ -43,7 +43,7 @@ def compose(conf_dir: Path, experiment: str | None, overrides: list[str]) -> str
 @stage
 def params(
     experiment: Annotated[str | None, typer.Argument(help="Preset in conf/experiment/ (default: conf/config.yaml's).")] = None,
-    overrides: Annotated[list[str] | None, typer.Argument(help="Hydra overrides, e.g. vocab.size=8000.")] = None,
+    overrides: Annotated[list[str] | None, typer.Argument(help="Hydra overrides, e.g. vocab.vocab_size=8000.")] = None,
     out: Annotated[Path, typer.Option(help="File to write.")] = Path("params.yaml"),
     conf: Annotated[Path, typer.Option(help="Folder of Hydra configs.")] = Path("conf"),
     check: Annotated[bool, typer.Option("--check", help="Only check that OUT equals the composition; exit 1 if not.")] = False,

@@ -25,7 +25,7 @@ def vocab(
 ) -> None:
     """Train one byte-level BPE vocabulary shared by both languages (paper Section 5.1).
 
-    Reads: params `vocab.size`, `vocab.min_frequency`; RAW/train.parquet (both columns).
+    Reads: params `vocab.vocab_size`, `vocab.min_frequency`; RAW/train.parquet (both columns).
     Writes: OUT (a Hugging Face `tokenizers` JSON; ids 0-3 are <pad> <s> </s> <unk>) and
     METRICS with the vocabulary size and, on the held-out valid split, the unknown-token
     rate and the mean tokens per sentence for each language. Decoding is lossless.
@@ -38,7 +38,7 @@ def vocab(
                         "re-run `aiayn download` after changing data.src_lang/tgt_lang")
     n_sentences = raw_rows(raw, "train") * len(langs)
     log.info("vocab: training BPE (size %d, min frequency %d) on %d sentences",
-             p.vocab.size, p.vocab.min_frequency, n_sentences)
+             p.vocab.vocab_size, p.vocab.min_frequency, n_sentences)
     with tqdm(total=n_sentences, desc="vocab: reading train", unit=" sent", unit_scale=True,
               mininterval=1.0) as bar:
         def texts():
@@ -48,10 +48,10 @@ def vocab(
                     bar.update(len(batch[lang]))
                     yield batch[lang]
 
-        tok = train_bpe(texts(), p.vocab.size, p.vocab.min_frequency, length=n_sentences)
+        tok = train_bpe(texts(), p.vocab.vocab_size, p.vocab.min_frequency, length=n_sentences)
     save_tokenizer(tok, out)
 
-    summary: dict = {"size": tok.get_vocab_size(), "requested_size": p.vocab.size,
+    summary: dict = {"size": tok.get_vocab_size(), "requested_size": p.vocab.vocab_size,
                      "min_frequency": p.vocab.min_frequency, "measured_on": "valid"}
     for lang in langs:
         lengths, unknown = [], 0

@@ -40,15 +40,18 @@ def test_presets_carry_the_paper_settings():
     assert (base.model.d_model, base.model.heads, base.model.d_ff) == (512, 8, 2048)
     assert (big.model.d_model, big.model.heads, big.model.d_ff) == (1024, 16, 4096)
     assert base.model.encoder_layers == base.model.decoder_layers == 6
-    assert base.vocab.size == big.vocab.size == 37000
+    assert base.vocab.vocab_size == big.vocab.vocab_size == 37000
     assert base.data.hub.path == "wmt/wmt14" and base.data.hub.name == "de-en"
     assert big.model.dropout == 0.3 and base.model.dropout == 0.1
-    assert base.train["average_last"] == 5 and big.train["average_last"] == 20
+    assert base.train.average_last == 5 and big.train.average_last == 20
+    assert base.train.tokens_per_step == 25000 and base.train.warmup_steps == 4000
+    assert base.train.adam_betas == (0.9, 0.98) and base.train.label_smoothing == 0.1
+    assert (base.decode.beam, base.decode.alpha, base.decode.max_len_b) == (4, 0.6, 50)
 
 
 def test_overrides_compose_like_dvc_exp_run():
-    p = parse_params(yaml.safe_load(compose(REPO / "conf", "demo", ["vocab.size=777"])))
-    assert p.vocab.size == 777
+    p = parse_params(yaml.safe_load(compose(REPO / "conf", "demo", ["vocab.vocab_size=777"])))
+    assert p.vocab.vocab_size == 777
 
 
 def bad(mutate) -> str:
@@ -62,13 +65,15 @@ def bad(mutate) -> str:
 def test_unknown_key_is_named():
     msg = bad(lambda r: r["vocab"].update(sise=100))
     assert "vocab.sise" in msg and "unknown key" in msg
+    msg = bad(lambda r: r["vocab"].update(size=100))
+    assert "vocab.size" in msg and "unknown key" in msg
     msg = bad(lambda r: r.update(trian={}))
     assert "trian" in msg
 
 
 def test_wrong_type_names_key_and_value():
-    msg = bad(lambda r: r["vocab"].update(size="big"))
-    assert "vocab.size" in msg and "'big'" in msg and "integer" in msg
+    msg = bad(lambda r: r["vocab"].update(vocab_size="big"))
+    assert "vocab.vocab_size" in msg and "'big'" in msg and "integer" in msg
 
 
 def test_negative_sizes_are_refused():
@@ -110,3 +115,24 @@ def test_missing_or_broken_params_file(tmp_path):
     broken.write_text("vocab: [unclosed\n")
     with pytest.raises(ParamsError, match="not valid YAML"):
         load_params(broken)
+
+
+def test_no_param_key_is_hidden_from_dvcs_run_cache():
+    """DVC drops every nested key named "size" or "nfiles" when it hashes a stage for its
+    run cache (dvc/stage/cache.py excludes them to ignore file metadata), so a parameter
+    with such a name would not invalidate cached runs: changing it could restore outputs
+    made with another value. No parameter may carry those names."""
+    from dvc.stage.cache import _get_cache_hash
+
+    def keys(node, prefix=""):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                yield f"{prefix}{k}"
+                yield from keys(v, f"{prefix}{k}.")
+
+    hidden = {"size", "nfiles"}
+    full = Params().model_dump(mode="json")
+    assert not [k for k in keys(full) if k.rsplit(".", 1)[-1] in hidden]
+    # The premise, checked against DVC itself: a key named "size" does not change the hash.
+    assert _get_cache_hash({"params": {"vocab": {"size": 1}}}) == _get_cache_hash(
+        {"params": {"vocab": {"size": 2}}})

@@ -1,0 +1,58 @@
+# The two commands a newcomer needs:  `make demo`  and  `make test`.
+# Both create .venv on first use; nothing else is installed outside it.
+
+PYTHON ?= python3
+VENV   ?= .venv
+# The torch build to install first. torch==2.13.0 is the CPU build on a CPU-only machine
+# whose pip finds it locally, and the default CUDA build from PyPI elsewhere. Installing it
+# before the project keeps pip from resolving the range in pyproject.toml to another build.
+TORCH  ?= torch==2.13.0
+EXPERIMENT ?= demo
+
+BIN := $(abspath $(VENV))/bin
+export PATH := $(BIN):$(PATH)
+# DVC stages call `aiayn`, MLflow logs to the local SQLite file unless told otherwise.
+export MLFLOW_TRACKING_URI ?= sqlite:///mlflow.db
+
+.PHONY: install demo test test-fast params lint bench clean-data help
+
+help:
+	@echo "make demo    - set up .venv and run the pipeline on the built-in toy corpus (CPU, offline)"
+	@echo "make test    - set up .venv and run the test suite (slow end-to-end tests included)"
+	@echo "make test-fast - the test suite without the slow end-to-end tests"
+	@echo "make params EXPERIMENT=multi30k - compose params.yaml from conf/ (demo, multi30k, wmt14_base, wmt14_big)"
+	@echo "make bench   - data-pipeline benchmark on a WMT14-sized synthetic corpus (long)"
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install "$(TORCH)"
+	$(BIN)/python -m pip install -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	dvc repro
+	@echo
+	@echo "Done. Results:"
+	@echo "  metrics (git-tracked): metrics/*.json     -> dvc metrics show"
+	@echo "  plots:                 metrics/survey_hist.png, dvc plots show"
+	@echo "  data (DVC outputs):    data/raw data/vocab data/survey data/shards"
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+params: install
+	aiayn params $(EXPERIMENT)
+
+lint: install
+	$(BIN)/ruff check aiayn stages tests bench
+
+bench: install
+	$(BIN)/python bench/data_pipeline.py
+
+clean-data:
+	rm -rf data/raw data/vocab data/survey data/shards
