@@ -73,8 +73,9 @@ def summarize(df: pd.DataFrame, languages: Iterable[str], candidates: Iterable[i
         entry: dict = {"pairs": int(len(part))}
         for lang in langs:
             values = part[lang].to_numpy()
-            stats = {f"p{p:g}": float(np.percentile(values, p)) for p in PERCENTILES}
-            stats.update(mean=float(values.mean()), max=int(values.max()), tokens=int(values.sum()))
+            stats = {f"p{p:g}": round(float(np.percentile(values, p)), 2) for p in PERCENTILES}
+            stats.update(mean=round(float(values.mean()), 3), max=int(values.max()),
+                         tokens=int(values.sum()))
             entry[lang] = stats
         out["splits"][split] = entry
     train = df[df["split"] == "train"]
@@ -100,8 +101,8 @@ def histogram(df: pd.DataFrame, languages: Iterable[str], bins: int,
     return pd.DataFrame(table)
 
 
-def plot_histogram(hist: pd.DataFrame, languages: Iterable[str], path: str | Path,
-                   title: str) -> None:
+def plot_histogram(hist: pd.DataFrame, columns: Iterable[str], path: str | Path,
+                   title: str, labels: Iterable[str] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -109,8 +110,9 @@ def plot_histogram(hist: pd.DataFrame, languages: Iterable[str], path: str | Pat
 
     fig, ax = plt.subplots(figsize=(7, 3.5), dpi=110)
     widths = np.diff(np.append(hist["length"].to_numpy(), hist["length"].iloc[-1] + 1))
-    for lang in languages:
-        ax.step(hist["length"], hist[lang], where="post", label=lang)
+    columns = list(columns)
+    for column, label in zip(columns, labels or columns, strict=True):
+        ax.step(hist["length"], hist[column], where="post", label=label)
     ax.set_xlabel("tokens per sentence (BPE, no specials)")
     ax.set_ylabel("sentences per bin")
     ax.set_title(title)

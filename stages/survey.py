@@ -48,8 +48,8 @@ def survey(
     with atomic_path(plot_data) as tmp:
         hist.to_csv(tmp, index=False)
     plot_histogram(hist, ["source", "target"], plot_image,
-                   f"train: {summary['splits']['train']['pairs']} pairs, "
-                   f"{p.data.src_lang} (source) / {p.data.tgt_lang} (target)")
+                   f"train split: {summary['splits']['train']['pairs']} pairs",
+                   labels=[f"{p.data.src_lang} (source)", f"{p.data.tgt_lang} (target)"])
     write_json(metrics, summary)
     train = summary["splits"]["train"]
     log.info("survey: train p99 tokens %s; max_len drops %s",
