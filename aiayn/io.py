@@ -17,6 +17,12 @@ from pathlib import Path
 from typing import Any
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_path(final: str | Path, *, directory: bool = False) -> Iterator[Path]:
     """Yield a temporary path beside ``final``; on success move it to ``final``.
@@ -35,6 +41,10 @@ def atomic_path(final: str | Path, *, directory: bool = False) -> Iterator[Path]
         tmp = Path(name)
     try:
         yield tmp
+        # mkstemp/mkdtemp create private (0600/0700) paths; give the result the permissions
+        # an ordinary file or folder would get.
+        if tmp.exists():
+            os.chmod(tmp, (0o777 if directory else 0o666) & ~_umask())
         if directory:
             old = None
             if final.exists():

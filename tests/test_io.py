@@ -1,0 +1,51 @@
+"""Atomic writes: complete under the final name, or not at all."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from aiayn.io import atomic_path, read_json, write_json
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_files_and_folders_get_ordinary_permissions(tmp_path):
+    old = os.umask(0o022)
+    try:
+        write_json(tmp_path / "m.json", {"a": 1})
+        with atomic_path(tmp_path / "folder", directory=True) as tmp:
+            (tmp / "x").write_text("x")
+    finally:
+        os.umask(old)
+    assert mode(tmp_path / "m.json") == 0o644
+    assert mode(tmp_path / "folder") == 0o755
+    assert read_json(tmp_path / "m.json") == {"a": 1}
+
+
+def test_failure_keeps_the_previous_content_and_leaves_no_temporary(tmp_path):
+    write_json(tmp_path / "m.json", {"v": 1})
+    with pytest.raises(RuntimeError), atomic_path(tmp_path / "m.json") as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("crash")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "old").write_text("old")
+    with pytest.raises(RuntimeError), atomic_path(tmp_path / "d", directory=True) as tmp:
+        (tmp / "new").write_text("new")
+        raise RuntimeError("crash")
+    assert read_json(tmp_path / "m.json") == {"v": 1}
+    assert [p.name for p in (tmp_path / "d").iterdir()] == ["old"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "m.json"]
+
+
+def test_folder_is_replaced_whole(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "stale").write_text("stale")
+    with atomic_path(tmp_path / "d", directory=True) as tmp:
+        (tmp / "fresh").write_text("fresh")
+    assert [p.name for p in (tmp_path / "d").iterdir()] == ["fresh"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
