@@ -1,0 +1,108 @@
+"""average: the last training checkpoints → one averaged, self-contained model folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from aiayn.checkpoint import (
+    average_checkpoints,
+    checkpoint_step,
+    export_model,
+    file_sha256,
+    list_checkpoints,
+    load_checkpoint,
+)
+from aiayn.errors import DataError
+from aiayn.model import Transformer, TransformerConfig
+from stages.common import ParamsPath, log, read_params, single_command_app, stage
+
+META_KEYS = ("model_config", "vocab_size", "tokenizer_sha256")
+
+
+@stage
+def average(
+    params: ParamsPath = Path("params.yaml"),
+    checkpoints: Annotated[Path, typer.Option(help="Folder of step-*.pt checkpoints written by `aiayn train`.")] = Path("data/checkpoints"),
+    tokenizer: Annotated[Path, typer.Option(help="The tokenizer the checkpoints were trained with; copied into OUT.")] = Path("data/vocab/tokenizer.json"),
+    out: Annotated[Path, typer.Option(help="Model folder written: model.safetensors, config.json, tokenizer.json.")] = Path("data/model"),
+) -> None:
+    """Average the weights of the last checkpoints into one model (paper Section 6.1).
+
+    Reads: params `train.average_last`; the last that many CHECKPOINTS (fewer, with a
+    warning, if fewer exist), which must share one model configuration and tokenizer hash;
+    TOKENIZER, whose sha256 must equal the one recorded at training time.
+    Writes: OUT as one atomic folder: model.safetensors (the element-wise mean of the
+    model weights), config.json (model configuration, vocabulary size, tokenizer sha256,
+    MLflow run id, averaged steps, tokens seen) and tokenizer.json (a copy of TOKENIZER),
+    so that the folder alone suffices to translate.
+    """
+    p = read_params(params)
+    wanted = p.train.average_last
+    found = list_checkpoints(checkpoints)
+    if not found:
+        raise DataError(f"no checkpoints in {checkpoints}; run `aiayn train`")
+    chosen = found[-wanted:]
+    if len(chosen) < wanted:
+        log.warning("average: train.average_last is %d but %s holds only %d checkpoint(s); "
+                    "averaging those %d", wanted, checkpoints, len(chosen), len(chosen))
+
+    metas = [_meta(path) for path in chosen]
+    newest_path, newest = chosen[-1], metas[-1]
+    for path, meta in zip(chosen, metas, strict=True):
+        for key in META_KEYS:
+            if meta[key] != newest[key]:
+                raise DataError(
+                    f"{path} and {newest_path} differ in {key} ({meta[key]!r} vs "
+                    f"{newest[key]!r}): they come from different training runs; delete the "
+                    f"stale checkpoints from {checkpoints} or re-run `aiayn train`")
+
+    if not tokenizer.is_file():
+        raise DataError(f"{tokenizer}: no tokenizer; run the vocab stage first (`aiayn vocab`)")
+    sha = file_sha256(tokenizer)
+    if sha != newest["tokenizer_sha256"]:
+        raise DataError(
+            f"{tokenizer}: sha256 {sha[:12]}… differs from the {newest['tokenizer_sha256'][:12]}… "
+            f"the checkpoints in {checkpoints} were trained with: the vocabulary changed since "
+            "training; re-run training (`aiayn train`)")
+
+    steps = [int(meta.get("step", checkpoint_step(path))) for path, meta in zip(chosen, metas, strict=True)]
+    log.info("average: averaging %d checkpoint(s), steps %s", len(chosen), steps)
+    weights = average_checkpoints(chosen, key="model")
+
+    # The exported folder must load into the model it claims to be: check before writing.
+    try:
+        cfg = TransformerConfig(**newest["model_config"])
+        Transformer(cfg).load_state_dict(weights, strict=True)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise DataError(f"{newest_path}: the averaged weights do not fit the recorded model "
+                        f"configuration ({str(exc)[:300]}); re-run `aiayn train`") from None
+
+    config = {
+        "model": newest["model_config"],
+        "vocab_size": newest["vocab_size"],
+        "tokenizer_sha256": newest["tokenizer_sha256"],
+        "mlflow_run_id": newest.get("mlflow_run_id"),
+        "averaged_steps": steps,
+        "tokens_seen": newest.get("tokens_seen"),
+    }
+    export_model(out, weights, config, extra_files={"tokenizer.json": tokenizer})
+    log.info("average: wrote %s (steps %s)", out, steps)
+
+
+def _meta(path: Path) -> dict:
+    """The `meta` dict of a checkpoint, read without loading its tensors into memory."""
+    state = load_checkpoint(path, mmap=True)
+    meta = state.get("meta")
+    if not isinstance(meta, dict) or any(key not in meta for key in META_KEYS):
+        raise DataError(f"{path}: no `meta` with {', '.join(META_KEYS)}; this checkpoint was "
+                        "not written by `aiayn train`")
+    return meta
+
+
+app = single_command_app(average, "Average the last checkpoints into one exported model.")
+
+if __name__ == "__main__":
+    app()
