@@ -1,0 +1,427 @@
+"""The one door to MLflow: params, metrics, tags and artifacts, and nothing that stops training.
+
+``Tracker`` wraps ``mlflow.MlflowClient`` with explicit run ids (never the fluent, global
+active run), so it does not interfere with other code and can live on rank 0 of a torchrun
+job while the other ranks hold ``Tracker(enabled=False)``. MLflow is a mirror: every number
+also goes to ``metrics/`` (DVC metrics in git), so a tracking server that is down or an MLflow
+call that raises costs one warning and turns the tracker off; it never raises and never hangs
+for minutes.
+
+MLflow's HTTP client retries with exponential backoff for minutes by default. The tracker
+gives its calls tight limits instead (``_PROBE_ENV`` for the reachability probe and the
+start, ``_CALL_ENV`` afterwards), applied only around its own calls and only for the
+variables a user has not set, so explicit ``MLFLOW_HTTP_REQUEST_*`` settings always win and
+nothing is left changed in the environment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import subprocess
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from aiayn.io import write_json
+
+log = logging.getLogger("aiayn")
+
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+
+# MLflow's limits (mlflow.utils.validation): per log_batch call and per value.
+_MAX_PARAMS_PER_BATCH = 100
+_MAX_TAGS_PER_BATCH = 100
+_MAX_METRICS_PER_BATCH = 1000
+_MAX_PARAM_VALUE = 6000
+_MAX_TAG_VALUE = 8000
+
+# Reachability probe and start: give up within seconds (worst case, a host that drops
+# packets: 2 tries x 3 s + a ~1-2 s backoff; a refused connection: about 1-2 s).
+_PROBE_ENV = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "3",
+}
+# Later calls, against a server that answered: ride out a blip, but a server that dies
+# mid-training stalls it once for well under two minutes (3 tries x 30 s), not ~4 minutes
+# per call as with MLflow's defaults.
+_CALL_ENV = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
+}
+
+def resolve_tracking_uri(tracking_uri: str | None = None) -> str:
+    """The given URI, else ``$MLFLOW_TRACKING_URI``, else ``sqlite:///mlflow.db`` (cwd)."""
+    if tracking_uri:
+        return tracking_uri
+    return os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+
+
+def default_run_name() -> str | None:
+    """The DVC experiment's name under ``dvc exp run``; else None (MLflow picks a name)."""
+    return os.environ.get("DVC_EXP_NAME") or None
+
+
+def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """``{"model": {"d_model": 512}}`` -> ``{"model.d_model": "512"}``, values as MLflow keeps them.
+
+    Values are stringified and truncated to MLflow's limit; lists stay one value; an empty
+    mapping is kept as ``"{}"`` so that the key still shows.
+    """
+    flat: dict[str, str] = {}
+    for key, value in params.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten_params(value, prefix=f"{name}."))
+        else:
+            flat[name] = _truncate(str(value), _MAX_PARAM_VALUE)
+    return flat
+
+
+def save_run_id(path: Path, run_id: str | None, tracking_uri: str | None = None) -> None:
+    """Record the run id (and where it lives) so that a restarted stage can resume the run."""
+    write_json(path, {"run_id": run_id, "tracking_uri": resolve_tracking_uri(tracking_uri)})
+
+
+def load_run_id(path: Path, tracking_uri: str | None = None) -> str | None:
+    """The run id saved at ``path``; None if the file is missing or unreadable.
+
+    With ``tracking_uri`` given, a run id saved for another tracking URI is not returned
+    (it would name no run there).
+    """
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        log.warning("%s is unreadable (%s); starting a new MLflow run", path, e)
+        return None
+    if not isinstance(data, dict):
+        log.warning("%s holds no run id; starting a new MLflow run", path)
+        return None
+    run_id = data.get("run_id")
+    saved_uri = data.get("tracking_uri")
+    if tracking_uri is not None and saved_uri and saved_uri != tracking_uri:
+        return None
+    return run_id if isinstance(run_id, str) and run_id else None
+
+
+class Tracker:
+    """A best-effort MLflow run. Every method is a silent no-op once the tracker is disabled."""
+
+    def __init__(
+        self,
+        tracking_uri: str | None = None,
+        experiment: str = "aiayn",
+        enabled: bool = True,
+    ) -> None:
+        self.tracking_uri = resolve_tracking_uri(tracking_uri)
+        self.experiment = experiment
+        self._enabled = enabled
+        self._client: Any = None
+        self._run_id: str | None = None
+        self._ended = False
+
+    # -- state -------------------------------------------------------------------------------
+
+    @property
+    def run_id(self) -> str | None:
+        """The run's id (kept after ``end``); None when disabled or never started."""
+        return self._run_id if self._enabled else None
+
+    @property
+    def active(self) -> bool:
+        """True between a successful ``start`` and ``end`` (or the first failure)."""
+        return self._enabled and self._run_id is not None and not self._ended
+
+    # -- the run -----------------------------------------------------------------------------
+
+    def start(
+        self,
+        run_name: str | None,
+        params: Mapping[str, Any],
+        tags: dict[str, str] | None = None,
+        run_id: str | None = None,
+    ) -> str | None:
+        """Resume run ``run_id`` if it exists, else create a run named ``run_name``.
+
+        Logs ``params`` flattened (on resume, only the keys the run does not have yet) and
+        ``tags`` plus the git commit and the DVC experiment name. Returns the run id, or
+        None when disabled or MLflow is unreachable.
+        """
+        if not self._enabled:
+            return None
+        if self.active:
+            self.end()
+        self._run_id = None
+        self._ended = False
+        try:
+            with _mlflow_env(_PROBE_ENV):
+                client = self._connect()
+                # The probe: the first real request, with the tight limits.
+                client.search_experiments(max_results=1)
+        except Exception as e:
+            self._disable(f"MLflow at {self.tracking_uri} is unreachable ({_short(e)})")
+            return None
+        try:
+            with _mlflow_env(_PROBE_ENV):
+                run = self._resume(client, run_id) if run_id else None
+                if run is None:
+                    run = client.create_run(self._experiment_id(client), run_name=run_name)
+                self._client = client
+                self._run_id = run.info.run_id
+                self._log_params(run, flatten_params(params))
+                self._log_tags({**_default_tags(), **(tags or {})})
+        except Exception as e:
+            self._fail("start", e)
+            return None
+        return self._run_id
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        if not self.active or not metrics:
+            return
+        from mlflow.entities import Metric
+
+        stamp = int(time.time() * 1000)
+        entries = []
+        for key, value in metrics.items():
+            try:
+                entries.append(Metric(key, float(value), stamp, int(step or 0)))
+            except (TypeError, ValueError):
+                log.debug("metric %s=%r is not a number; not sent to MLflow", key, value)
+        for i in range(0, len(entries), _MAX_METRICS_PER_BATCH):
+            chunk = entries[i : i + _MAX_METRICS_PER_BATCH]
+            if not self._call("log_metrics", self._client.log_batch, self._run_id, metrics=chunk):
+                return
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        """Upload a file or (recursively) a folder into the run's artifacts."""
+        if not self.active:
+            return
+        path = Path(path)
+        if not path.exists():
+            log.warning("%s does not exist; not logged to MLflow", path)
+            return
+        upload = self._client.log_artifacts if path.is_dir() else self._client.log_artifact
+        self._call("log_artifact", upload, self._run_id, str(path), artifact_path)
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        if not self.active or not tags:
+            return
+        try:
+            self._log_tags(dict(tags))
+        except Exception as e:
+            self._fail("set_tags", e)
+
+    def end(self, status: str = "FINISHED") -> None:
+        """Mark the run ``status`` (FINISHED, FAILED or KILLED); the run id stays readable."""
+        if not self.active:
+            return
+        self._call("end", self._client.set_terminated, self._run_id, status)
+        self._ended = True
+
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.end("FINISHED")
+        elif issubclass(exc_type, KeyboardInterrupt):
+            self.end("KILLED")
+        else:
+            self.end("FAILED")
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _connect(self) -> Any:
+        _quiet_mlflow()
+        from mlflow import MlflowClient
+
+        return MlflowClient(tracking_uri=self.tracking_uri)
+
+    def _experiment_id(self, client: Any) -> str:
+        from mlflow.exceptions import MlflowException
+
+        experiment = client.get_experiment_by_name(self.experiment)
+        if experiment is None:
+            try:
+                return client.create_experiment(self.experiment)
+            except MlflowException:
+                # Another process created it in between.
+                experiment = client.get_experiment_by_name(self.experiment)
+                if experiment is None:
+                    raise
+        if experiment.lifecycle_stage == "deleted":
+            log.info("restoring the deleted MLflow experiment %r", self.experiment)
+            client.restore_experiment(experiment.experiment_id)
+        return experiment.experiment_id
+
+    def _resume(self, client: Any, run_id: str) -> Any:
+        """The run ``run_id`` set back to RUNNING, or None if there is no such (live) run."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            run = client.get_run(run_id)
+        except MlflowException as e:
+            if e.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+                log.info("MLflow run %s not found at %s; starting a new run",
+                         run_id, self.tracking_uri)
+                return None
+            raise
+        if run.info.lifecycle_stage == "deleted":
+            log.info("MLflow run %s was deleted; starting a new run", run_id)
+            return None
+        if run.info.status != "RUNNING":
+            client.update_run(run_id, status="RUNNING")
+        return run
+
+    def _log_params(self, run: Any, flat: dict[str, str]) -> None:
+        from mlflow.entities import Param
+
+        existing: dict[str, str] = dict(run.data.params)
+        changed = sorted(k for k, v in flat.items() if k in existing and existing[k] != v)
+        if changed:
+            shown = ", ".join(changed[:10]) + (", ..." if len(changed) > 10 else "")
+            log.warning(
+                "params changed since MLflow run %s started (%s); MLflow keeps the first values",
+                self._run_id, shown,
+            )
+        todo = [Param(k, v) for k, v in flat.items() if k not in existing]
+        for i in range(0, len(todo), _MAX_PARAMS_PER_BATCH):
+            self._client.log_batch(self._run_id, params=todo[i : i + _MAX_PARAMS_PER_BATCH])
+
+    def _log_tags(self, tags: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        entries = [RunTag(k, _truncate(str(v), _MAX_TAG_VALUE)) for k, v in tags.items()]
+        for i in range(0, len(entries), _MAX_TAGS_PER_BATCH):
+            chunk = entries[i : i + _MAX_TAGS_PER_BATCH]
+            with _mlflow_env(_CALL_ENV):
+                self._client.log_batch(self._run_id, tags=chunk)
+
+    def _call(self, what: str, fn: Callable[..., object], *args: Any, **kwargs: Any) -> bool:
+        """Run one MLflow call; on any error warn once, disable, and return False."""
+        try:
+            with _mlflow_env(_CALL_ENV):
+                fn(*args, **kwargs)
+        except Exception as e:
+            self._fail(what, e)
+            return False
+        return True
+
+    def _fail(self, what: str, error: BaseException) -> None:
+        client, run_id = self._client, self._run_id
+        self._disable(f"MLflow at {self.tracking_uri} failed in {what} ({_short(error)})")
+        # Best effort: do not leave the run RUNNING forever if the server still answers.
+        if client is not None and run_id is not None:
+            with contextlib.suppress(Exception), _mlflow_env(_PROBE_ENV):
+                client.set_terminated(run_id, "FAILED")
+
+    def _disable(self, reason: str) -> None:
+        log.warning("%s; training continues, the same numbers are in metrics/", reason)
+        self._enabled = False
+        self._client = None
+
+
+def _default_tags() -> dict[str, str]:
+    tags: dict[str, str] = {}
+    commit = _git_commit()
+    if commit:
+        tags["git_commit"] = commit
+        tags["mlflow.source.git.commit"] = commit  # shown by the MLflow UI
+    experiment = default_run_name()
+    if experiment:
+        tags["dvc_experiment"] = experiment
+    return tags
+
+
+def _git_commit(cwd: str | Path | None = None) -> str | None:
+    """``git rev-parse HEAD`` in ``cwd`` (default: the current directory), or None."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    commit = out.stdout.strip()
+    return commit if out.returncode == 0 and commit else None
+
+
+@contextlib.contextmanager
+def _mlflow_env(defaults: dict[str, str]) -> Iterator[None]:
+    """Set ``defaults`` for the variables the user has not set; restore on exit; hush warnings.
+
+    MLflow reads its ``MLFLOW_HTTP_REQUEST_*`` variables at every request, so limits set only
+    around our calls take effect without changing the environment for anyone else.
+    """
+    added = [k for k in defaults if k not in os.environ]
+    for k in added:
+        os.environ[k] = defaults[k]
+    # urllib3 logs each retry as a WARNING; the tracker says it once, in its own words.
+    pool_log = logging.getLogger("urllib3.connectionpool")
+    hush = _drop not in pool_log.filters  # not already hushed by an enclosing call
+    if hush:
+        pool_log.addFilter(_drop)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        if hush:
+            pool_log.removeFilter(_drop)
+        for k in added:
+            os.environ.pop(k, None)
+
+
+def _drop(record: logging.LogRecord) -> bool:
+    return False
+
+
+_quieted = False
+
+
+def _quiet_mlflow() -> None:
+    """MLflow's INFO chatter (database migrations, "View run at ...") off the console."""
+    global _quieted
+    if _quieted:
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import mlflow  # noqa: F401  (configures mlflow's own loggers on import)
+    if not os.environ.get("MLFLOW_LOGGING_LEVEL"):
+        for name in ("mlflow", "alembic"):
+            logger = logging.getLogger(name)
+            if logger.getEffectiveLevel() < logging.WARNING:
+                logger.setLevel(logging.WARNING)
+    _quieted = True
+
+
+def _short(error: BaseException) -> str:
+    """One line of an exception's text (MLflow's can span screens)."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    for pattern in _CAUSES:
+        found = re.search(pattern, text)
+        if found:
+            return found.group(0).strip()
+    return _truncate(text, 300)
+
+
+# The informative part of urllib3's "Max retries exceeded ... (Caused by ...)" texts.
+_CAUSES = (
+    r"\[Errno -?\d+\][^'\")]*",  # [Errno 111] Connection refused
+    r"Read timed out\. \(read timeout=[\d.]+\)",
+    r"timed out\. \(connect timeout=[\d.]+\)",
+)
+
+
+def _truncate(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."

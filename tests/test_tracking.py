@@ -1,0 +1,406 @@
+"""aiayn.tracking against real MLflow stores: SQLite in tmp_path, a dead port, a real server."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+import warnings
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from aiayn import tracking
+from aiayn.tracking import Tracker, default_run_name, load_run_id, save_run_id
+
+HTTP_VARS = (
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR",
+)
+
+PARAMS = {
+    "model": {"d_model": 512, "heads": 8, "dropout": 0.1, "share_embeddings": True},
+    "data": {"hub": {"splits": {"train": "train[:90%]", "valid": None}}, "langs": ["en", "de"]},
+    "seed": 1234,
+    "empty": {},
+    "long": "x" * 7000,
+    # More than one log_batch worth (MLflow takes at most 100 params per call).
+    "many": {f"k{i:03d}": i for i in range(150)},
+}
+
+
+def expected_flat() -> dict[str, str]:
+    flat = {
+        "model.d_model": "512",
+        "model.heads": "8",
+        "model.dropout": "0.1",
+        "model.share_embeddings": "True",
+        "data.hub.splits.train": "train[:90%]",
+        "data.hub.splits.valid": "None",
+        "data.langs": "['en', 'de']",
+        "seed": "1234",
+        "empty": "{}",
+        "long": "x" * 5997 + "...",
+    }
+    flat.update({f"many.k{i:03d}": str(i) for i in range(150)})
+    return flat
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def git(cwd: Path, *args: str) -> str:
+    out = subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@example.com", *args],
+        cwd=cwd, check=True, capture_output=True, text=True,
+    )
+    return out.stdout.strip()
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No tracking URI, DVC experiment or HTTP settings leak in from the caller's shell."""
+    for name in ("MLFLOW_TRACKING_URI", "DVC_EXP_NAME", "MLFLOW_LOGGING_LEVEL", *HTTP_VARS):
+        monkeypatch.delenv(name, raising=False)
+    # git must not find a repository above tmp_path (the tests make their own).
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    monkeypatch.chdir(tmp_path)  # the sqlite store puts artifacts in ./mlruns
+
+
+@pytest.fixture(scope="session")
+def migrated_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty, migrated MLflow SQLite store (creating one takes MLflow ~10 s here)."""
+    path = tmp_path_factory.mktemp("template") / "mlflow.db"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # SQLAlchemy deprecations inside MLflow
+        MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments(max_results=1)
+    return path
+
+
+@pytest.fixture
+def uri(tmp_path: Path, migrated_db: Path) -> str:
+    shutil.copyfile(migrated_db, tmp_path / "mlflow.db")
+    return f"sqlite:///{tmp_path}/mlflow.db"
+
+
+@pytest.fixture
+def commit(tmp_path: Path) -> str:
+    git(tmp_path, "init", "-q")
+    git(tmp_path, "commit", "-q", "--allow-empty", "-m", "baseline")
+    return git(tmp_path, "rev-parse", "HEAD")
+
+
+def test_run_params_metrics_tags_artifacts(
+    tmp_path: Path, uri: str, commit: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DVC_EXP_NAME", "exp-lucid-owl")
+    assert default_run_name() == "exp-lucid-owl"
+    tracker = Tracker(tracking_uri=uri, experiment="wmt14")
+    run_id = tracker.start(default_run_name(), PARAMS, tags={"stage": "train"})
+    assert run_id is not None and tracker.run_id == run_id and tracker.active
+
+    for step, loss in [(0, 9.5), (100, 5.25), (200, 4.125)]:
+        tracker.log_metrics({"train/loss": loss, "lr": step * 1e-6}, step=step)
+    ckpt = tmp_path / "ckpt.safetensors"
+    ckpt.write_bytes(b"\x00" * 64)
+    folder = tmp_path / "plots"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "curve.png").write_bytes(b"png")
+    (folder / "sub" / "attn.png").write_bytes(b"png")
+    tracker.log_artifact(ckpt, artifact_path="checkpoints")
+    tracker.log_artifact(folder)
+    tracker.set_tags({"bleu": "27.3"})
+    tracker.end()
+    assert not tracker.active and tracker.run_id == run_id
+
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(run_id)
+    assert run.info.run_name == "exp-lucid-owl"
+    assert client.get_experiment(run.info.experiment_id).name == "wmt14"
+    assert run.data.params == expected_flat()
+    history = client.get_metric_history(run_id, "train/loss")
+    assert [(m.step, m.value) for m in history] == [(0, 9.5), (100, 5.25), (200, 4.125)]
+    assert [m.step for m in client.get_metric_history(run_id, "lr")] == [0, 100, 200]
+    tags = run.data.tags
+    assert tags["git_commit"] == commit
+    assert tags["mlflow.source.git.commit"] == commit
+    assert tags["dvc_experiment"] == "exp-lucid-owl"
+    assert tags["stage"] == "train" and tags["bleu"] == "27.3"
+    assert run.info.status == "FINISHED" and run.info.end_time is not None
+
+    assert [a.path for a in client.list_artifacts(run_id, "checkpoints")] == [
+        "checkpoints/ckpt.safetensors"
+    ]
+    top = {a.path for a in client.list_artifacts(run_id)}
+    assert top == {"checkpoints", "curve.png", "sub"}
+    assert [a.path for a in client.list_artifacts(run_id, "sub")] == ["sub/attn.png"]
+    # Default artifact root of the sqlite store: ./mlruns in the cwd.
+    stored = Path(run.info.artifact_uri.removeprefix("file://")) / "checkpoints/ckpt.safetensors"
+    assert stored.is_relative_to(tmp_path / "mlruns") and stored.read_bytes() == ckpt.read_bytes()
+
+
+def test_resume_appends_metrics_and_keeps_params(
+    uri: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = Tracker(tracking_uri=uri)
+    run_id = first.start("run", {"model": {"d_model": 512}, "seed": 1})
+    first.log_metrics({"loss": 3.0}, step=1)
+    first.log_metrics({"loss": 2.0}, step=2)
+    first.end("KILLED")  # a stage that was interrupted
+    client = MlflowClient(tracking_uri=uri)
+    assert client.get_run(run_id).info.status == "KILLED"
+
+    second = Tracker(tracking_uri=uri)
+    with caplog.at_level(logging.WARNING, logger="aiayn"):
+        resumed = second.start(
+            "ignored-on-resume", {"model": {"d_model": 1024}, "seed": 1, "extra": {"a": 2}},
+            run_id=run_id,
+        )
+    assert resumed == run_id
+    run = client.get_run(run_id)
+    assert run.info.status == "RUNNING" and run.info.run_name == "run"
+    # Present params are not re-logged (MLflow would refuse a new value); new ones are added.
+    assert run.data.params == {"model.d_model": "512", "seed": "1", "extra.a": "2"}
+    assert [r.getMessage() for r in caplog.records if "model.d_model" in r.getMessage()]
+    second.log_metrics({"loss": 1.5}, step=3)
+    second.end()
+    history = client.get_metric_history(run_id, "loss")
+    assert [(m.step, m.value) for m in history] == [(1, 3.0), (2, 2.0), (3, 1.5)]
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert len(client.search_runs([run.info.experiment_id])) == 1
+
+
+def test_unknown_run_id_starts_a_new_run(uri: str) -> None:
+    tracker = Tracker(tracking_uri=uri)
+    run_id = tracker.start(None, {"a": 1}, run_id="0123456789abcdef0123456789abcdef")
+    assert run_id is not None and run_id != "0123456789abcdef0123456789abcdef"
+    run = MlflowClient(tracking_uri=uri).get_run(run_id)
+    assert run.info.run_name  # MLflow picked one
+    assert run.data.params == {"a": "1"}
+    # Outside a git repository and outside `dvc exp run`: neither tag.
+    assert "git_commit" not in run.data.tags and "dvc_experiment" not in run.data.tags
+    tracker.end()
+
+
+def test_default_uri_is_sqlite_in_cwd(
+    tmp_path: Path, migrated_db: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert Tracker().tracking_uri == "sqlite:///mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://example.invalid:5000")
+    assert Tracker().tracking_uri == "http://example.invalid:5000"
+    assert Tracker("sqlite:///x.db").tracking_uri == "sqlite:///x.db"
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    shutil.copyfile(migrated_db, tmp_path / "mlflow.db")
+    tracker = Tracker()
+    run_id = tracker.start(None, {})
+    tracker.end()
+    # The run is in ./mlflow.db of the cwd.
+    assert MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(run_id).info.run_id == run_id
+
+
+def test_run_id_file_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "out" / "mlflow_run.json"
+    assert load_run_id(path) is None
+    save_run_id(path, "abc123", tracking_uri="sqlite:///mlflow.db")
+    assert load_run_id(path) == "abc123"
+    assert load_run_id(path, tracking_uri="sqlite:///mlflow.db") == "abc123"
+    assert load_run_id(path, tracking_uri="http://elsewhere:5000") is None
+    assert not [p for p in path.parent.iterdir() if p.name != path.name]  # no temp leftovers
+    save_run_id(path, None)
+    assert load_run_id(path) is None
+    path.write_text("{not json", encoding="utf-8")
+    assert load_run_id(path) is None
+
+
+def test_disabled_tracker_is_a_no_op(tmp_path: Path) -> None:
+    tracker = Tracker(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", enabled=False)
+    assert tracker.start("run", PARAMS, tags={"a": "b"}) is None
+    tracker.log_metrics({"loss": 1.0}, step=1)
+    tracker.log_artifact(tmp_path / "missing")
+    tracker.set_tags({"a": "b"})
+    tracker.end()
+    assert tracker.run_id is None and not tracker.active
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "mlruns").exists()
+
+
+def test_unreachable_server_gives_up_quickly(caplog: pytest.LogCaptureFixture) -> None:
+    port = free_port()  # nothing listens there
+    tracker = Tracker(tracking_uri=f"http://127.0.0.1:{port}")
+    with caplog.at_level(logging.DEBUG, logger="aiayn"):
+        t0 = time.monotonic()
+        assert tracker.start("run", PARAMS) is None
+        elapsed = time.monotonic() - t0
+        tracker.log_metrics({"loss": 1.0}, step=1)
+        tracker.log_artifact(__file__)
+        tracker.set_tags({"a": "b"})
+        tracker.end("FAILED")
+    assert elapsed < 20, f"took {elapsed:.1f} s to give up"
+    warned = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1
+    message = warned[0].getMessage()
+    assert message.startswith(f"MLflow at http://127.0.0.1:{port} is unreachable (")
+    assert "Connection refused" in message
+    assert message.endswith("; training continues, the same numbers are in metrics/")
+    assert tracker.run_id is None and not tracker.active
+    for name in HTTP_VARS:  # the tight limits were not left behind
+        assert name not in os.environ
+
+
+def test_hanging_server_gives_up_quickly(caplog: pytest.LogCaptureFixture) -> None:
+    """A server that accepts connections but never answers (a stuck or overloaded one)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(16)
+        port = sock.getsockname()[1]
+        tracker = Tracker(tracking_uri=f"http://127.0.0.1:{port}")
+        with caplog.at_level(logging.DEBUG, logger="aiayn"):
+            t0 = time.monotonic()
+            assert tracker.start("run", {"a": 1}) is None
+            elapsed = time.monotonic() - t0
+            tracker.log_metrics({"loss": 1.0}, step=1)
+    assert elapsed < 20, f"took {elapsed:.1f} s to give up"
+    warned = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1
+    assert "is unreachable (Read timed out." in warned[0].getMessage()
+
+
+def test_tight_limits_respect_explicit_settings(
+    uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    seen: list[dict[str, str | None]] = []
+    original = MlflowClient.search_experiments
+
+    def spy(self, *args, **kwargs):
+        seen.append({name: os.environ.get(name) for name in HTTP_VARS})
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(MlflowClient, "search_experiments", spy)
+    tracker = Tracker(tracking_uri=uri)
+    assert tracker.start("run", {}) is not None
+    tracker.end()
+    assert seen == [{
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",  # the user's
+        "MLFLOW_HTTP_REQUEST_TIMEOUT": tracking._PROBE_ENV["MLFLOW_HTTP_REQUEST_TIMEOUT"],
+        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR":
+            tracking._PROBE_ENV["MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"],
+    }]
+    assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "0"
+    assert "MLFLOW_HTTP_REQUEST_TIMEOUT" not in os.environ
+
+
+def test_failing_call_disables_with_one_warning(
+    uri: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    tracker = Tracker(tracking_uri=uri)
+    run_id = tracker.start("run", {"a": 1})
+    with caplog.at_level(logging.WARNING, logger="aiayn"):
+        tracker.log_metrics({"a/../b": 1.0}, step=1)  # MLflow rejects this name
+        tracker.log_metrics({"loss": 1.0}, step=2)
+        tracker.end()
+    assert len(caplog.records) == 1
+    assert "failed in log_metrics" in caplog.records[0].getMessage()
+    assert not tracker.active and tracker.run_id is None
+    run = MlflowClient(tracking_uri=uri).get_run(run_id)
+    assert run.info.status == "FAILED"  # not left RUNNING
+    assert "loss" not in run.data.metrics
+
+
+def test_console_stays_quiet(tmp_path: Path) -> None:
+    """A fresh SQLite store (MLflow migrates it, loudly by default) prints nothing."""
+    script = textwrap.dedent(f"""
+        from aiayn.tracking import Tracker
+        t = Tracker(tracking_uri="sqlite:///{tmp_path}/fresh.db")
+        assert t.start("run", {{"a": {{"b": 1}}}}) is not None
+        t.log_metrics({{"loss": 1.0}}, step=1)
+        t.end()
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "" and out.stderr == ""
+
+
+@pytest.fixture
+def mlflow_server(tmp_path: Path):
+    port = free_port()
+    mlflow_exe = Path(sys.executable).with_name("mlflow")
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    log_file = (tmp_path / "server.log").open("wb")
+    proc = subprocess.Popen(
+        [
+            str(mlflow_exe), "server", "--host", "127.0.0.1", "--port", str(port),
+            "--backend-store-uri", f"sqlite:///{tmp_path}/db.sqlite",
+            "--default-artifact-root", str(tmp_path / "artifacts"), "--workers", "1",
+        ],
+        cwd=tmp_path, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"mlflow server exited: {(tmp_path / 'server.log').read_text()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                log = (tmp_path / "server.log").read_text()
+                pytest.fail(f"mlflow server not up in 60 s: {log}")
+            time.sleep(0.5)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log_file.close()
+
+
+@pytest.mark.slow
+def test_real_tracking_server(mlflow_server: str, tmp_path: Path) -> None:
+    tracker = Tracker(tracking_uri=mlflow_server)
+    run_id = tracker.start("served", PARAMS, tags={"stage": "train"})
+    assert run_id is not None
+    tracker.log_metrics({"loss": 2.5}, step=10)
+    tracker.log_metrics({"loss": 2.0}, step=20)
+    report = tmp_path / "report.json"
+    report.write_text('{"bleu": 27.3}', encoding="utf-8")
+    tracker.log_artifact(report, artifact_path="eval")
+    tracker.end()
+
+    client = MlflowClient(tracking_uri=mlflow_server)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "served"
+    assert run.data.params == expected_flat()
+    assert run.data.tags["stage"] == "train"
+    history = client.get_metric_history(run_id, "loss")
+    assert [(m.step, m.value) for m in history] == [(10, 2.5), (20, 2.0)]
+    assert [a.path for a in client.list_artifacts(run_id, "eval")] == ["eval/report.json"]
+    stored = list((tmp_path / "artifacts").rglob("report.json"))
+    assert len(stored) == 1 and stored[0].read_text(encoding="utf-8") == '{"bleu": 27.3}'
+
+    # Resume over HTTP as well.
+    again = Tracker(tracking_uri=mlflow_server)
+    assert again.start("served", PARAMS, run_id=run_id) == run_id
+    again.log_metrics({"loss": 1.75}, step=30)
+    again.end()
+    assert [m.step for m in client.get_metric_history(run_id, "loss")] == [10, 20, 30]
