@@ -12,7 +12,9 @@ EXPERIMENT ?= demo
 BIN := $(abspath $(VENV))/bin
 export PATH := $(BIN):$(PATH)
 # DVC stages call `aiayn`, MLflow logs to the local SQLite file unless told otherwise.
-export MLFLOW_TRACKING_URI ?= sqlite:///mlflow.db
+# An absolute path, so that runs from `dvc exp run --queue/--temp` (a temporary copy of the
+# repository) land in this repository's store.
+export MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlflow.db
 
 .PHONY: install demo test test-fast params lint bench clean-data help
 

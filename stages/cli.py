@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import typer
 
+from stages.average import average
 from stages.download import download
 from stages.params import params
 from stages.shard import shard
 from stages.survey import survey
+from stages.train import train
 from stages.vocab import vocab
 
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
     help=(
         "aiayn: the Transformer of 'Attention Is All You Need' as a DVC pipeline.\n\n"
         "Each subcommand is one stage of dvc.yaml and reads params.yaml (--params to change). "
@@ -25,6 +28,8 @@ app.command("download")(download)
 app.command("vocab")(vocab)
 app.command("survey")(survey)
 app.command("shard")(shard)
+app.command("train")(train)
+app.command("average")(average)
 
 if __name__ == "__main__":
     app()

@@ -64,6 +64,7 @@ def read_params(path: Path) -> Params:
 
 def single_command_app(command: Callable, help_text: str) -> typer.Typer:
     """A Typer app holding one stage command, for `python -m stages.<name>`."""
-    app = typer.Typer(add_completion=False, help=help_text, pretty_exceptions_enable=False)
+    app = typer.Typer(add_completion=False, help=help_text, pretty_exceptions_enable=False,
+                      rich_markup_mode="markdown")
     app.command()(command)
     return app

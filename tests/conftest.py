@@ -81,3 +81,55 @@ def cli_env() -> dict[str, str]:
     env["HF_DATASETS_OFFLINE"] = "1"
     env.pop("MLFLOW_TRACKING_URI", None)
     return env
+
+
+TINY_PARAMS = {
+    "data": {"toy": {"train_pairs": 400, "valid_pairs": 40, "test_pairs": 40, "max_words": 12}},
+    "vocab": {"vocab_size": 400, "min_frequency": 2},
+    "shard": {"max_tokens": 160, "max_len": 48},
+    "model": {"d_model": 32, "heads": 4, "encoder_layers": 1, "decoder_layers": 1, "d_ff": 64,
+              "dropout": 0.1, "max_positions": 64},
+    "train": {"tokens_per_step": 320, "steps": 12, "warmup_steps": 4, "lr_scale": 1.0,
+              "log_every": 2, "valid_every": 6, "checkpoint_every_steps": 3,
+              "checkpoint_every_minutes": 0, "keep_checkpoints": 5, "average_last": 2},
+}
+
+
+def merge(base: dict, changes: dict) -> dict:
+    out = dict(base)
+    for key, value in changes.items():
+        out[key] = merge(base.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+def write_params(path: Path, changes: dict | None = None) -> Path:
+    """The committed params.yaml with TINY_PARAMS and ``changes`` applied."""
+    import yaml
+
+    base = yaml.safe_load((REPO / "params.yaml").read_text())
+    path.write_text(yaml.safe_dump(merge(merge(base, TINY_PARAMS), changes or {}),
+                                   sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="session")
+def toy_workspace(tmp_path_factory) -> Path:
+    """A folder with params.yaml and data/{raw,vocab,survey,shards} for a tiny toy corpus,
+    built through the library functions the stages call."""
+    from aiayn.config import load_params
+    from aiayn.corpus import iter_raw, make_source, write_raw_splits
+    from aiayn.shards import build_shards
+    from aiayn.survey import survey_lengths, write_lengths
+    from aiayn.tokenizer import save_tokenizer, train_bpe
+
+    root = tmp_path_factory.mktemp("toy")
+    p = load_params(write_params(root / "params.yaml"))
+    raw = root / "data/raw"
+    write_raw_splits(make_source(p.data), p.data.languages, p.data.clean, raw)
+    texts = (b[lang] for b in iter_raw(raw, "train") for lang in p.data.languages)
+    tok = train_bpe(texts, p.vocab.vocab_size, p.vocab.min_frequency)
+    save_tokenizer(tok, root / "data/vocab/tokenizer.json")
+    lengths = root / "data/survey/lengths.parquet"
+    write_lengths(survey_lengths(tok, raw, p.data.languages), lengths)
+    build_shards(raw, tok, lengths, root / "data/shards", p.shard, *p.data.languages)
+    return root

@@ -1,0 +1,64 @@
+"""torch.distributed as torchrun sets it up: who am I, how many are we, sum this.
+
+One process (no torchrun, or --nproc-per-node 1) runs without a process group at all, so
+the single-process path has no distributed code in it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    local_rank: int = 0
+    size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+
+def world_from_env() -> World:
+    """Rank and size from the variables torchrun exports (RANK, LOCAL_RANK, WORLD_SIZE)."""
+    return World(int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)),
+                 int(os.environ.get("WORLD_SIZE", 1)))
+
+
+def init(world: World, device: torch.device) -> None:
+    """Join the process group: NCCL between GPUs, gloo between CPU processes."""
+    if world.distributed and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, rank=world.rank, world_size=world.size)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_sum(values: list[float], device: torch.device, world: World) -> list[float]:
+    """Sum a few numbers over all processes (float64, so token counts stay exact)."""
+    if not world.distributed:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def broadcast_flag(flag: bool, device: torch.device, world: World) -> bool:
+    """Rank 0's decision, for every rank (e.g. 'stop now')."""
+    if not world.distributed:
+        return flag
+    t = torch.tensor([1 if flag else 0], device=device)
+    dist.broadcast(t, src=0)
+    return bool(t.item())

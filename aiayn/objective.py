@@ -1,0 +1,51 @@
+"""What training optimises (Section 5.3-5.4): label-smoothed cross-entropy, Adam, warmup.
+
+lrate = d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5)     (paper, eq. 3)
+
+scaled by ``lr_scale`` (1 in the paper). Steps count from 1, as in the paper.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def noam_lr(step: int, d_model: int, warmup_steps: int, scale: float = 1.0) -> float:
+    """Learning rate of optimizer step ``step`` (1-based): linear warmup, then 1/sqrt(step)."""
+    step = max(step, 1)
+    return scale * d_model ** -0.5 * min(step ** -0.5, step * warmup_steps ** -1.5)
+
+
+def make_optimizer(model: nn.Module, betas: tuple[float, float], eps: float, d_model: int,
+                   warmup_steps: int, scale: float
+                   ) -> tuple[torch.optim.Adam, torch.optim.lr_scheduler.LambdaLR]:
+    """Adam whose learning rate follows :func:`noam_lr` through a LambdaLR scheduler.
+
+    The base lr is 1 and the schedule returns the absolute rate; the scheduler has taken k
+    steps after k optimizer steps, so step k+1 uses noam_lr(k + 1).
+    """
+    optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=betas, eps=eps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda k: noam_lr(k + 1, d_model, warmup_steps, scale))
+    return optimizer, scheduler
+
+
+def label_smoothed_loss(logits: Tensor, labels: Tensor, epsilon: float, pad_id: int
+                        ) -> tuple[Tensor, Tensor, int]:
+    """Sum over non-pad labels of the label-smoothed loss and of the plain NLL.
+
+    Section 5.4: label smoothing of value epsilon; the target distribution puts
+    1 - epsilon on the reference token and spreads epsilon uniformly over the vocabulary
+    (as ``F.cross_entropy(label_smoothing=epsilon)``). Padding positions count for nothing.
+    Returns (smoothed loss sum, NLL sum, number of non-pad labels); log-probabilities are
+    computed in fp32 even under bf16 autocast.
+    """
+    lprobs = F.log_softmax(logits.float(), dim=-1).view(-1, logits.shape[-1])  # (N, V)
+    flat = labels.reshape(-1)
+    real = flat != pad_id
+    nll = -lprobs.gather(1, flat.unsqueeze(1)).squeeze(1)  # (N,)
+    uniform = -lprobs.mean(dim=-1)                            # (N,)
+    loss = (1.0 - epsilon) * nll + epsilon * uniform
+    return loss.masked_fill(~real, 0.0).sum(), nll.masked_fill(~real, 0.0).sum(), int(real.sum())

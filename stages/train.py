@@ -1,0 +1,118 @@
+"""train: shards → checkpoints (data/checkpoints) + metrics/train.json and loss/lr curves."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from aiayn import distributed
+from aiayn.checkpoint import file_sha256
+from aiayn.distributed import world_from_env
+from aiayn.errors import AiaynError
+from aiayn.tokenizer import load_tokenizer
+from aiayn.tracking import Tracker, default_run_name, load_run_id, save_run_id
+from aiayn.trainer import Trainer, TrainPaths
+from stages.common import ParamsPath, log, read_params, single_command_app, stage
+
+
+def relaunch_under_torchrun(nproc: int) -> None:
+    """Replace this process by `torchrun --standalone --nproc-per-node N -m stages.train ...`."""
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+    args = [torchrun, "--standalone", f"--nproc-per-node={nproc}", "-m", "stages.train",
+            *sys.argv[1:]]
+    if sys.argv[1:2] == ["train"]:  # called as `aiayn train ...`
+        args = args[:5] + sys.argv[2:]
+    log.info("train: %d processes per node, re-launching under torchrun", nproc)
+    os.execv(args[0], args)
+
+
+@stage
+def train(
+    params: ParamsPath = Path("params.yaml"),
+    shards: Annotated[Path, typer.Option(help="Shards from `aiayn shard` (train/ and valid/).")] = Path("data/shards"),
+    tokenizer: Annotated[Path, typer.Option(help="Tokenizer from `aiayn vocab`; its hash is recorded in every checkpoint.")] = Path("data/vocab/tokenizer.json"),
+    checkpoints: Annotated[Path, typer.Option(help="Checkpoint folder; an existing run there is resumed.")] = Path("data/checkpoints"),
+    metrics: Annotated[Path, typer.Option(help="Final figures (loss, perplexity, steps, tokens, time).")] = Path("metrics/train.json"),
+    train_log: Annotated[Path, typer.Option(help="Step-wise train loss, lr, grad norm, tokens/s (TSV, for dvc plots).")] = Path("metrics/train_log.tsv"),
+    valid_log: Annotated[Path, typer.Option(help="Step-wise validation loss and perplexity (TSV).")] = Path("metrics/valid_log.tsv"),
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    mlflow: Annotated[bool, typer.Option(help="Log to MLflow (MLFLOW_TRACKING_URI, default sqlite:///mlflow.db).")] = True,
+) -> None:
+    """Train the Transformer on the token-budget shards (Section 5 of the paper).
+
+    Reads: params `seed`, `model.*`, `train.*` (not `average_last`); SHARDS/{train,valid},
+    TOKENIZER. Writes: CHECKPOINTS/step-*.pt (model, optimizer, schedule, RNG states, data
+    cursor; every `train.checkpoint_every_steps` steps and/or `checkpoint_every_minutes`,
+    the last `train.keep_checkpoints` kept), METRICS, TRAIN_LOG, VALID_LOG, and an MLflow
+    run (sqlite:///mlflow.db unless MLFLOW_TRACKING_URI says otherwise).
+
+    An existing run in CHECKPOINTS resumes where it stopped (a killed run ends bitwise where
+    an uninterrupted one would, on CPU); Ctrl-C or SIGTERM writes a checkpoint first.
+    Several processes: set `train.nproc_per_node` (this command re-launches itself under
+    torchrun), or call torchrun yourself, e.g. for two machines:
+    `torchrun --nnodes 2 --node-rank R --rdzv-backend c10d --rdzv-endpoint HOST:29500
+    --nproc-per-node 8 -m stages.train`.
+    """
+    p = read_params(params)
+    world = world_from_env()
+    if p.train.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
+        relaunch_under_torchrun(p.train.nproc_per_node)
+    tok = load_tokenizer(tokenizer)
+    paths = TrainPaths(shards=shards, checkpoints=checkpoints, metrics=metrics,
+                       train_log=train_log, valid_log=valid_log)
+    stop = {"requested": False}
+
+    def request_stop(signum, frame):
+        if stop["requested"]:  # a second Ctrl-C: stop at once
+            raise KeyboardInterrupt
+        stop["requested"] = True
+        log.info("train: %s received, stopping after this step", signal.Signals(signum).name)
+
+    tracker = Tracker(enabled=mlflow and world.is_main)
+    trainer = None
+    try:
+        trainer = Trainer(p, tok.get_vocab_size(), file_sha256(tokenizer), paths, world,
+                          tracker=tracker, progress=progress)
+        run_file = checkpoints / "mlflow_run.json"
+        run_id = tracker.start(
+            default_run_name(), p.model_dump(mode="json"),
+            tags={"stage": "train", "world_size": str(world.size)},
+            run_id=trainer.state.mlflow_run_id or load_run_id(run_file))
+        if world.is_main:
+            trainer.state.mlflow_run_id = run_id
+            save_run_id(run_file, run_id)
+        signal.signal(signal.SIGTERM, request_stop)
+        signal.signal(signal.SIGINT, request_stop)
+        summary = trainer.fit(should_stop=lambda: stop["requested"])
+        trainer.write_logs()
+        trainer.write_summary(summary)
+        if world.is_main:
+            tracker.log_metrics({f"final/{k}": float(v) for k, v in summary.items()
+                                 if isinstance(v, int | float) and v is not None})
+            for path in (metrics, train_log, valid_log):
+                tracker.log_artifact(path, "metrics")
+            log.info("train: %d steps, valid loss %s, ppl %s, %.0f tokens/s", summary["steps"],
+                     _round(summary["valid_loss"]), _round(summary["valid_ppl"]),
+                     summary["tokens_per_s"])
+        tracker.end("FINISHED" if summary["steps"] >= p.train.steps else "KILLED")
+    except AiaynError:
+        tracker.end("FAILED")
+        raise
+    finally:
+        distributed.shutdown()
+
+
+def _round(x):
+    return None if x is None else round(x, 4)
+
+
+app = single_command_app(train, "Train the Transformer.")
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,80 @@
+"""Schedule and loss against the paper's formulas and a brute-force computation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aiayn.objective import label_smoothed_loss, make_optimizer, noam_lr
+
+
+@pytest.mark.parametrize("step", [1, 10, 3999, 4000, 4001, 100_000])
+def test_noam_schedule_is_equation_3(step):
+    d, w = 512, 4000
+    assert noam_lr(step, d, w) == pytest.approx(d ** -0.5 * min(step ** -0.5, step * w ** -1.5))
+    assert noam_lr(step, d, w, scale=2.0) == pytest.approx(2 * noam_lr(step, d, w))
+
+
+def test_schedule_peaks_at_warmup():
+    rates = [noam_lr(s, 512, 4000) for s in range(1, 20_000)]
+    assert max(range(len(rates)), key=rates.__getitem__) + 1 == 4000
+    assert rates[3999] == pytest.approx(512 ** -0.5 * 4000 ** -0.5)  # ~7.0e-4
+
+
+def test_optimizer_follows_the_schedule_step_by_step():
+    model = torch.nn.Linear(3, 3)
+    opt, sched = make_optimizer(model, (0.9, 0.98), 1e-9, d_model=64, warmup_steps=10, scale=1.0)
+    assert opt.defaults["betas"] == (0.9, 0.98) and opt.defaults["eps"] == 1e-9
+    for step in range(1, 25):
+        assert opt.param_groups[0]["lr"] == pytest.approx(noam_lr(step, 64, 10))
+        model(torch.ones(1, 3)).sum().backward()
+        opt.step()
+        sched.step()
+
+
+def brute_force(logits, labels, eps, pad):
+    V = logits.shape[-1]
+    total, nll_total, n = 0.0, 0.0, 0
+    for row, y in zip(logits.reshape(-1, V), labels.reshape(-1), strict=True):
+        if y == pad:
+            continue
+        logp = torch.log_softmax(row.double(), -1)
+        q = torch.full((V,), eps / V, dtype=torch.float64)
+        q[y] += 1 - eps
+        total += float(-(q * logp).sum())
+        nll_total += float(-logp[y])
+        n += 1
+    return total, nll_total, n
+
+
+def test_label_smoothing_against_brute_force():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 11)
+    labels = torch.randint(1, 11, (3, 5))
+    labels[0, 3:] = 0
+    labels[2, 1:] = 0
+    loss, nll, n = label_smoothed_loss(logits, labels, 0.1, pad_id=0)
+    exp_loss, exp_nll, exp_n = brute_force(logits, labels, 0.1, 0)
+    assert n == exp_n == 15 - 2 - 4
+    assert float(loss) == pytest.approx(exp_loss, rel=1e-5)
+    assert float(nll) == pytest.approx(exp_nll, rel=1e-5)
+    # The same definition as PyTorch's built-in label smoothing.
+    ref = torch.nn.functional.cross_entropy(logits.view(-1, 11), labels.view(-1), ignore_index=0,
+                                            label_smoothing=0.1, reduction="sum")
+    assert float(loss) == pytest.approx(float(ref), rel=1e-5)
+
+
+def test_padding_positions_get_no_gradient():
+    logits = torch.randn(2, 4, 7, requires_grad=True)
+    labels = torch.tensor([[3, 4, 0, 0], [5, 0, 0, 0]])
+    loss, _, _ = label_smoothed_loss(logits, labels, 0.1, pad_id=0)
+    loss.backward()
+    assert torch.all(logits.grad[labels == 0] == 0)
+    assert torch.all(logits.grad[labels != 0].abs().sum(-1) > 0)
+
+
+def test_no_smoothing_is_plain_nll():
+    logits = torch.randn(1, 3, 6)
+    labels = torch.tensor([[1, 2, 3]])
+    loss, nll, _ = label_smoothed_loss(logits, labels, 0.0, pad_id=0)
+    assert float(loss) == pytest.approx(float(nll))

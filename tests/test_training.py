@@ -1,0 +1,243 @@
+"""Training: it learns, it resumes exactly, it fails clearly, DDP equals accumulation."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from aiayn.checkpoint import file_sha256, list_checkpoints, load_checkpoint
+from aiayn.config import load_params
+from aiayn.distributed import World
+from aiayn.errors import DataError
+from aiayn.model import Transformer, TransformerConfig
+from aiayn.objective import label_smoothed_loss, noam_lr
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, decode, load_tokenizer
+from aiayn.toy import generate_pairs
+from aiayn.trainer import Trainer, TrainingDiverged, TrainPaths, accumulation_steps
+from tests.conftest import REPO, write_params
+
+
+def paths(ws: Path, run: Path) -> TrainPaths:
+    return TrainPaths(shards=ws / "data/shards", checkpoints=run / "checkpoints",
+                      metrics=run / "train.json", train_log=run / "train_log.tsv",
+                      valid_log=run / "valid_log.tsv")
+
+
+def make_trainer(ws: Path, run: Path, changes: dict | None = None) -> Trainer:
+    run.mkdir(parents=True, exist_ok=True)
+    p = load_params(write_params(run / "params.yaml", changes))
+    tok = ws / "data/vocab/tokenizer.json"
+    return Trainer(p, load_tokenizer(tok).get_vocab_size(), file_sha256(tok), paths(ws, run),
+                   World(), progress=False)
+
+
+def model_tensors(path: Path) -> dict[str, torch.Tensor]:
+    return load_checkpoint(path)["model"]
+
+
+def assert_bitwise_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_accumulation_keeps_the_global_budget():
+    assert accumulation_steps(25_000, 1, 6250) == 4
+    assert accumulation_steps(25_000, 2, 6250) == 2
+    assert accumulation_steps(25_000, 4, 6250) == 1
+    assert accumulation_steps(25_000, 8, 6250) == 1
+    assert accumulation_steps(25_000, 3, 4096) == 3   # ceil: never below the budget
+
+
+def test_a_tiny_model_memorises_a_handful_of_toy_pairs(toy_workspace):
+    tok = load_tokenizer(toy_workspace / "data/vocab/tokenizer.json")
+    pairs = list(generate_pairs(6, seed=7, min_words=3, max_words=6))
+    enc = [tok.encode(s, add_special_tokens=False).ids for pair in pairs for s in pair]
+    src = [e + [EOS_ID] for e in enc[0::2]]
+    tgt = [[BOS_ID] + e + [EOS_ID] for e in enc[1::2]]
+
+    def pad(rows):
+        width = max(map(len, rows))
+        return torch.tensor([r + [PAD_ID] * (width - len(r)) for r in rows])
+
+    src_t, tgt_t = pad(src), pad(tgt)
+    torch.manual_seed(0)
+    model = Transformer(TransformerConfig(vocab_size=tok.get_vocab_size(), d_model=64, heads=4,
+                                          encoder_layers=2, decoder_layers=2, d_ff=128,
+                                          dropout=0.0, max_positions=64))
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(150):
+        loss, _, n = label_smoothed_loss(model(src_t, tgt_t[:, :-1]), tgt_t[:, 1:], 0.0, PAD_ID)
+        opt.zero_grad()
+        (loss / n).backward()
+        opt.step()
+    model.eval()
+    # Greedy decoding through the cache reproduces every memorised target.
+    state = model.start(src_t)
+    out = torch.full((len(pairs), 1), BOS_ID)
+    with torch.no_grad():
+        for _ in range(tgt_t.shape[1]):
+            out = torch.cat([out, model.decode_step(out[:, -1:], state)[:, -1].argmax(-1,
+                            keepdim=True)], dim=1)
+    for row, (_, german) in zip(out.tolist(), pairs, strict=True):
+        assert decode(tok, row[1:row.index(EOS_ID)] if EOS_ID in row else row[1:]) == german
+
+
+def test_a_run_writes_logs_metrics_and_checkpoints(toy_workspace, tmp_path):
+    trainer = make_trainer(toy_workspace, tmp_path)
+    summary = trainer.fit()
+    trainer.write_logs()
+    trainer.write_summary(summary)
+    assert summary["steps"] == 12 and summary["accumulation"] == 2
+    metrics = json.loads((tmp_path / "train.json").read_text())
+    assert metrics["valid_ppl"] == pytest.approx(2.718281828 ** metrics["valid_nll"], rel=1e-6)
+    rows = [line.split("\t") for line in (tmp_path / "train_log.tsv").read_text().splitlines()]
+    assert rows[0][:4] == ["step", "loss", "nll", "lr"]
+    steps = [int(r[0]) for r in rows[1:]]
+    assert steps == [2, 4, 6, 8, 10, 12]
+    for r in rows[1:]:  # the lr used by step s is the paper's formula at s
+        assert float(r[3]) == pytest.approx(noam_lr(int(r[0]), 32, 4), rel=1e-5)
+    assert float(rows[-1][1]) < float(rows[1][1])  # it learns
+    valid = (tmp_path / "valid_log.tsv").read_text().splitlines()
+    assert [int(line.split("\t")[0]) for line in valid[1:]] == [6, 12]
+    ckpts = list_checkpoints(tmp_path / "checkpoints")
+    assert [c.name for c in ckpts] == [f"step-{s:08d}.pt" for s in (3, 6, 9, 12)]
+    assert summary["tokens_seen"] == load_checkpoint(ckpts[-1])["meta"]["tokens_seen"]
+
+
+def test_an_interrupted_run_resumes_bitwise(toy_workspace, tmp_path):
+    full = make_trainer(toy_workspace, tmp_path / "full")
+    full.fit()
+    part = make_trainer(toy_workspace, tmp_path / "part")
+    part.fit(should_stop=lambda: part.state.step == 5)  # Ctrl-C after step 5
+    assert list_checkpoints(tmp_path / "part/checkpoints")[-1].name == "step-00000005.pt"
+    resumed = make_trainer(toy_workspace, tmp_path / "part")
+    assert resumed.state.step == 5
+    resumed.fit()
+    last = "checkpoints/step-00000012.pt"
+    a, b = load_checkpoint(tmp_path / "full" / last), load_checkpoint(tmp_path / "part" / last)
+    assert_bitwise_equal(a["model"], b["model"])
+    assert a["run"]["train_rows"][-1][:6] == b["run"]["train_rows"][-1][:6]
+    assert a["run"]["valid_rows"] == b["run"]["valid_rows"]
+
+
+def test_a_changed_model_refuses_to_resume(toy_workspace, tmp_path):
+    make_trainer(toy_workspace, tmp_path, {"train": {"steps": 3}}).fit()
+    with pytest.raises(DataError) as err:
+        make_trainer(toy_workspace, tmp_path, {"model": {"d_model": 48}})
+    msg = str(err.value)
+    assert "cannot resume" in msg and "model_config" in msg and "'d_model': 48" in msg
+    assert "step-00000003.pt" in msg
+
+
+def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(
+        toy_workspace, tmp_path, monkeypatch):
+    import aiayn.trainer as trainer_module
+
+    trainer = make_trainer(toy_workspace, tmp_path)
+
+    def poisoned(logits, labels, eps, pad):
+        loss, nll, n = label_smoothed_loss(logits, labels, eps, pad)
+        if trainer.state.step >= 4:
+            loss = loss * float("nan")
+        return loss, nll, n
+
+    monkeypatch.setattr(trainer_module, "label_smoothed_loss", poisoned)
+    with pytest.raises(TrainingDiverged, match="became nan at step 5"):
+        trainer.fit()
+    assert [c.name for c in list_checkpoints(tmp_path / "checkpoints")] == ["step-00000003.pt"]
+
+
+def test_shards_from_another_vocabulary_are_refused(toy_workspace, tmp_path):
+    p = load_params(write_params(tmp_path / "params.yaml"))
+    with pytest.raises(DataError, match="re-run `aiayn survey` and `aiayn shard`"):
+        Trainer(p, 999, "x", paths(toy_workspace, tmp_path), World(), progress=False)
+
+
+# --------------------------------------------------------------------------- subprocesses
+
+
+def train_cmd(params: Path, run: Path, ws: Path) -> list[str]:
+    return ["--params", str(params), "--shards", str(ws / "data/shards"),
+            "--tokenizer", str(ws / "data/vocab/tokenizer.json"),
+            "--checkpoints", str(run / "checkpoints"), "--metrics", str(run / "train.json"),
+            "--train-log", str(run / "train_log.tsv"), "--valid-log", str(run / "valid_log.tsv"),
+            "--no-progress", "--no-mlflow"]
+
+
+def env_for_subprocess() -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return env
+
+
+@pytest.mark.slow
+def test_sigkill_at_an_arbitrary_step_then_resume_ends_bitwise_equal(toy_workspace, tmp_path):
+    changes = {"train": {"steps": 30, "checkpoint_every_steps": 4, "keep_checkpoints": 10}}
+    params = write_params(tmp_path / "params.yaml", changes)
+    env = env_for_subprocess()
+    base = [sys.executable, "-m", "stages.train"]
+    subprocess.run(base + train_cmd(params, tmp_path / "full", toy_workspace), env=env,
+                   check=True, capture_output=True, timeout=300)
+    victim = subprocess.Popen(base + train_cmd(params, tmp_path / "killed", toy_workspace),
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    ckpts = tmp_path / "killed/checkpoints"
+    while time.monotonic() < deadline and victim.poll() is None:
+        if (ckpts / "step-00000012.pt").exists():
+            break
+        time.sleep(0.05)
+    time.sleep(0.3)  # somewhere between two checkpoints
+    assert victim.poll() is None, "the run finished before it could be killed"
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    killed_at = list_checkpoints(ckpts)[-1]
+    assert 12 <= int(killed_at.stem.split("-")[1]) < 30
+    subprocess.run(base + train_cmd(params, tmp_path / "killed", toy_workspace), env=env,
+                   check=True, capture_output=True, timeout=300)
+    last = "checkpoints/step-00000030.pt"
+    a = load_checkpoint(tmp_path / "full" / last)
+    b = load_checkpoint(tmp_path / "killed" / last)
+    assert_bitwise_equal(a["model"], b["model"])
+    for s_a, s_b in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values(),
+                        strict=True):
+        assert torch.equal(s_a["exp_avg_sq"], s_b["exp_avg_sq"])
+    assert a["meta"]["tokens_seen"] == b["meta"]["tokens_seen"]
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_process_with_two_accumulation_steps(toy_workspace, tmp_path):
+    # tokens_per_step = 2 x max_tokens: 1 process accumulates 2 batches, 2 processes take 1
+    # each; no dropout, so both compute the same update on the same batches.
+    changes = {"model": {"dropout": 0.0}, "train": {"steps": 2, "tokens_per_step": 320,
+                                                    "checkpoint_every_steps": 1}}
+    params = write_params(tmp_path / "params.yaml", changes)
+    env = env_for_subprocess()
+    one = tmp_path / "one"
+    two = tmp_path / "two"
+    subprocess.run([sys.executable, "-m", "stages.train", *train_cmd(params, one, toy_workspace)],
+                   env=env, check=True, capture_output=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "-m", "stages.train", *train_cmd(params, two, toy_workspace)],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for step in (1, 2):
+        a = load_checkpoint(one / f"checkpoints/step-{step:08d}.pt")
+        b = load_checkpoint(two / f"checkpoints/step-{step:08d}.pt")
+        assert a["meta"]["world_size"] == 1 and b["meta"]["world_size"] == 2
+        assert a["meta"]["tokens_seen"] == b["meta"]["tokens_seen"]
+        for k in a["model"]:
+            torch.testing.assert_close(a["model"][k], b["model"][k], rtol=1e-5, atol=1e-6)
+    # The steps did change the weights (the comparison above is not between two no-ops).
+    a1 = load_checkpoint(one / "checkpoints/step-00000001.pt")["model"]["embedding.weight"]
+    a2 = load_checkpoint(one / "checkpoints/step-00000002.pt")["model"]["embedding.weight"]
+    assert not torch.equal(a1, a2)
