@@ -299,7 +299,8 @@ def parse_params(raw: Any, source: str = "params.yaml") -> Params:
                 )
             else:
                 value = _lookup(raw, err["loc"])
-                shown = f" = {value!r}" if value is not None else ""
+                # A rule about a whole section names its values itself.
+                shown = f" = {value!r}" if value is not None and not isinstance(value, dict) else ""
                 lines.append(f"  {key}{shown}: {msg}")
         raise ParamsError(f"{source}: invalid parameters\n" + "\n".join(lines)) from None
 

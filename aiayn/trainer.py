@@ -15,9 +15,11 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import math
 import random
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -28,7 +30,7 @@ import torch
 from torch import nn
 
 from aiayn import distributed
-from aiayn.checkpoint import latest_checkpoint, save_checkpoint
+from aiayn.checkpoint import file_sha256, latest_checkpoint, save_checkpoint
 from aiayn.config import Params
 from aiayn.distributed import World
 from aiayn.errors import AiaynError, DataError
@@ -157,6 +159,7 @@ class Trainer:
         self.accum = accumulation_steps(p.train.tokens_per_step, world.size,
                                         int(self.train_data.meta["max_tokens"]))
         self.state = RunState()
+        self.identity = self.run_identity()
         self._resume()
         # Dropout differs between ranks; the seed offset keeps it reproducible per rank.
         if self.state.step == 0:
@@ -178,19 +181,54 @@ class Trainer:
                     f"of {ds.meta['vocab_size']} tokens, the tokenizer has {vocab_size}; re-run "
                     "`aiayn survey` and `aiayn shard` (or `dvc repro`)")
 
+    def run_identity(self) -> dict:
+        """Every setting that shapes the computation of the steps already taken.
+
+        A checkpoint resumes only if all of these are unchanged. Left out on purpose: the
+        number of steps (the schedule does not depend on it, so extending a finished run
+        equals a longer fresh one), logging and checkpoint cadence, device, compilation,
+        and the process count (a resumed run may move to more GPUs; see _resume).
+        """
+        ignored = {"steps", "log_every", "valid_every", "checkpoint_every_steps",
+                   "checkpoint_every_minutes", "keep_checkpoints", "average_last",
+                   "nproc_per_node", "device", "compile"}
+        identity = {"seed": self.p.seed, "vocab_size": self.fingerprint["vocab_size"],
+                    "tokenizer_sha256": self.fingerprint["tokenizer_sha256"]}
+        identity.update({f"model.{k}": v for k, v in self.cfg.to_dict().items()})
+        identity.update({f"train.{k}": v for k, v in self.p.train.model_dump(mode="json").items()
+                         if k not in ignored})
+        digest = hashlib.sha256()
+        for split in ("train", "valid"):
+            for name in ("meta.json", "batches.npy", "rows.npy"):
+                digest.update(file_sha256(self.paths.shards / split / name).encode())
+        identity["shards_sha256"] = digest.hexdigest()
+        return identity
+
+    def _set_aside(self, changes: list[str]) -> None:
+        """Move a run made with other settings out of the way (never delete it)."""
+        folder = self.paths.checkpoints
+        dest = folder.with_name(folder.name + ".replaced") / time.strftime("%Y%m%d-%H%M%S")
+        if self.world.is_main:
+            dest.mkdir(parents=True, exist_ok=True)
+            for item in sorted(folder.iterdir()):
+                shutil.move(str(item), str(dest / item.name))
+            log.warning("train: the run in %s was made with other settings (%s); it does not "
+                        "resume. Its files were moved to %s (delete them when no longer "
+                        "needed) and a new run starts.", folder, "; ".join(changes), dest)
+        if self.world.distributed:
+            torch.distributed.barrier()
+
     def _resume(self) -> None:
         found = latest_checkpoint(self.paths.checkpoints, map_location=self.device)
         if found is None:
             return
         path, ckpt = found
-        saved = {k: ckpt["meta"].get(k) for k in self.fingerprint}
-        if saved != self.fingerprint:
-            diff = [f"{k}: checkpoint {saved[k]!r}, now {self.fingerprint[k]!r}"
-                    for k in self.fingerprint if saved[k] != self.fingerprint[k]]
-            raise DataError(
-                f"{path}: cannot resume, the model or vocabulary changed since this checkpoint "
-                f"({'; '.join(diff)}). Restore the params, or move {self.paths.checkpoints} "
-                "away to start a new run (nothing is deleted automatically)")
+        saved, now = ckpt["meta"].get("identity") or {}, self.identity
+        if saved != now:
+            changes = [f"{k}: {saved.get(k, '(absent)')!r} -> {now.get(k, '(absent)')!r}"
+                       for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+            self._set_aside(changes)
+            return
         if ckpt["meta"].get("world_size") != self.world.size:
             log.warning("resuming a run made with %s processes on %d: the data order changes "
                         "from here on", ckpt["meta"].get("world_size"), self.world.size)
@@ -318,7 +356,8 @@ class Trainer:
             "rng": rngs,
             "run": {"step": s.step, "tokens_seen": s.tokens_seen, "elapsed_s": s.elapsed_s,
                     "train_rows": s.train_rows, "valid_rows": s.valid_rows},
-            "meta": {**self.fingerprint, "mlflow_run_id": s.mlflow_run_id, "step": s.step,
+            "meta": {**self.fingerprint, "identity": self.identity,
+                     "mlflow_run_id": s.mlflow_run_id, "step": s.step,
                      "tokens_seen": s.tokens_seen, "world_size": self.world.size},
         }
         path = save_checkpoint(self.paths.checkpoints, s.step, state,

@@ -19,6 +19,8 @@ import yaml
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
+STAGES = ("download", "vocab", "survey", "shard", "train", "average")
+DATA_STAGES = STAGES[:4]
 
 GIT_IDENTITY = {"GIT_AUTHOR_NAME": "aiayn tests", "GIT_AUTHOR_EMAIL": "tests@aiayn.invalid",
                 "GIT_COMMITTER_NAME": "aiayn tests", "GIT_COMMITTER_EMAIL": "tests@aiayn.invalid"}
@@ -63,7 +65,11 @@ def repo(tmp_path, cli_env) -> tuple[Path, dict]:
     # A small toy corpus keeps the test quick; everything else is the committed demo preset.
     set_params(root, data__toy__train_pairs=1500, data__toy__valid_pairs=100,
                data__toy__test_pairs=100, vocab__vocab_size=600, shard__max_tokens=512,
-               shard__max_len=64)
+               shard__max_len=64, model__d_model=32, model__d_ff=64, model__encoder_layers=1,
+               model__decoder_layers=1, train__steps=6, train__tokens_per_step=1024,
+               train__warmup_steps=3, train__log_every=2, train__valid_every=3,
+               train__checkpoint_every_steps=2, train__checkpoint_every_minutes=0,
+               train__keep_checkpoints=3, train__average_last=2)
     run(["git", "init", "-q"], root, env)
     run(["git", "add", "-A"], root, env)
     run(["git", "commit", "-q", "-m", "test repository"], root, env)
@@ -82,7 +88,7 @@ def ran(log: str, stage: str) -> bool:
 def test_dvc_repro_runs_the_data_stages_and_reruns_only_what_changed(repo):
     root, env = repo
     log = repro(root, env)
-    assert all(ran(log, s) for s in ("download", "vocab", "survey", "shard")), log
+    assert all(ran(log, s) for s in STAGES), log
 
     # Outputs declared in dvc.yaml exist and agree with each other.
     for split in ("train", "valid", "test"):
@@ -100,23 +106,35 @@ def test_dvc_repro_runs_the_data_stages_and_reruns_only_what_changed(repo):
     assert (root / "data/shards/train/meta.json").is_file()
     assert (root / "metrics/survey_hist.png").read_bytes()[:4] == b"\x89PNG"
 
+    train = json.loads((root / "metrics/train.json").read_text())
+    assert train["steps"] == 6 and train["valid_loss"] > 0
+    model_config = json.loads((root / "data/model/config.json").read_text())
+    assert model_config["averaged_steps"] == [4, 6] and model_config["model"]["d_model"] == 32
+    assert (root / "data/model/model.safetensors").is_file()
+    assert json.loads((root / "data/checkpoints/mlflow_run.json").read_text())["run_id"]
+
     # Everything is cached: nothing to run.
     assert json.loads(run(["dvc", "status", "--json"], root, env).stdout) == {}
 
-    # A training parameter touches no data stage.
-    set_params(root, train__steps=7, train__lr_scale=3.0, decode__beam=8)
-    assert json.loads(run(["dvc", "status", "--json"], root, env).stdout) == {}
+    # A training parameter touches no data stage; averaging more re-runs only average.
+    set_params(root, train__lr_scale=3.0, decode__beam=8)
+    assert set(json.loads(run(["dvc", "status", "--json"], root, env).stdout)) == {"train"}
+    set_params(root, train__lr_scale=2.0, decode__beam=4, train__average_last=3)
+    assert set(json.loads(run(["dvc", "status", "--json"], root, env).stdout)) == {"average"}
+    log = repro(root, env)
+    assert [s for s in STAGES if ran(log, s)] == ["average"]
 
     # A vocabulary change re-runs vocab and what depends on it, never download.
     set_params(root, vocab__vocab_size=500)
     log = repro(root, env)
     assert not ran(log, "download") and ran(log, "vocab") and ran(log, "shard"), log
+    assert ran(log, "train") and ran(log, "average")
     assert json.loads((root / "metrics/vocab.json").read_text())["size"] <= 500
 
     # A batch-size change re-runs shard only.
     set_params(root, shard__max_tokens=256)
     log = repro(root, env)
-    assert [s for s in ("download", "vocab", "survey", "shard") if ran(log, s)] == ["shard"]
+    assert [s for s in DATA_STAGES if ran(log, s)] == ["shard"]
     batches = np.load(root / "data/shards/train/batches.npy")
     shard = json.loads((root / "metrics/shard.json").read_text())
     assert len(batches) == shard["splits"]["train"]["batches"] and shard["max_tokens"] == 256
@@ -124,9 +142,13 @@ def test_dvc_repro_runs_the_data_stages_and_reruns_only_what_changed(repo):
 
 def test_dvc_exp_run_composes_presets_and_overrides(repo):
     root, env = repo
-    run(["dvc", "exp", "run", "-n", "small-vocab", "-S", "experiment=demo",
-         "-S", "data.toy.train_pairs=1200", "-S", "vocab.vocab_size=450",
-         "-S", "shard.max_tokens=512", "-S", "shard.max_len=64"], root, env)
+    tiny = ["model.d_model=32", "model.d_ff=64", "model.encoder_layers=1",
+            "model.decoder_layers=1", "train.steps=2", "train.log_every=1",
+            "train.valid_every=2", "train.checkpoint_every_minutes=0", "train.average_last=1"]
+    overrides = ["experiment=demo", "data.toy.train_pairs=1200", "vocab.vocab_size=450",
+                 "shard.max_tokens=512", "shard.max_len=64", *tiny]
+    run(["dvc", "exp", "run", "-n", "small-vocab", *(a for o in overrides for a in ("-S", o))],
+        root, env)
     shown = json.loads(run(["dvc", "exp", "show", "--json"], root, env).stdout)
     text = json.dumps(shown)
     assert "small-vocab" in text
@@ -135,7 +157,9 @@ def test_dvc_exp_run_composes_presets_and_overrides(repo):
     assert "450" in exp_params
     params = yaml.safe_load((root / "params.yaml").read_text())
     assert params["vocab"]["vocab_size"] == 450 and params["data"]["toy"]["train_pairs"] == 1200
-    assert params["model"]["d_model"] == 128  # from conf/experiment/demo.yaml
+    assert params["model"]["d_model"] == 32  # an override
+    # from conf/experiment/demo.yaml, over conf/config.yaml:
+    assert params["train"]["warmup_steps"] == 200 and params["data"]["source"] == "toy"
     vocab = json.loads((root / "metrics/vocab.json").read_text())
     assert vocab["requested_size"] == 450
 
@@ -145,5 +169,5 @@ def test_a_bad_param_stops_dvc_repro_before_any_work(repo):
     set_params(root, model__heads=5)
     result = run(["dvc", "repro"], root, env, check=False)
     assert result.returncode != 0
-    assert "d_model (128) must be divisible by heads (5)" in result.stderr + result.stdout
+    assert "model: d_model (32) must be divisible by heads (5)" in result.stderr
     assert not (root / "data/raw").exists()

@@ -129,13 +129,29 @@ def test_an_interrupted_run_resumes_bitwise(toy_workspace, tmp_path):
     assert a["run"]["valid_rows"] == b["run"]["valid_rows"]
 
 
-def test_a_changed_model_refuses_to_resume(toy_workspace, tmp_path):
+def test_a_changed_model_or_training_setting_starts_a_new_run_and_keeps_the_old(
+        toy_workspace, tmp_path, caplog):
     make_trainer(toy_workspace, tmp_path, {"train": {"steps": 3}}).fit()
-    with pytest.raises(DataError) as err:
-        make_trainer(toy_workspace, tmp_path, {"model": {"d_model": 48}})
-    msg = str(err.value)
-    assert "cannot resume" in msg and "model_config" in msg and "'d_model': 48" in msg
-    assert "step-00000003.pt" in msg
+    fresh = make_trainer(toy_workspace, tmp_path, {"model": {"d_model": 48},
+                                                   "train": {"steps": 3}})
+    assert fresh.state.step == 0  # the old weights were not loaded
+    assert "model.d_model: 32 -> 48" in caplog.text and "does not resume" in caplog.text
+    kept = list((tmp_path / "checkpoints.replaced").glob("*/step-00000003.pt"))
+    assert len(kept) == 1 and load_checkpoint(kept[0])["meta"]["model_config"]["d_model"] == 32
+    assert list_checkpoints(tmp_path / "checkpoints") == []
+    fresh.fit()
+    caplog.clear()
+    again = make_trainer(toy_workspace, tmp_path, {"model": {"d_model": 48},
+                                                   "train": {"steps": 3, "lr_scale": 2.0}})
+    assert again.state.step == 0 and "train.lr_scale: 1.0 -> 2.0" in caplog.text
+
+
+def test_more_steps_or_other_logging_continue_the_same_run(toy_workspace, tmp_path):
+    make_trainer(toy_workspace, tmp_path, {"train": {"steps": 3}}).fit()
+    longer = make_trainer(toy_workspace, tmp_path, {"train": {"steps": 6, "log_every": 1,
+                                                              "keep_checkpoints": 7}})
+    assert longer.state.step == 3
+    assert not (tmp_path / "checkpoints.replaced").exists()
 
 
 def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(
