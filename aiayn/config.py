@@ -132,6 +132,9 @@ class VocabConfig(Strict):
     # Not "size": DVC leaves keys named "size" out of its run-cache key (see test_config).
     vocab_size: int = Field(37_000, ge=300, description="BPE vocabulary size incl. specials")
     min_frequency: int = Field(2, ge=1)
+    max_pairs: int = Field(
+        0, ge=0, description="train BPE on an evenly spread sample of this many train pairs; "
+        "0 uses them all")
 
 
 class SurveyConfig(Strict):

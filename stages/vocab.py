@@ -16,6 +16,19 @@ from aiayn.tokenizer import UNK_ID, encode_ids, save_tokenizer, train_bpe
 from stages.common import ParamsPath, log, read_params, single_command_app, stage
 
 
+def sample_rows(start: int, count: int, n_pairs: int, n_rows: int) -> list[int] | None:
+    """Rows of [start, start + count) in an evenly spread sample of n_pairs of n_rows.
+
+    Row i is kept when floor(i * n_pairs / n_rows) steps up at i, which keeps exactly
+    n_pairs rows, spread over the whole file (the corpus may be ordered by source).
+    None means every row.
+    """
+    if n_pairs >= n_rows:
+        return None
+    return [i - start for i in range(start, start + count)
+            if (i * n_pairs) // n_rows != ((i + 1) * n_pairs) // n_rows]
+
+
 @stage
 def vocab(
     params: ParamsPath = Path("params.yaml"),
@@ -25,7 +38,8 @@ def vocab(
 ) -> None:
     """Train one byte-level BPE vocabulary shared by both languages (paper Section 5.1).
 
-    Reads: params `vocab.vocab_size`, `vocab.min_frequency`; RAW/train.parquet (both columns).
+    Reads: params `vocab.vocab_size`, `vocab.min_frequency`, `vocab.max_pairs` (train on an
+    evenly spread sample of that many pairs; 0: all); RAW/train.parquet (both columns).
     Writes: OUT (a Hugging Face `tokenizers` JSON; ids 0-3 are <pad> <s> </s> <unk>) and
     METRICS with the vocabulary size and, on the held-out valid split, the unknown-token
     rate and the mean tokens per sentence for each language. Decoding is lossless.
@@ -36,23 +50,31 @@ def vocab(
     if missing:
         raise DataError(f"{raw}/train.parquet has columns {langs}, not {missing}; "
                         "re-run `aiayn download` after changing data.src_lang/tgt_lang")
-    n_sentences = raw_rows(raw, "train") * len(langs)
-    log.info("vocab: training BPE (size %d, min frequency %d) on %d sentences",
-             p.vocab.vocab_size, p.vocab.min_frequency, n_sentences)
+    n_rows = raw_rows(raw, "train")
+    n_pairs = min(n_rows, p.vocab.max_pairs) if p.vocab.max_pairs else n_rows
+    n_sentences = n_pairs * len(langs)
+    log.info("vocab: training BPE (size %d, min frequency %d) on %d sentences%s",
+             p.vocab.vocab_size, p.vocab.min_frequency, n_sentences,
+             f" (a sample of {n_pairs} of {n_rows} pairs)" if n_pairs < n_rows else "")
     with tqdm(total=n_sentences, desc="vocab: reading train", unit=" sent", unit_scale=True,
               mininterval=1.0) as bar:
         def texts():
             # Whole batches: tokenizers takes lists, and the bar updates once per batch.
+            start = 0
             for batch in iter_raw(raw, "train", columns=langs):
+                keep = sample_rows(start, len(batch[langs[0]]), n_pairs, n_rows)
+                start += len(batch[langs[0]])
                 for lang in langs:
-                    bar.update(len(batch[lang]))
-                    yield batch[lang]
+                    chosen = [batch[lang][i] for i in keep] if keep is not None else batch[lang]
+                    bar.update(len(chosen))
+                    yield chosen
 
         tok = train_bpe(texts(), p.vocab.vocab_size, p.vocab.min_frequency, length=n_sentences)
     save_tokenizer(tok, out)
 
     summary: dict = {"size": tok.get_vocab_size(), "requested_size": p.vocab.vocab_size,
-                     "min_frequency": p.vocab.min_frequency, "measured_on": "valid"}
+                     "min_frequency": p.vocab.min_frequency, "trained_on_pairs": n_pairs,
+                     "measured_on": "valid"}
     for lang in langs:
         lengths, unknown = [], 0
         for batch in iter_raw(raw, "valid", columns=[lang]):

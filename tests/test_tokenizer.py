@@ -78,3 +78,16 @@ def test_load_errors_name_the_file(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(DataError, match=f"{bad}: not a tokenizers JSON"):
         load_tokenizer(bad)
+
+
+def test_vocab_sample_is_exact_evenly_spread_and_batch_independent():
+    from stages.vocab import sample_rows
+
+    n_rows, n_pairs = 1003, 100
+    whole = sample_rows(0, n_rows, n_pairs, n_rows)
+    assert len(whole) == n_pairs
+    assert max(b - a for a, b in zip(whole, whole[1:], strict=False)) <= 11  # spread out
+    in_batches = [start + i for start in range(0, n_rows, 64)
+                  for i in sample_rows(start, min(64, n_rows - start), n_pairs, n_rows)]
+    assert in_batches == whole
+    assert sample_rows(0, 10, 10, 10) is None and sample_rows(0, 10, 50, 10) is None
