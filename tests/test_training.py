@@ -257,3 +257,31 @@ def test_two_processes_equal_one_process_with_two_accumulation_steps(toy_workspa
     a1 = load_checkpoint(one / "checkpoints/step-00000001.pt")["model"]["embedding.weight"]
     a2 = load_checkpoint(one / "checkpoints/step-00000002.pt")["model"]["embedding.weight"]
     assert not torch.equal(a1, a2)
+
+
+@pytest.mark.slow
+def test_train_stage_logs_one_mlflow_run_and_a_resume_continues_it(toy_workspace, tmp_path):
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    env = {**env_for_subprocess(), "MLFLOW_TRACKING_URI": uri, "DVC_EXP_NAME": "my-exp"}
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "stages.train",
+           *[a for a in train_cmd(write_params(tmp_path / "p.yaml", {"train": {"steps": 4}}),
+                                  run, toy_workspace) if a != "--no-mlflow"]]
+    subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=300, cwd=tmp_path)
+    run_id = json.loads((run / "checkpoints/mlflow_run.json").read_text())["run_id"]
+    cmd[cmd.index("--params") + 1] = str(write_params(tmp_path / "p.yaml",
+                                                      {"train": {"steps": 6}}))
+    subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=300, cwd=tmp_path)
+    assert json.loads((run / "checkpoints/mlflow_run.json").read_text())["run_id"] == run_id
+    client = MlflowClient(uri)
+    logged = client.get_run(run_id)
+    assert logged.data.params["model.d_model"] == "32"
+    assert logged.data.params["train.label_smoothing"] == "0.1"
+    assert logged.data.tags["dvc_experiment"] == "my-exp"
+    assert logged.info.status == "FINISHED"
+    history = client.get_metric_history(run_id, "train/loss")
+    assert [m.step for m in history] == [2, 4, 6]   # the resumed steps in the same run
+    assert [m.step for m in client.get_metric_history(run_id, "valid/loss")] == [4, 6]
+    assert logged.data.metrics["final/steps"] == 6
