@@ -1,7 +1,7 @@
 """Token-budget batches, planned from lengths and stored as memory-mapped shards.
 
 The paper (Section 5.1) batches sentence pairs "by approximate sequence length" so that each
-batch holds about 25000 source and 25000 target tokens. We plan every batch before encoding
+batch holds about 25000 source and 25000 target tokens. We plan every batch before writing
 anything, from the BPE lengths the survey stage measured:
 
 1. drop pairs with a side longer than ``max_len`` tokens (counted);
@@ -11,9 +11,13 @@ anything, from the BPE lengths the survey stage measured:
 4. cut the batch sequence into shards of at most ``shard_tokens`` stored tokens, at batch
    boundaries only, so a batch is a contiguous row range of one shard.
 
-Then the raw text is streamed once in its original order, encoded in chunks, and every pair
-is scattered straight to its sorted position in ``numpy`` memory maps. Memory stays bounded:
-only per-pair integers (lengths, permutation, offsets) live in RAM, never all token ids.
+No tokenizer runs here: the survey stage kept the BPE ids of every sentence in flat files
+(:mod:`aiayn.survey`). They are memory-mapped, and the stored pairs are gathered from them
+shard by shard in stored order, a chunk of pairs at a time (vectorised index arithmetic),
+with EOS appended to the source and BOS/EOS put around the target, and written as
+contiguous slices of ``numpy`` memory maps. Memory stays bounded: only per-pair integers
+(lengths, permutation, offsets) and one chunk of ids live in RAM, never all token ids. The
+tokenizer file is only read for its vocabulary size, and must be the one the survey used.
 
 Layout of ``{out}/{split}/`` (format version :data:`FORMAT_VERSION`)::
 
@@ -31,7 +35,7 @@ Row r of shard k is pair ``meta["shards"][k]["first_pair"] + r`` of ``rows.npy``
 
 from __future__ import annotations
 
-import itertools
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,19 +45,18 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from numpy.lib.format import open_memmap
-from tokenizers import Tokenizer
 
+from aiayn import survey
 from aiayn.config import SPLITS, ShardConfig
-from aiayn.corpus import iter_raw, raw_path
 from aiayn.errors import DataError
-from aiayn.io import atomic_path, write_json
-from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, encode_ids
+from aiayn.io import atomic_path, read_json, write_json
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, load_tokenizer
 
 FORMAT = "aiayn-shards"
 FORMAT_VERSION = 1
 SRC_EXTRA = 1  # stored source = ids + [EOS]
 TGT_EXTRA = 2  # stored target = [BOS] + ids + [EOS]; decoder sees len + 1 on each of in/out
-ENCODE_CHUNK = 20_000  # raw rows encoded per call: bounded memory, parallel encoding
+FILL_CHUNK = 100_000  # pairs gathered per step: a few MB of ids and index arrays
 
 
 def shard_name(index: int) -> str:
@@ -192,52 +195,97 @@ def padding_stats(plan: Plan) -> dict:
 # --------------------------------------------------------------------------- inputs
 
 
-def check_inputs(raw_dir: Path, lengths: Path, languages: tuple[str, str],
-                 splits: tuple[str, ...] = SPLITS) -> None:
-    """Fail before any work if a raw split, a language column or the survey is missing."""
-    for split in splits:
-        path = raw_path(raw_dir, split)
-        if not path.is_file():
-            raise DataError(f"{path}: missing; run the download stage first (`aiayn download`)")
-        names = pq.read_schema(path).names
-        for lang in languages:
-            if lang not in names:
-                raise DataError(
-                    f"{path}: no column {lang!r} (columns: {', '.join(names)}); "
-                    "data.src_lang/data.tgt_lang in params.yaml must name languages of the "
-                    "downloaded corpus, or re-run `aiayn download` after changing them"
-                )
+def _stale(path: Path, what: str) -> DataError:
+    return DataError(f"{path}: {what}; the survey is stale or damaged, re-run `aiayn survey`")
+
+
+def check_inputs(survey_dir: Path, tokenizer: Path, languages: tuple[str, str],
+                 splits: tuple[str, ...] = SPLITS) -> dict:
+    """Fail before any work if the survey is missing, incomplete or was made with another
+    tokenizer or other languages. Returns the survey's meta.json."""
+    survey_dir, tokenizer = Path(survey_dir), Path(tokenizer)
+    meta_path = survey_dir / survey.META_FILE
+    if not meta_path.is_file():
+        raise DataError(f"{meta_path}: missing; run the survey stage first (`aiayn survey`)")
+    try:
+        meta = read_json(meta_path)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _stale(meta_path, f"not readable JSON ({exc})") from None
+    if not isinstance(meta, dict) or meta.get("format") != survey.FORMAT \
+            or meta.get("format_version") != survey.FORMAT_VERSION:
+        raise _stale(meta_path, f"not a {survey.FORMAT!r} version {survey.FORMAT_VERSION} "
+                                "meta file")
+    missing = [lang for lang in languages if lang not in meta.get("languages", [])]
+    if missing:
+        raise DataError(
+            f"{meta_path}: no language {', '.join(map(repr, missing))} surveyed (languages: "
+            f"{', '.join(meta.get('languages', []))}); re-run `aiayn survey` with the current "
+            "data.src_lang/data.tgt_lang"
+        )
+    vocab_size = load_tokenizer(tokenizer).get_vocab_size()
+    sha = survey.file_sha256(tokenizer)
+    if meta.get("vocab_size") != vocab_size or meta.get("tokenizer_sha256") != sha:
+        raise DataError(
+            f"{meta_path}: the survey's token ids were made with a tokenizer of "
+            f"{meta.get('vocab_size')} tokens (sha256 {str(meta.get('tokenizer_sha256'))[:12]}), "
+            f"but {tokenizer} has {vocab_size} tokens (sha256 {sha[:12]}); the survey belongs "
+            "to another tokenizer, re-run `aiayn survey` with this one"
+        )
+    if meta.get("dtype") != token_dtype(vocab_size).name:
+        raise _stale(meta_path, f"field 'dtype' is {meta.get('dtype')!r}, expected "
+                                f"{token_dtype(vocab_size).name!r}")
+    lengths = survey_dir / survey.LENGTHS_FILE
     if not lengths.is_file():
-        raise DataError(f"{lengths}: missing; run the survey stage first (`aiayn survey`)")
+        raise _stale(lengths, "missing")
     try:
         names = pq.read_schema(lengths).names
     except (pa.ArrowException, OSError) as exc:
-        raise DataError(f"{lengths}: not a parquet file ({exc}); re-run `aiayn survey`") from None
-    missing = [c for c in ("split", "row", *languages) if c not in names]
-    if missing:
-        raise DataError(
-            f"{lengths}: no column(s) {', '.join(missing)} (columns: {', '.join(names)}); "
-            "re-run `aiayn survey` with the current data.src_lang/data.tgt_lang"
-        )
+        raise _stale(lengths, f"not a parquet file ({exc})") from None
+    absent = [c for c in ("split", "row", *languages) if c not in names]
+    if absent:
+        raise _stale(lengths, f"no column(s) {', '.join(absent)} (columns: {', '.join(names)})")
+    for split in splits:
+        if not isinstance(meta.get("splits", {}).get(split, {}).get("rows"), int):
+            raise _stale(meta_path, f"no row count for split {split!r}")
+        for lang in languages:
+            path = survey.ids_path(survey_dir, split, lang)
+            if not path.is_file():
+                raise _stale(path, "missing")
+    return meta
 
 
-def read_lengths(lengths: Path, split: str, src_lang: str, tgt_lang: str,
-                 raw_file: Path) -> tuple[np.ndarray, np.ndarray]:
-    """Survey lengths of one split, checked to cover the raw file's rows 0..n-1 in order."""
-    expected_rows = pq.ParquetFile(raw_file).metadata.num_rows
+def read_lengths(survey_dir: Path, split: str, src_lang: str, tgt_lang: str,
+                 expected_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Survey lengths of one split, checked to cover rows 0..n-1 in order (n from meta)."""
+    lengths = Path(survey_dir) / survey.LENGTHS_FILE
     table = pq.read_table(lengths, columns=["split", "row", src_lang, tgt_lang])
     # The survey stores `split` as a pandas category (a dictionary column): compare as text.
     table = table.filter(pc.equal(table["split"].cast(pa.string()), split))
     rows = table["row"].to_numpy()
     if rows.size != expected_rows or not np.array_equal(rows, np.arange(expected_rows)):
-        raise DataError(
-            f"{lengths}: field 'row' of split {split!r} covers {rows.size} rows but "
-            f"{raw_file} has {expected_rows} (rows 0..n-1 in order expected); "
-            "lengths.parquet is stale, re-run `aiayn survey`"
-        )
+        raise _stale(lengths, f"field 'row' of split {split!r} covers {rows.size} rows but "
+                              f"{survey.META_FILE} says {expected_rows} (rows 0..n-1 in order "
+                              "expected)")
     src = table[src_lang].to_numpy().astype(np.int64)
     tgt = table[tgt_lang].to_numpy().astype(np.int64)
     return src, tgt
+
+
+def load_ids(survey_dir: Path, split: str, lang: str, lengths: np.ndarray,
+             dtype: np.dtype) -> np.ndarray:
+    """The flat ids of one split and language, memory-mapped, checked against the lengths."""
+    path = survey.ids_path(survey_dir, split, lang)
+    try:
+        flat = np.load(path, mmap_mode="r")
+    except (OSError, ValueError) as exc:
+        raise _stale(path, f"cannot be read ({exc})") from None
+    if flat.ndim != 1 or flat.dtype != dtype:
+        raise _stale(path, f"holds {flat.dtype} {flat.shape}, expected 1-D {dtype.name}")
+    total = int(lengths.sum())
+    if flat.size != total:
+        raise _stale(path, f"holds {flat.size} token ids but column {lang!r} of split "
+                           f"{split!r} of {survey.LENGTHS_FILE} sums to {total}")
+    return flat
 
 
 # --------------------------------------------------------------------------- writing
@@ -245,139 +293,100 @@ def read_lengths(lengths: Path, split: str, src_lang: str, tgt_lang: str,
 
 @dataclass
 class _Layout:
-    """Per-position destination: which shard and where in its flat arrays."""
+    """Per shard, where each stored pair starts in the shard's flat arrays."""
 
-    shard: np.ndarray  # int64 [n]
-    src_start: np.ndarray  # int64 [n], within the shard
-    tgt_start: np.ndarray
-    src_offsets: list[np.ndarray]  # per shard, [rows + 1]
+    src_offsets: list[np.ndarray]  # per shard, int64 [rows + 1]
     tgt_offsets: list[np.ndarray]
 
 
 def _layout(plan: Plan) -> _Layout:
     pair_bounds = plan.pair_bounds_of_shards()
-    shard = np.repeat(np.arange(plan.num_shards, dtype=np.int64), np.diff(pair_bounds))
-    src_stored = plan.src_len + SRC_EXTRA
-    tgt_stored = plan.tgt_len + TGT_EXTRA
-    src_start = np.empty(plan.num_pairs, dtype=np.int64)
-    tgt_start = np.empty(plan.num_pairs, dtype=np.int64)
     src_offsets, tgt_offsets = [], []
     for k in range(plan.num_shards):
         lo, hi = pair_bounds[k], pair_bounds[k + 1]
-        for stored, start, offsets in ((src_stored, src_start, src_offsets),
-                                       (tgt_stored, tgt_start, tgt_offsets)):
-            off = np.zeros(hi - lo + 1, dtype=np.int64)
-            np.cumsum(stored[lo:hi], out=off[1:])
-            start[lo:hi] = off[:-1]
-            offsets.append(off)
-    return _Layout(shard, src_start, tgt_start, src_offsets, tgt_offsets)
+        src_offsets.append(survey.sentence_offsets(plan.src_len[lo:hi] + SRC_EXTRA))
+        tgt_offsets.append(survey.sentence_offsets(plan.tgt_len[lo:hi] + TGT_EXTRA))
+    return _Layout(src_offsets, tgt_offsets)
 
 
-def pack(ids: list[list[int]], bos: bool, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenate sequences with specials: ``[BOS]? + ids + [EOS]`` each.
-
-    Returns the flat array and the stored length of each sequence.
-    """
-    lens = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-    extra = 2 if bos else 1
-    stored = lens + extra
-    starts = np.zeros(len(ids), dtype=np.int64)
-    np.cumsum(stored[:-1], out=starts[1:])
-    raw_starts = np.zeros(len(ids), dtype=np.int64)
-    np.cumsum(lens[:-1], out=raw_starts[1:])
-    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(lens.sum()))
-    out = np.empty(int(stored.sum()), dtype=dtype)
-    shift = np.repeat(starts + (1 if bos else 0) - raw_starts, lens)
-    out[np.arange(flat.size) + shift] = flat
-    out[starts + stored - 1] = EOS_ID
+def gather(flat: np.ndarray, starts: np.ndarray, lens: np.ndarray, bos: bool,
+           dtype: np.dtype) -> np.ndarray:
+    """Sequences ``flat[starts[j]:starts[j] + lens[j]]`` concatenated with specials:
+    ``[BOS]? + ids + [EOS]`` each, as one flat array of ``dtype``."""
+    stored = lens + (2 if bos else 1)
+    ends = np.cumsum(stored)  # exclusive end of each stored sequence
+    out = np.empty(int(ends[-1]) if ends.size else 0, dtype=dtype)
+    is_id = np.ones(out.size, dtype=bool)
+    is_id[ends - 1] = False
     if bos:
-        out[starts] = BOS_ID
-    return out, stored
+        is_id[ends - stored] = False
+    # Token t of the concatenated ids belongs to sequence j: it sits at flat[t + shift[j]].
+    run_starts = np.cumsum(lens) - lens
+    index = np.repeat(starts - run_starts, lens)
+    index += np.arange(index.size, dtype=np.int64)
+    out[is_id] = flat[index]  # a boolean mask keeps order: ids land between the specials
+    out[ends - 1] = EOS_ID
+    if bos:
+        out[ends - stored] = BOS_ID
+    return out
 
 
-def scatter(packed: np.ndarray, stored: np.ndarray, shard: np.ndarray, start: np.ndarray,
-            arrays: list[np.ndarray]) -> None:
-    """Copy packed sequence j to ``arrays[shard[j]][start[j]:start[j] + stored[j]]``."""
-    local = np.zeros(stored.size, dtype=np.int64)
-    np.cumsum(stored[:-1], out=local[1:])
-    dest = np.repeat(start - local, stored) + np.arange(packed.size)
-    token_shard = np.repeat(shard, stored)
-    for k in np.unique(shard).tolist():
-        mask = token_shard == k
-        arrays[k][dest[mask]] = packed[mask]
-
-
-def _stale(lengths: Path, split: str, lang: str, row: int, surveyed: int, encoded: int):
-    return DataError(
-        f"{lengths}: field {lang!r} of split {split!r}, row {row}, says {surveyed} tokens but "
-        f"the tokenizer gives {encoded}; lengths.parquet is stale (made with another tokenizer "
-        "or corpus), re-run `aiayn survey`"
-    )
-
-
-def _check_lengths(got: np.ndarray, want: np.ndarray, rows: np.ndarray, lengths: Path,
-                   split: str, lang: str, extra: int) -> None:
-    bad = np.flatnonzero(got != want + extra)
-    if bad.size:
-        i = bad[0]
-        raise _stale(lengths, split, lang, int(rows[i]), int(want[i]), int(got[i] - extra))
-
-
-def build_split(raw_dir: Path, split: str, tok: Tokenizer, lengths: Path, out_dir: Path,
-                cfg: ShardConfig, src_lang: str, tgt_lang: str,
+def build_split(survey_dir: Path, meta: dict, split: str, out_dir: Path, cfg: ShardConfig,
+                src_lang: str, tgt_lang: str,
                 progress: Callable[[int], None] | None = None) -> dict:
-    """Plan, encode and write one split into the (fresh) folder ``out_dir``; return metrics.
+    """Plan, gather and write one split into the (fresh) folder ``out_dir``; return metrics.
 
-    ``progress`` is called with the number of raw rows just encoded.
+    ``meta`` is the survey's meta.json as :func:`check_inputs` returned it. ``progress`` is
+    called with the number of survey rows just handled (dropped pairs count at the end).
     """
-    src_len, tgt_len = read_lengths(lengths, split, src_lang, tgt_lang, raw_path(raw_dir, split))
+    survey_dir = Path(survey_dir)
+    src_len, tgt_len = read_lengths(survey_dir, split, src_lang, tgt_lang,
+                                    meta["splits"][split]["rows"])
     n_rows = src_len.size
     plan = plan_split(src_len, tgt_len, cfg.max_tokens, cfg.max_len, cfg.shard_tokens)
     if plan.num_pairs == 0:
         raise DataError(
-            f"{lengths}: every one of the {n_rows} pairs of split {split!r} has a side longer "
-            f"than shard.max_len = {cfg.max_len} tokens; raise shard.max_len in params.yaml"
+            f"{survey_dir / survey.LENGTHS_FILE}: every one of the {n_rows} pairs of split "
+            f"{split!r} has a side longer than shard.max_len = {cfg.max_len} tokens; raise "
+            "shard.max_len in params.yaml"
         )
-    vocab_size = tok.get_vocab_size()
+    vocab_size = int(meta["vocab_size"])
     dtype = token_dtype(vocab_size)
+    sides = []
+    for lang, lengths, stored_len, bos in ((src_lang, src_len, plan.src_len, False),
+                                           (tgt_lang, tgt_len, plan.tgt_len, True)):
+        flat = load_ids(survey_dir, split, lang, lengths, dtype)
+        sides.append((lang, flat, survey.sentence_offsets(lengths)[:-1], stored_len, bos))
     layout = _layout(plan)
-    position = np.full(n_rows, -1, dtype=np.int64)
-    position[plan.order] = np.arange(plan.num_pairs)
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    src_arrays, tgt_arrays = [], []
+    pair_bounds = plan.pair_bounds_of_shards()
     for k in range(plan.num_shards):
         name = shard_name(k)
-        src_arrays.append(open_memmap(out_dir / f"{name}.src.npy", mode="w+", dtype=dtype,
-                                      shape=(int(layout.src_offsets[k][-1]),)))
-        tgt_arrays.append(open_memmap(out_dir / f"{name}.tgt.npy", mode="w+", dtype=dtype,
-                                      shape=(int(layout.tgt_offsets[k][-1]),)))
-
-    row0 = 0
-    for chunk in iter_raw(raw_dir, split, [src_lang, tgt_lang], batch_size=ENCODE_CHUNK):
-        n = len(chunk[src_lang])
-        pos = position[row0:row0 + n]
-        keep = np.flatnonzero(pos >= 0)
-        if keep.size:
-            p = pos[keep]
-            for lang, bos, want, start, arrays in (
-                (src_lang, False, plan.src_len, layout.src_start, src_arrays),
-                (tgt_lang, True, plan.tgt_len, layout.tgt_start, tgt_arrays),
-            ):
-                texts = chunk[lang]
-                ids = encode_ids(tok, [texts[i] for i in keep.tolist()])
-                packed, stored = pack(ids, bos, dtype)
-                _check_lengths(stored, want[p], keep + row0, lengths, split, lang,
-                               TGT_EXTRA if bos else SRC_EXTRA)
-                scatter(packed, stored, layout.shard[p], start[p], arrays)
-        row0 += n
-        if progress:
-            progress(n)
-    if row0 != n_rows:  # the file changed under us
-        raise DataError(f"{raw_path(raw_dir, split)}: read {row0} rows, expected {n_rows}")
-    for arr in src_arrays + tgt_arrays:
-        arr.flush()
-    del src_arrays, tgt_arrays
+        arrays = [open_memmap(out_dir / f"{name}.{part}.npy", mode="w+", dtype=dtype,
+                              shape=(int(offsets[k][-1]),))
+                  for part, offsets in (("src", layout.src_offsets),
+                                        ("tgt", layout.tgt_offsets))]
+        p0, p1 = int(pair_bounds[k]), int(pair_bounds[k + 1])
+        for lo in range(p0, p1, FILL_CHUNK):  # stored order: each chunk is one slice
+            hi = min(lo + FILL_CHUNK, p1)
+            rows = plan.order[lo:hi]
+            for (lang, flat, starts, stored_len, bos), arr, offsets in zip(
+                    sides, arrays, (layout.src_offsets[k], layout.tgt_offsets[k]),
+                    strict=True):
+                packed = gather(flat, starts[rows], stored_len[lo:hi], bos, dtype)
+                top = int(packed.max())
+                if top >= vocab_size:
+                    raise _stale(survey.ids_path(survey_dir, split, lang),
+                                 f"holds token id {top}, over the vocabulary of {vocab_size}")
+                arr[offsets[lo - p0]:offsets[hi - p0]] = packed
+            if progress:
+                progress(hi - lo)
+        for arr in arrays:
+            arr.flush()
+        del arrays
+    if progress and plan.dropped:
+        progress(plan.dropped)
 
     return _write_index(out_dir, split, plan, layout, cfg, src_lang, tgt_lang, vocab_size,
                         dtype)
@@ -445,20 +454,23 @@ def _write_index(out_dir: Path, split: str, plan: Plan, layout: _Layout, cfg: Sh
     return metrics
 
 
-def build_shards(raw_dir: str | Path, tok: Tokenizer, lengths: str | Path, out: str | Path,
+def build_shards(survey_dir: str | Path, tokenizer: str | Path, out: str | Path,
                  cfg: ShardConfig, src_lang: str, tgt_lang: str,
                  splits: tuple[str, ...] = SPLITS,
                  progress: Callable[[str, int], None] | None = None) -> dict[str, dict]:
-    """Build ``out/{split}/`` for every split; ``out`` is replaced whole, only on success.
+    """Build ``out/{split}/`` for every split from the survey folder ``survey_dir``; ``out``
+    is replaced whole, only on success.
 
-    ``progress`` is called with (split, raw rows just encoded). Returns metrics per split.
+    ``tokenizer`` is the tokenizer file: its vocabulary size sets the dtype, and it must be
+    the one the survey encoded with. ``progress`` is called with (split, rows just handled).
+    Returns metrics per split.
     """
-    raw_dir, lengths, out = Path(raw_dir), Path(lengths), Path(out)
-    check_inputs(raw_dir, lengths, (src_lang, tgt_lang), splits)
+    survey_dir, out = Path(survey_dir), Path(out)
+    meta = check_inputs(survey_dir, Path(tokenizer), (src_lang, tgt_lang), splits)
     metrics: dict[str, dict] = {}
     with atomic_path(out, directory=True) as tmp:
         for split in splits:
             report = (lambda n, s=split: progress(s, n)) if progress else None
-            metrics[split] = build_split(raw_dir, split, tok, lengths, tmp / split, cfg,
+            metrics[split] = build_split(survey_dir, meta, split, tmp / split, cfg,
                                          src_lang, tgt_lang, report)
     return metrics

@@ -1,61 +1,256 @@
 """Token-length survey: how long are the pairs, and what would each max length cost?
 
-The shard stage plans its token-bucket batches from these lengths before it encodes, and a
-user picks ``shard.max_len`` from the drop counts reported here.
+The survey is the one pass that runs the tokenizer over the whole corpus. It keeps the token
+ids it computes, so the shard stage plans its token-bucket batches from the lengths and
+packs the ids without encoding anything again; a user picks ``shard.max_len`` from the drop
+counts reported here.
+
+Layout of the survey folder (``data/survey/``, format version :data:`FORMAT_VERSION`)::
+
+    lengths.parquet          split (category), row (index within the raw split), one int32
+                             token count (BPE, no special tokens) per language
+    meta.json                vocab_size, languages, dtype, rows and tokens per split, and
+                             the sha256 of the tokenizer file the ids came from
+    ids/{split}.{lang}.npy   flat BPE ids (no special tokens) of all sentences of the split,
+                             concatenated in row order; dtype :func:`aiayn.shards.token_dtype`
+
+Sentence ``i`` of a split is ``flat[offsets[i]:offsets[i + 1]]``, where ``flat`` is
+``np.load(ids/{split}.{lang}.npy, mmap_mode="r")`` and ``offsets = [0, *cumsum(lengths)]``
+over that split's rows of column ``lang`` of ``lengths.parquet`` (:func:`sentence_offsets`).
+
+The folder is written whole into a temporary sibling and renamed into place at the end, so
+a crash leaves the previous survey intact. While encoding, the ids of each split and
+language are appended batch by batch to their ``.npy`` file behind a placeholder header
+that is rewritten with the final length afterwards: memory stays at one batch of ids.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
+import itertools
+import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
+import pyarrow.parquet as pq
+from numpy.lib import format as npy_format
 from tokenizers import Tokenizer
 
 from aiayn.config import SPLITS
-from aiayn.corpus import iter_raw
-from aiayn.io import atomic_path
-from aiayn.tokenizer import encode_lengths
+from aiayn.corpus import iter_raw, raw_path
+from aiayn.errors import DataError
+from aiayn.io import atomic_path, write_json
+from aiayn.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+# pandas is imported where it is used: aiayn.shards, and through it the training data
+# reader, use this module's folder layout helpers and should not pay for it.
 
 PERCENTILES = (50, 90, 95, 99, 99.9)
+FORMAT = "aiayn-survey"
+FORMAT_VERSION = 1
+LENGTHS_FILE = "lengths.parquet"
+META_FILE = "meta.json"
+
+
+def ids_path(survey_dir: str | Path, split: str, lang: str) -> Path:
+    """The flat token file of one split and language inside a survey folder."""
+    return Path(survey_dir) / "ids" / f"{split}.{lang}.npy"
+
+
+def sentence_offsets(lengths: np.ndarray) -> np.ndarray:
+    """int64 [n + 1]: sentence i of a flat ids file is ``flat[off[i]:off[i + 1]]``."""
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return offsets
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex sha256 of a file's bytes; the same digest as :func:`aiayn.checkpoint.file_sha256`,
+    without importing torch into the data stages."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------- flat id files
+
+
+def _npy_header(dtype: np.dtype, size: int) -> bytes:
+    buf = io.BytesIO()
+    npy_format.write_array_header_1_0(buf, {"descr": npy_format.dtype_to_descr(dtype),
+                                            "fortran_order": False, "shape": (size,)})
+    return buf.getvalue()
+
+
+class FlatIdsWriter:
+    """Append token ids to a 1-D ``.npy`` file whose length is only known at the end.
+
+    The file starts with the header of an empty array; :meth:`close` rewrites it with the
+    final length (numpy pads 1-D headers so that any length fits in the same bytes; if it
+    ever does not, the body is copied behind a longer header).
+    """
+
+    def __init__(self, path: Path, dtype: np.dtype):
+        self.path = path
+        self.dtype = np.dtype(dtype)
+        self.size = 0
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._header = _npy_header(self.dtype, 0)
+        self._file = open(path, "wb")  # noqa: SIM115 (closed in close())
+        self._file.write(self._header)
+
+    def append(self, lengths: np.ndarray, ids: Iterable[int]) -> None:
+        """Append the concatenated ids of a batch of sequences of the given lengths."""
+        total = int(lengths.sum())
+        flat = np.fromiter(ids, dtype=self.dtype, count=total)
+        self._file.write(flat.tobytes())
+        self.size += total
+
+    def close(self) -> None:
+        header = _npy_header(self.dtype, self.size)
+        if len(header) == len(self._header):
+            self._file.seek(0)
+            self._file.write(header)
+            self._file.close()
+            return
+        self._file.close()
+        moved = self.path.with_suffix(".body")
+        os.replace(self.path, moved)
+        with open(moved, "rb") as src, open(self.path, "wb") as dst:
+            dst.write(header)
+            src.seek(len(self._header))
+            while chunk := src.read(1 << 24):
+                dst.write(chunk)
+        moved.unlink()
+
+    def abort(self) -> None:
+        self._file.close()
+
+
+# --------------------------------------------------------------------------- the survey
+
+
+def encode(tok: Tokenizer, texts: list[str]) -> list:
+    """Encodings (no special tokens) of a batch of sentences, encoded in parallel."""
+    return tok.encode_batch_fast(texts, add_special_tokens=False)
+
+
+def check_raw(raw_dir: str | Path, languages: Iterable[str]) -> None:
+    """Fail before any work if a raw split or one of the language columns is missing."""
+    for split in SPLITS:
+        path = raw_path(raw_dir, split)
+        if not path.is_file():
+            raise DataError(f"{path}: missing; run the download stage first (`aiayn download`)")
+        names = pq.read_schema(path).names
+        for lang in languages:
+            if lang not in names:
+                raise DataError(
+                    f"{path}: no column {lang!r} (columns: {', '.join(names)}); "
+                    "data.src_lang/data.tgt_lang in params.yaml must name languages of the "
+                    "downloaded corpus, or re-run `aiayn download` after changing them"
+                )
 
 
 def survey_lengths(tok: Tokenizer, raw_dir: str | Path, languages: Iterable[str],
-                   progress: Callable[[int], None] | None = None) -> pd.DataFrame:
+                   progress: Callable[[int], None] | None = None,
+                   ids_dir: str | Path | None = None) -> pd.DataFrame:
     """Token counts (no special tokens) of every sentence of every split.
 
     Columns: ``split`` (category), ``row`` (index within the raw split), one int32 column
     per language. Built split by split, batch by batch: memory is a few bytes per pair.
+    With ``ids_dir``, the ids themselves go to ``ids_dir/{split}.{lang}.npy`` as they are
+    encoded (see the module docstring; dtype :func:`aiayn.shards.token_dtype`).
     """
+    import pandas as pd
+
+    from aiayn.shards import token_dtype  # aiayn.shards reads survey folders through us
+
     langs = list(languages)
+    dtype = token_dtype(tok.get_vocab_size())
     frames = []
     for split in SPLITS:
-        start = 0
-        for batch in iter_raw(raw_dir, split, columns=langs):
-            n = len(batch[langs[0]])
-            cols = {lang: np.asarray(encode_lengths(tok, batch[lang]), dtype=np.int32)
-                    for lang in langs}
-            frames.append(pd.DataFrame({"split": split,
-                                        "row": np.arange(start, start + n, dtype=np.int64),
-                                        **cols}))
-            start += n
-            if progress:
-                progress(n)
+        writers = {lang: FlatIdsWriter(Path(ids_dir) / f"{split}.{lang}.npy", dtype)
+                   for lang in langs} if ids_dir is not None else {}
+        try:
+            start = 0
+            for batch in iter_raw(raw_dir, split, columns=langs):
+                n = len(batch[langs[0]])
+                cols = {}
+                for lang in langs:
+                    encodings = encode(tok, batch[lang])
+                    # len(encoding) is its token count; each .ids list is built once, streamed
+                    # into numpy and dropped (keeping them all costs garbage-collector time).
+                    cols[lang] = np.fromiter(map(len, encodings), dtype=np.int32, count=n)
+                    if writers:
+                        writers[lang].append(cols[lang], itertools.chain.from_iterable(
+                            e.ids for e in encodings))
+                frames.append(pd.DataFrame({"split": split,
+                                            "row": np.arange(start, start + n, dtype=np.int64),
+                                            **cols}))
+                start += n
+                if progress:
+                    progress(n)
+        except BaseException:
+            for writer in writers.values():
+                writer.abort()
+            raise
+        for writer in writers.values():
+            writer.close()
     df = pd.concat(frames, ignore_index=True)
     df["split"] = pd.Categorical(df["split"], categories=list(SPLITS))
     return df
 
 
-def write_lengths(df: pd.DataFrame, path: str | Path) -> None:
-    with atomic_path(path) as tmp:
-        df.to_parquet(tmp, index=False, compression="zstd")
+def build_survey(tokenizer: str | Path, raw_dir: str | Path, languages: Iterable[str],
+                 out: str | Path, progress: Callable[[int], None] | None = None
+                 ) -> pd.DataFrame:
+    """Encode every split once and write the survey folder ``out`` (replaced whole, only on
+    success): ``lengths.parquet``, ``ids/{split}.{lang}.npy`` and ``meta.json``.
+
+    Returns the lengths table. ``progress`` is called with the number of pairs just encoded.
+    """
+    from aiayn.shards import token_dtype
+
+    langs = list(languages)
+    check_raw(raw_dir, langs)
+    tok = load_tokenizer(tokenizer)
+    sha = file_sha256(tokenizer)
+    vocab_size = tok.get_vocab_size()
+    with atomic_path(out, directory=True) as tmp:
+        df = survey_lengths(tok, raw_dir, langs, progress, ids_dir=tmp / "ids")
+        df.to_parquet(tmp / LENGTHS_FILE, index=False, compression="zstd")
+        splits = {}
+        for split in SPLITS:
+            part = df[df["split"] == split]
+            splits[split] = {"rows": int(len(part)),
+                             "tokens": {lang: int(part[lang].sum()) for lang in langs}}
+        write_json(tmp / META_FILE, {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "languages": langs,
+            "vocab_size": vocab_size,
+            "dtype": token_dtype(vocab_size).name,
+            "tokenizer_sha256": sha,
+            "lengths_file": LENGTHS_FILE,
+            "ids_files": "ids/{split}.{lang}.npy",
+            "splits": splits,
+        })
+    return df
 
 
-def read_lengths(path: str | Path) -> pd.DataFrame:
-    from aiayn.errors import DataError
+def read_lengths(survey_dir: str | Path) -> pd.DataFrame:
+    """The lengths table of a survey folder."""
+    import pandas as pd
 
-    path = Path(path)
+    path = Path(survey_dir) / LENGTHS_FILE
     if not path.is_file():
         raise DataError(f"{path}: missing; run the survey stage first (`aiayn survey`)")
     return pd.read_parquet(path)
@@ -90,6 +285,8 @@ def summarize(df: pd.DataFrame, languages: Iterable[str], candidates: Iterable[i
 def histogram(df: pd.DataFrame, languages: Iterable[str], bins: int,
               split: str = "train") -> pd.DataFrame:
     """Pair counts per token-length bin of one split, one column per language (for plots)."""
+    import pandas as pd
+
     langs = list(languages)
     part = df[df["split"] == split]
     top = int(part[langs].to_numpy().max()) if len(part) else 1

@@ -1,4 +1,4 @@
-"""shard: raw text + lengths → token-budget batches in data/shards/{split}/ + metrics/shard.json."""
+"""shard: survey (lengths + token ids) → token-budget batches in data/shards/{split}/ + metrics/shard.json."""
 
 from __future__ import annotations
 
@@ -8,28 +8,25 @@ from typing import Annotated
 import typer
 from tqdm import tqdm
 
-from aiayn.config import SPLITS
-from aiayn.corpus import raw_rows
 from aiayn.io import write_json
 from aiayn.shards import build_shards, check_inputs
-from aiayn.tokenizer import load_tokenizer
 from stages.common import ParamsPath, log, read_params, single_command_app, stage
 
 
 @stage
 def shard(
     params: ParamsPath = Path("params.yaml"),
-    raw: Annotated[Path, typer.Option(help="Folder of raw splits from `aiayn download`.")] = Path("data/raw"),
-    vocab: Annotated[Path, typer.Option(help="Tokenizer from `aiayn vocab`.")] = Path("data/vocab/tokenizer.json"),
-    lengths: Annotated[Path, typer.Option(help="Per-pair token lengths from `aiayn survey`; batches are planned from them.")] = Path("data/survey/lengths.parquet"),
+    vocab: Annotated[Path, typer.Option(help="Tokenizer from `aiayn vocab` (the one the survey used; sets the vocabulary size).")] = Path("data/vocab/tokenizer.json"),
+    survey: Annotated[Path, typer.Option(help="Survey folder from `aiayn survey`: lengths to plan batches from, token ids to pack.")] = Path("data/survey"),
     out: Annotated[Path, typer.Option(help="Folder of shards, one subfolder per split (replaced whole).")] = Path("data/shards"),
     metrics: Annotated[Path, typer.Option(help="Pairs, drops, batches, tokens and padding ratio per split.")] = Path("metrics/shard.json"),
 ) -> None:
-    """Encode every split into length-bucketed, token-budget batches on memory-mapped shards.
+    """Pack every split into length-bucketed, token-budget batches on memory-mapped shards.
 
-    Reads: params `data.src_lang`/`tgt_lang` and `shard.*`; RAW/{train,valid,test}.parquet,
-    VOCAB and LENGTHS. Pairs with a side over `shard.max_len` BPE tokens are dropped. The
-    rest are sorted by (source, target) length and cut into batches of at most
+    Reads: params `data.src_lang`/`tgt_lang` and `shard.*`; SURVEY (lengths.parquet,
+    ids/{split}.{lang}.npy, meta.json: no text is encoded again) and VOCAB, which must be
+    the tokenizer the survey used. Pairs with a side over `shard.max_len` BPE tokens are
+    dropped. The rest are sorted by (source, target) length and cut into batches of at most
     `shard.max_tokens` tokens per side, padding included, then into shards of at most
     `shard.shard_tokens` tokens.
 
@@ -40,11 +37,10 @@ def shard(
     """
     p = read_params(params)
     languages = p.data.languages
-    check_inputs(raw, lengths, languages)
-    tok = load_tokenizer(vocab)
-    total = sum(raw_rows(raw, split) for split in SPLITS)
+    meta = check_inputs(survey, vocab, languages)
+    total = sum(entry["rows"] for entry in meta["splits"].values())
     with tqdm(total=total, desc="shard", unit=" pairs", unit_scale=True, mininterval=1.0) as bar:
-        stats = build_shards(raw, tok, lengths, out, p.shard, *languages,
+        stats = build_shards(survey, vocab, out, p.shard, *languages,
                              progress=lambda split, n: bar.update(n))
     summary = {
         "languages": list(languages),
@@ -60,7 +56,7 @@ def shard(
                  st["batches"], st["shards"], 100 * st["padding_ratio"])
 
 
-app = single_command_app(shard, "Encode the corpus into token-budget batches on shards.")
+app = single_command_app(shard, "Pack the surveyed corpus into token-budget batches on shards.")
 
 if __name__ == "__main__":
     app()

@@ -1,4 +1,4 @@
-"""survey: token lengths of every pair → data/survey/lengths.parquet, stats and a histogram."""
+"""survey: encode every pair once → data/survey/ (lengths, token ids), stats and a histogram."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from tqdm import tqdm
 from aiayn.config import SPLITS
 from aiayn.corpus import raw_rows
 from aiayn.io import atomic_path, write_json
-from aiayn.survey import histogram, plot_histogram, summarize, survey_lengths, write_lengths
-from aiayn.tokenizer import load_tokenizer
+from aiayn.survey import build_survey, check_raw, histogram, plot_histogram, summarize
 from stages.common import ParamsPath, log, read_params, single_command_app, stage
 
 
@@ -21,26 +20,29 @@ def survey(
     params: ParamsPath = Path("params.yaml"),
     raw: Annotated[Path, typer.Option(help="Folder of raw splits from `aiayn download`.")] = Path("data/raw"),
     tokenizer: Annotated[Path, typer.Option(help="Tokenizer from `aiayn vocab`.")] = Path("data/vocab/tokenizer.json"),
-    out: Annotated[Path, typer.Option(help="Per-pair token lengths (parquet).")] = Path("data/survey/lengths.parquet"),
+    out: Annotated[Path, typer.Option(help="Survey folder: per-pair token lengths and the token ids (replaced whole).")] = Path("data/survey"),
     metrics: Annotated[Path, typer.Option(help="Percentiles and drops per candidate max length.")] = Path("metrics/survey.json"),
     plot_data: Annotated[Path, typer.Option(help="Histogram table for `dvc plots`.")] = Path("metrics/survey_hist.csv"),
     plot_image: Annotated[Path, typer.Option(help="Histogram image.")] = Path("metrics/survey_hist.png"),
 ) -> None:
-    """Measure the BPE length of every sentence of every split.
+    """Encode every sentence of every split once: BPE lengths and token ids.
 
-    Reads: params `data.src_lang`/`tgt_lang`, `survey.*`; RAW and TOKENIZER. Writes: OUT
-    (columns split, row, one token count per language; the shard stage plans its batches
-    from it), METRICS (percentiles per split and language; for each length in
-    `survey.max_len_candidates`, how many train pairs a `shard.max_len` of that value would
-    drop), and the train-split length histogram as PLOT_DATA (CSV) and PLOT_IMAGE (PNG).
+    Reads: params `data.src_lang`/`tgt_lang`, `survey.*`; RAW and TOKENIZER. Writes: OUT/
+    with lengths.parquet (columns split, row, one token count per language; the shard
+    stage plans its batches from it), ids/{split}.{lang}.npy (the BPE ids of the split's
+    sentences, concatenated in row order; the shard stage packs them without encoding
+    again) and meta.json (vocabulary size, dtype, rows, tokenizer sha256); METRICS
+    (percentiles per split and language; for each length in `survey.max_len_candidates`,
+    how many train pairs a `shard.max_len` of that value would drop), and the train-split
+    length histogram as PLOT_DATA (CSV) and PLOT_IMAGE (PNG). OUT is replaced only when
+    every split succeeded.
     """
     p = read_params(params)
-    tok = load_tokenizer(tokenizer)
     langs = list(p.data.languages)
+    check_raw(raw, langs)
     total = sum(raw_rows(raw, split) for split in SPLITS)
     with tqdm(total=total, desc="survey", unit=" pairs", unit_scale=True, mininterval=1.0) as bar:
-        df = survey_lengths(tok, raw, langs, progress=bar.update)
-    write_lengths(df, out)
+        df = build_survey(tokenizer, raw, langs, out, progress=bar.update)
     summary = summarize(df, langs, p.survey.max_len_candidates)
     # Columns named by role, not language, so dvc.yaml's plot works for every pair.
     hist = histogram(df, langs, p.survey.bins).rename(

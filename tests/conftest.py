@@ -119,7 +119,7 @@ def toy_workspace(tmp_path_factory) -> Path:
     from aiayn.config import load_params
     from aiayn.corpus import iter_raw, make_source, write_raw_splits
     from aiayn.shards import build_shards
-    from aiayn.survey import survey_lengths, write_lengths
+    from aiayn.survey import build_survey
     from aiayn.tokenizer import save_tokenizer, train_bpe
 
     root = tmp_path_factory.mktemp("toy")
@@ -128,8 +128,9 @@ def toy_workspace(tmp_path_factory) -> Path:
     write_raw_splits(make_source(p.data), p.data.languages, p.data.clean, raw)
     texts = (b[lang] for b in iter_raw(raw, "train") for lang in p.data.languages)
     tok = train_bpe(texts, p.vocab.vocab_size, p.vocab.min_frequency)
-    save_tokenizer(tok, root / "data/vocab/tokenizer.json")
-    lengths = root / "data/survey/lengths.parquet"
-    write_lengths(survey_lengths(tok, raw, p.data.languages), lengths)
-    build_shards(raw, tok, lengths, root / "data/shards", p.shard, *p.data.languages)
+    tokenizer = root / "data/vocab/tokenizer.json"
+    save_tokenizer(tok, tokenizer)
+    survey = root / "data/survey"
+    build_survey(tokenizer, raw, p.data.languages, survey)
+    build_shards(survey, tokenizer, root / "data/shards", p.shard, *p.data.languages)
     return root

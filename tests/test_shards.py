@@ -1,9 +1,11 @@
-"""The shard stage: planning from lengths, encoding to memory-mapped shards, crash safety."""
+"""The shard stage: planning from lengths, packing survey ids to memory-mapped shards, crash
+safety, and refusing a survey that does not fit (other tokenizer, stale lengths or ids)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +17,7 @@ import yaml
 from typer.testing import CliRunner
 
 import aiayn.shards as shards
+import aiayn.survey as survey
 from aiayn.config import SPLITS, ShardConfig
 from aiayn.errors import DataError
 from aiayn.sampler import ShardDataset
@@ -56,21 +59,6 @@ def raw_texts(raw: Path, split: str, lang: str) -> list[str]:
     return pq.read_table(raw / f"{split}.parquet", columns=[lang])[lang].to_pylist()
 
 
-def write_lengths(tok, raw: Path, path: Path, langs=("en", "de")) -> None:
-    """lengths.parquet as the survey stage writes it (split as a pandas category)."""
-    frames = []
-    for split in SPLITS:
-        cols = {lang: np.array([len(e.ids) for e in tok.encode_batch(
-            raw_texts(raw, split, lang), add_special_tokens=False)], dtype=np.int32)
-            for lang in langs}
-        n = len(cols[langs[0]])
-        frames.append(pd.DataFrame({"split": split, "row": np.arange(n, dtype=np.int64), **cols}))
-    df = pd.concat(frames, ignore_index=True)
-    df["split"] = pd.Categorical(df["split"], categories=list(SPLITS))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    df.to_parquet(path, index=False)
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("corpus")
@@ -79,14 +67,20 @@ def corpus(tmp_path_factory):
     texts = [t for lang in ("en", "de") for t in raw_texts(raw, "train", lang)]
     tok = train_bpe(texts, vocab_size=400, min_frequency=2)
     save_tokenizer(tok, root / "tokenizer.json")
-    lengths = root / "lengths.parquet"
-    write_lengths(tok, raw, lengths)
-    return {"root": root, "raw": raw, "tok": tok, "lengths": lengths}
+    survey.build_survey(root / "tokenizer.json", raw, ("en", "de"), root / "survey")
+    return {"root": root, "raw": raw, "tok": tok, "tokenizer": root / "tokenizer.json",
+            "survey": root / "survey"}
 
 
-def build(corpus, out: Path, cfg: ShardConfig = CFG, splits=SPLITS) -> dict:
-    return shards.build_shards(corpus["raw"], corpus["tok"], corpus["lengths"], out, cfg,
-                               "en", "de", splits=splits)
+def build(corpus, out: Path, cfg: ShardConfig = CFG, splits=SPLITS, survey_dir=None,
+          tokenizer=None, langs=("en", "de")) -> dict:
+    return shards.build_shards(survey_dir or corpus["survey"], tokenizer or corpus["tokenizer"],
+                               out, cfg, *langs, splits=splits)
+
+
+def copy_survey(corpus, tmp_path: Path) -> Path:
+    """A private copy of the survey folder, to damage."""
+    return Path(shutil.copytree(corpus["survey"], tmp_path / "survey"))
 
 
 @pytest.fixture(scope="module")
@@ -232,39 +226,86 @@ def test_build_is_deterministic(corpus, built, tmp_path):
     assert tree_digest(tmp_path / "again") == tree_digest(built["out"])
 
 
+def test_small_gather_chunks_give_the_same_bytes(corpus, built, tmp_path, monkeypatch):
+    """Chunks that end mid-shard, mid-batch and on single pairs change nothing on disk."""
+    for chunk in (1, 7):
+        monkeypatch.setattr(shards, "FILL_CHUNK", chunk)
+        build(corpus, tmp_path / f"chunk-{chunk}")
+        assert tree_digest(tmp_path / f"chunk-{chunk}") == tree_digest(built["out"])
+
+
 # --------------------------------------------------------------------------- bad input, crashes
 
 
 def test_stale_lengths_are_refused(corpus, tmp_path):
-    df = pd.read_parquet(corpus["lengths"])
+    """A length that disagrees with the ids: the ids file no longer sums up."""
+    stale = copy_survey(corpus, tmp_path)
+    df = pd.read_parquet(stale / "lengths.parquet")
     df.loc[(df["split"] == "valid") & (df["row"] == 3), "de"] += 1
-    stale = tmp_path / "lengths.parquet"
-    df.to_parquet(stale, index=False)
-    with pytest.raises(DataError, match=r"row 3.*stale.*aiayn survey"):
-        shards.build_shards(corpus["raw"], corpus["tok"], stale, tmp_path / "out", CFG,
-                            "en", "de")
+    df.to_parquet(stale / "lengths.parquet", index=False)
+    with pytest.raises(DataError, match=r"valid\.de\.npy: holds \d+ token ids but column 'de' "
+                                        r"of split 'valid'.*sums to.*stale.*aiayn survey"):
+        build(corpus, tmp_path / "out", survey_dir=stale)
+    assert not (tmp_path / "out").exists()
+
+
+def test_truncated_ids_are_refused(corpus, tmp_path):
+    damaged = copy_survey(corpus, tmp_path)
+    path = survey.ids_path(damaged, "train", "en")
+    ids = np.load(path)
+    np.save(path, ids[:-1])
+    with pytest.raises(DataError, match=r"train\.en\.npy: holds \d+ token ids.*aiayn survey"):
+        build(corpus, tmp_path / "out", survey_dir=damaged)
+    np.save(path, ids.astype(np.uint32))
+    with pytest.raises(DataError, match=r"train\.en\.npy: holds uint32.*expected 1-D uint16"):
+        build(corpus, tmp_path / "out", survey_dir=damaged)
+    np.save(path, np.full_like(ids, 9999))
+    with pytest.raises(DataError, match=r"train\.en\.npy: holds token id 9999, over the "
+                                        r"vocabulary of 400.*aiayn survey"):
+        build(corpus, tmp_path / "out", survey_dir=damaged)
+    path.unlink()
+    with pytest.raises(DataError, match=r"train\.en\.npy: missing.*aiayn survey"):
+        build(corpus, tmp_path / "out", survey_dir=damaged)
     assert not (tmp_path / "out").exists()
 
 
 def test_lengths_with_wrong_row_count_are_refused(corpus, tmp_path):
-    df = pd.read_parquet(corpus["lengths"])
-    short = tmp_path / "lengths.parquet"
-    df[~((df["split"] == "test") & (df["row"] == 0))].to_parquet(short, index=False)
-    with pytest.raises(DataError, match=r"'row' of split 'test'.*aiayn survey"):
-        shards.build_shards(corpus["raw"], corpus["tok"], short, tmp_path / "out", CFG,
-                            "en", "de")
+    short = copy_survey(corpus, tmp_path)
+    df = pd.read_parquet(short / "lengths.parquet")
+    df[~((df["split"] == "test") & (df["row"] == 0))].to_parquet(short / "lengths.parquet",
+                                                                 index=False)
+    with pytest.raises(DataError, match=r"'row' of split 'test' covers 89 rows but meta\.json "
+                                        r"says 90.*aiayn survey"):
+        build(corpus, tmp_path / "out", survey_dir=short)
+
+
+def test_another_tokenizer_is_refused(corpus, tmp_path):
+    """Same vocabulary size or not: ids from another tokenizer must not be packed."""
+    texts = [t for lang in ("de", "en") for t in raw_texts(corpus["raw"], "valid", lang)]
+    for size in (300, 400):
+        other = tmp_path / f"other-{size}.json"
+        save_tokenizer(train_bpe(texts, vocab_size=size, min_frequency=1), other)
+        with pytest.raises(DataError, match=r"survey/meta\.json: the survey's token ids were "
+                                            r"made with a tokenizer of 400 tokens .* but "
+                                            rf".*other-{size}\.json has \d+ tokens .*another "
+                                            r"tokenizer, re-run `aiayn survey`"):
+            build(corpus, tmp_path / "out", tokenizer=other)
+    assert not (tmp_path / "out").exists()
 
 
 def test_unknown_language_is_refused(corpus, tmp_path):
-    with pytest.raises(DataError, match=r"train\.parquet: no column 'fr'.*data\.src_lang"):
-        shards.build_shards(corpus["raw"], corpus["tok"], corpus["lengths"], tmp_path / "out",
-                            CFG, "en", "fr")
+    with pytest.raises(DataError, match=r"meta\.json: no language 'fr' surveyed.*"
+                                        r"data\.src_lang"):
+        build(corpus, tmp_path / "out", langs=("en", "fr"))
 
 
-def test_missing_lengths_file_is_refused(corpus, tmp_path):
-    with pytest.raises(DataError, match=r"missing\.parquet: missing.*aiayn survey"):
-        shards.build_shards(corpus["raw"], corpus["tok"], tmp_path / "missing.parquet",
-                            tmp_path / "out", CFG, "en", "de")
+def test_missing_survey_is_refused(corpus, tmp_path):
+    with pytest.raises(DataError, match=r"missing/meta\.json: missing.*aiayn survey"):
+        build(corpus, tmp_path / "out", survey_dir=tmp_path / "missing")
+    partial = copy_survey(corpus, tmp_path)
+    (partial / "lengths.parquet").unlink()
+    with pytest.raises(DataError, match=r"lengths\.parquet: missing.*aiayn survey"):
+        build(corpus, tmp_path / "out", survey_dir=partial)
 
 
 def test_crash_mid_build_keeps_previous_output(corpus, tmp_path, monkeypatch):
@@ -272,16 +313,16 @@ def test_crash_mid_build_keeps_previous_output(corpus, tmp_path, monkeypatch):
     build(corpus, out, splits=("valid",))
     before = tree_digest(out)
     calls = {"n": 0}
-    real = shards.encode_ids
+    real = shards.gather
 
-    def flaky(tok, texts):
+    def flaky(*args):
         calls["n"] += 1
-        if calls["n"] == 3:  # train's first chunk is already written to the memmaps
+        if calls["n"] == 3:  # train's first chunks are already written to the memmaps
             raise RuntimeError("disk on fire")
-        return real(tok, texts)
+        return real(*args)
 
-    monkeypatch.setattr(shards, "encode_ids", flaky)
-    monkeypatch.setattr(shards, "ENCODE_CHUNK", 32)
+    monkeypatch.setattr(shards, "gather", flaky)
+    monkeypatch.setattr(shards, "FILL_CHUNK", 32)
     with pytest.raises(RuntimeError, match="disk on fire"):
         build(corpus, out)
     assert tree_digest(out) == before
@@ -296,9 +337,8 @@ def test_stage_command_writes_metrics_and_reports_bad_input(corpus, tmp_path):
         "data": {"source": "toy", "src_lang": "de", "tgt_lang": "en"},
         "shard": {"max_tokens": 200, "max_len": 50, "shard_tokens": 100_000},
     }))
-    args = ["--params", str(params), "--raw", str(corpus["raw"]),
-            "--vocab", str(corpus["root"] / "tokenizer.json"),
-            "--lengths", str(corpus["lengths"]), "--out", str(tmp_path / "shards"),
+    args = ["--params", str(params), "--vocab", str(corpus["tokenizer"]),
+            "--survey", str(corpus["survey"]), "--out", str(tmp_path / "shards"),
             "--metrics", str(tmp_path / "shard.json")]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
@@ -308,10 +348,9 @@ def test_stage_command_writes_metrics_and_reports_bad_input(corpus, tmp_path):
     assert (meta["src_lang"], meta["tgt_lang"]) == ("de", "en")
     assert metrics["splits"]["test"]["pairs"] == meta["num_pairs"]
 
-    bad = CliRunner().invoke(app, [*args[:6], "--lengths", str(tmp_path / "nope.parquet"),
-                                   *args[8:]])
+    bad = CliRunner().invoke(app, [*args[:4], "--survey", str(tmp_path / "nope"), *args[6:]])
     assert bad.exit_code == 2
-    assert "nope.parquet: missing" in bad.output
+    assert "meta.json: missing" in bad.output and "nope" in bad.output
 
 
 # --------------------------------------------------------------------------- planning alone
