@@ -285,3 +285,25 @@ def test_train_stage_logs_one_mlflow_run_and_a_resume_continues_it(toy_workspace
     assert [m.step for m in history] == [2, 4, 6]   # the resumed steps in the same run
     assert [m.step for m in client.get_metric_history(run_id, "valid/loss")] == [4, 6]
     assert logged.data.metrics["final/steps"] == 6
+
+
+def test_out_of_memory_names_the_batch_budget_and_the_param(toy_workspace, tmp_path,
+                                                            monkeypatch):
+    from aiayn.trainer import OutOfMemory
+
+    trainer = make_trainer(toy_workspace, tmp_path)
+    calls = {"n": 0}
+    forward = trainer.net.forward
+
+    def exhausted(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(trainer.net, "forward", exhausted)
+    with pytest.raises(OutOfMemory) as err:
+        trainer.fit()
+    msg = str(err.value)
+    assert "out of memory at step 3" in msg and "up to 160 tokens" in msg
+    assert "lower shard.max_tokens" in msg and "resumes from the last checkpoint" in msg
