@@ -1,0 +1,142 @@
+"""score: detokenized translations + raw references → BLEU and chrF (metrics/bleu.json, MLflow)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from aiayn.config import SPLITS
+from aiayn.corpus import iter_raw, raw_path
+from aiayn.errors import AiaynError, DataError
+from aiayn.io import write_json
+from stages.common import ParamsPath, log, read_params, single_command_app, stage
+
+NOTE = (
+    "Two BLEUs of the same translations against the same raw references. 'sacrebleu' is "
+    "sacreBLEU's standard corpus BLEU (its own 13a tokenization of detokenized text, settings "
+    "in the signature): use it to compare honestly with other systems. 'tokenized_bleu' "
+    "follows tensor2tensor's get_ende_bleu.sh (Moses tokenization, hyphenated compounds split "
+    "into '##AT##-##AT##' tokens, multi-bleu.perl), the procedure behind the paper's 27.3 "
+    "(base) / 28.4 (big) BLEU on newstest2014 en-de: compare it only with those numbers. "
+    "The two differ because tokenization decides which n-grams exist: the split hyphens add "
+    "extra, easily matched tokens, and Moses splits text differently from 13a, so the "
+    "tokenized BLEU usually comes out higher."
+)
+
+
+def resolve_template(path: Path, src: str, tgt: str) -> Path:
+    """``{tgt}`` and ``{src}`` in PATH → the target and source language codes."""
+    return Path(str(path).replace("{tgt}", tgt).replace("{src}", src))
+
+
+@stage
+def score(
+    params: ParamsPath = Path("params.yaml"),
+    hypotheses: Annotated[Path, typer.Option(help="Detokenized translations from `aiayn translate`, one line per sentence of SPLIT; {tgt} and {src} become data.tgt_lang and data.src_lang.")] = Path("data/translations/test.{tgt}"),
+    raw: Annotated[Path, typer.Option(help="Raw splits from `aiayn download`; the references are the data.tgt_lang column of RAW/SPLIT.parquet, as the corpus gives them.")] = Path("data/raw"),
+    split: Annotated[str, typer.Option(help="The split whose references are scored against (train, valid or test).")] = "test",
+    metrics: Annotated[Path, typer.Option(help="Scores written (JSON): sacreBLEU BLEU and chrF with signatures, tokenized BLEU, sentences.")] = Path("metrics/bleu.json"),
+    run_file: Annotated[Path, typer.Option(help="The MLflow run id saved by `aiayn train`; the scores are logged into that run.")] = Path("data/checkpoints/mlflow_run.json"),
+    mlflow: Annotated[bool, typer.Option(help="Log the scores into the training run in MLflow (MLFLOW_TRACKING_URI, default sqlite:///mlflow.db).")] = True,
+) -> None:
+    """Score translations with sacreBLEU (BLEU, chrF) and the paper's tokenized BLEU.
+
+    Reads: params `data.src_lang`/`data.tgt_lang`; HYPOTHESES; the data.tgt_lang column of
+    RAW/SPLIT.parquet (the references exactly as the corpus gives them, never re-tokenized).
+    Writes: METRICS, atomically: sacreBLEU BLEU (13a, exp smoothing, mixed case) with its
+    signature, n-gram precisions, brevity penalty and lengths; chrF2 with its signature;
+    tokenized BLEU as tensor2tensor's get_ende_bleu.sh computes it (Moses tokenization,
+    compound splitting, multi-bleu.perl; comparable with the paper's 27.3/28.4, not with
+    sacreBLEU); the direction, split, sentence count and a note on the two BLEUs. Logs
+    SPLIT/sacrebleu, SPLIT/chrf and SPLIT/tokenized_bleu, METRICS and HYPOTHESES into the
+    training run's MLflow run (the id in RUN_FILE); skipped when there is none or with
+    --no-mlflow.
+    """
+    from aiayn.scoring import score_files
+
+    p = read_params(params)
+    if split not in SPLITS:
+        raise AiaynError(f"--split {split!r}: choose one of {', '.join(SPLITS)}")
+    src, tgt = p.data.src_lang, p.data.tgt_lang
+    hyp_path = resolve_template(hypotheses, src, tgt)
+    references = _references(raw, split, tgt)
+    result = score_files(hyp_path, references, tgt,
+                         reference_source=f"{raw_path(raw, split)} (column {tgt!r})")
+    report = {
+        "direction": f"{src}-{tgt}",
+        "split": split,
+        "hypotheses": str(hyp_path),
+        "references": f"{raw_path(raw, split)}:{tgt}",
+        **result,
+        "note": NOTE,
+    }
+    write_json(metrics, report)
+    _print_table(report)
+    if mlflow:
+        _log_to_mlflow(run_file, split, report, metrics, hyp_path)
+    else:
+        log.info("score: --no-mlflow; scores only in %s", metrics)
+
+
+def _references(raw: Path, split: str, lang: str) -> list[str]:
+    import pyarrow.parquet as pq
+
+    path = raw_path(raw, split)
+    if path.is_file():
+        names = pq.read_schema(path).names
+        if lang not in names:
+            raise DataError(
+                f"{path}: no column {lang!r} (found {', '.join(names)}); data.tgt_lang must be "
+                "a language of the raw corpus, or re-run `aiayn download`")
+    refs = [t for batch in iter_raw(raw, split, columns=[lang]) for t in batch[lang]]
+    for i, t in enumerate(refs, 1):
+        if t is None:
+            raise DataError(f"{path}, row {i}: the {lang!r} reference is null; re-run "
+                            "`aiayn download`")
+    return refs
+
+
+def _print_table(report: dict) -> None:
+    rows = [
+        ("sacreBLEU", report["sacrebleu"]["score"], report["sacrebleu"]["signature"]),
+        ("chrF2", report["chrf"]["score"], report["chrf"]["signature"]),
+        ("tokenized BLEU", report["tokenized_bleu"]["score"],
+         report["tokenized_bleu"]["procedure"]),
+    ]
+    typer.echo(f"{report['direction']} {report['split']}, {report['sentences']} sentences")
+    for name, value, how in rows:
+        typer.echo(f"  {name:<15}{value:7.2f}  {how}")
+
+
+def _log_to_mlflow(run_file: Path, split: str, report: dict, metrics: Path,
+                   hyp_path: Path) -> None:
+    from aiayn.tracking import Tracker, load_run_id
+
+    tracker = Tracker()
+    run_id = load_run_id(run_file, tracker.tracking_uri)
+    if run_id is None:
+        log.info("score: no MLflow run id for %s in %s; not logging to MLflow",
+                 tracker.tracking_uri, run_file)
+        return
+    with tracker:
+        if tracker.start(run_name=None, params={}, run_id=run_id) is None:
+            return  # the tracker has said why (one warning)
+        if tracker.run_id != run_id:
+            log.warning("score: MLflow run %s is gone; logged into a new run %s",
+                        run_id, tracker.run_id)
+        tracker.log_metrics({
+            f"{split}/sacrebleu": report["sacrebleu"]["score"],
+            f"{split}/chrf": report["chrf"]["score"],
+            f"{split}/tokenized_bleu": report["tokenized_bleu"]["score"],
+        })
+        tracker.log_artifact(metrics, "metrics")
+        tracker.log_artifact(hyp_path, "translations")
+    log.info("score: logged to MLflow run %s", tracker.run_id)
+
+
+app = single_command_app(score, "Score translations: sacreBLEU BLEU and chrF, tokenized BLEU.")
+
+if __name__ == "__main__":
+    app()
