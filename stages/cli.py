@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import typer
 
+from stages.attention import attention
 from stages.average import average
 from stages.download import download
 from stages.params import params
+from stages.score import score
 from stages.shard import shard
 from stages.survey import survey
 from stages.train import train
+from stages.translate import translate
 from stages.vocab import vocab
 
 app = typer.Typer(
@@ -30,6 +33,9 @@ app.command("survey")(survey)
 app.command("shard")(shard)
 app.command("train")(train)
 app.command("average")(average)
+app.command("translate")(translate)
+app.command("score")(score)
+app.command("attention")(attention)
 
 if __name__ == "__main__":
     app()

@@ -19,7 +19,7 @@ import yaml
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
-STAGES = ("download", "vocab", "survey", "shard", "train", "average")
+STAGES = ("download", "vocab", "survey", "shard", "train", "average", "translate", "score")
 DATA_STAGES = STAGES[:4]
 
 GIT_IDENTITY = {"GIT_AUTHOR_NAME": "aiayn tests", "GIT_AUTHOR_EMAIL": "tests@aiayn.invalid",
@@ -112,17 +112,26 @@ def test_dvc_repro_runs_the_data_stages_and_reruns_only_what_changed(repo):
     assert model_config["averaged_steps"] == [4, 6] and model_config["model"]["d_model"] == 32
     assert (root / "data/model/model.safetensors").is_file()
     assert json.loads((root / "data/checkpoints/mlflow_run.json").read_text())["run_id"]
+    hyps = (root / "data/translations/test.de").read_text(encoding="utf-8").splitlines()
+    assert len(hyps) == 100
+    bleu = json.loads((root / "metrics/bleu.json").read_text())
+    assert bleu["sentences"] == 100 and 0 <= bleu["sacrebleu"]["score"] <= 100
+    assert bleu["sacrebleu"]["signature"].startswith("nrefs:1|case:mixed")
 
     # Everything is cached: nothing to run.
     assert json.loads(run(["dvc", "status", "--json"], root, env).stdout) == {}
 
-    # A training parameter touches no data stage; averaging more re-runs only average.
-    set_params(root, train__lr_scale=3.0, decode__beam=8)
+    # A training parameter touches no data stage, a decoding one only translate;
+    # averaging more re-runs average and what follows it.
+    set_params(root, train__lr_scale=3.0)
     assert set(json.loads(run(["dvc", "status", "--json"], root, env).stdout)) == {"train"}
-    set_params(root, train__lr_scale=2.0, decode__beam=4, train__average_last=3)
+    set_params(root, train__lr_scale=2.0, decode__beam=8)
+    assert set(json.loads(run(["dvc", "status", "--json"], root, env).stdout)) == {"translate"}
+    set_params(root, decode__beam=4, train__average_last=3)
     assert set(json.loads(run(["dvc", "status", "--json"], root, env).stdout)) == {"average"}
     log = repro(root, env)
-    assert [s for s in STAGES if ran(log, s)] == ["average"]
+    # (score re-runs only if the translations changed)
+    assert [s for s in STAGES if ran(log, s)][:2] == ["average", "translate"]
 
     # A vocabulary change re-runs vocab and what depends on it, never download.
     set_params(root, vocab__vocab_size=500)

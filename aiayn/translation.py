@@ -1,0 +1,91 @@
+"""Text in, text out: a trained model plus its tokenizer, decoding batches by beam search.
+
+Inputs are sorted by length into batches (similar lengths waste little padding), decoded
+together, detokenized with the shared BPE (lossless, so no Moses detokenizer guesses), and
+returned in the original order. An empty line gives an empty line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from aiayn.beam import BeamConfig, beam_search
+from aiayn.errors import DataError
+from aiayn.model import Transformer, TransformerConfig
+from aiayn.tokenizer import EOS_ID, PAD_ID, decode, encode_ids, load_tokenizer
+
+
+@dataclass
+class Translator:
+    model: Transformer
+    tokenizer: Tokenizer
+    device: torch.device
+    amp_dtype: torch.dtype | None = None
+
+    @property
+    def max_source_tokens(self) -> int:
+        return self.model.cfg.max_positions - 1  # room for EOS
+
+    def translate(self, lines: Sequence[str], cfg: BeamConfig, batch_size: int = 64,
+                  truncate: bool = False, progress: Callable[[int], None] | None = None
+                  ) -> list[str]:
+        """Translate ``lines``; the i-th output translates the i-th input."""
+        ids = encode_ids(self.tokenizer, [line.strip() for line in lines])
+        limit = self.max_source_tokens
+        for i, seq in enumerate(ids):
+            if len(seq) > limit:
+                if not truncate:
+                    raise DataError(
+                        f"input line {i + 1} has {len(seq)} tokens, more than the model's "
+                        f"limit of {limit} (model.max_positions - 1); shorten it or pass "
+                        "--truncate to cut it")
+                ids[i] = seq[:limit]
+        out = [""] * len(lines)
+        todo = sorted((i for i, seq in enumerate(ids) if seq), key=lambda i: len(ids[i]))
+        for start in range(0, len(todo), batch_size):
+            chunk = todo[start:start + batch_size]
+            width = max(len(ids[i]) for i in chunk) + 1
+            src = torch.full((len(chunk), width), PAD_ID, dtype=torch.long)
+            for row, i in enumerate(chunk):
+                src[row, :len(ids[i]) + 1] = torch.tensor(ids[i] + [EOS_ID])
+            with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
+                                enabled=self.amp_dtype is not None):
+                best = beam_search(self.model, src.to(self.device), cfg)
+            for i, hyp in zip(chunk, best, strict=True):
+                out[i] = decode(self.tokenizer, hyp)
+            if progress:
+                progress(len(chunk))
+        if progress:
+            progress(len(lines) - len(todo))  # empty lines count as done
+        return out
+
+
+def load_translator(model_dir: Path, device: str = "auto", precision: str = "fp32"
+                    ) -> Translator:
+    """The averaged model in ``model_dir`` (safetensors + config.json + tokenizer.json)."""
+    from aiayn.checkpoint import file_sha256, load_model_files
+
+    state, config = load_model_files(model_dir)
+    tok_path = model_dir / "tokenizer.json"
+    tok = load_tokenizer(tok_path)
+    expected = config.get("tokenizer_sha256")
+    if expected and file_sha256(tok_path) != expected:
+        raise DataError(f"{tok_path}: not the tokenizer this model was trained with (sha256 "
+                        f"differs from {model_dir / 'config.json'}); re-run `aiayn average`")
+    cfg = TransformerConfig(**config["model"])
+    if tok.get_vocab_size() != cfg.vocab_size:
+        raise DataError(f"{tok_path} has {tok.get_vocab_size()} tokens but the model in "
+                        f"{model_dir} has {cfg.vocab_size}; they do not belong together")
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available()
+                       else ("cpu" if device == "auto" else device))
+    model = Transformer(cfg)
+    model.load_state_dict(state)
+    model.to(dev).eval()
+    amp = torch.bfloat16 if precision == "bf16" or (precision == "auto"
+                                                    and dev.type == "cuda") else None
+    return Translator(model, tok, dev, amp)

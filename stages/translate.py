@@ -1,0 +1,88 @@
+"""translate: the averaged model → detokenized translations (a split for DVC, or any text)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from tqdm import tqdm
+
+from aiayn.beam import BeamConfig
+from aiayn.corpus import iter_raw
+from aiayn.errors import DataError
+from aiayn.io import write_text
+from stages.common import ParamsPath, log, read_params, single_command_app, stage
+
+
+@stage
+def translate(
+    text: Annotated[list[str] | None, typer.Argument(help="Sentences to translate (each argument is one). Without them: --input, --split, or standard input.")] = None,
+    params: ParamsPath = Path("params.yaml"),
+    input_file: Annotated[Path | None, typer.Option("--input", "-i", help="A file of sentences, one per line ('-': standard input).")] = None,
+    split: Annotated[str | None, typer.Option(help="Translate the source side of a raw split (the DVC stage uses test).")] = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Output file (default: standard output; with --split: data/translations/{split}.{tgt}).")] = None,
+    model: Annotated[Path, typer.Option(help="Folder from `aiayn average` (weights, config, tokenizer).")] = Path("data/model"),
+    raw: Annotated[Path, typer.Option(help="Raw splits (for --split).")] = Path("data/raw"),
+    beam: Annotated[int | None, typer.Option(min=1, help="Beam size (default: decode.beam; 1 is greedy).")] = None,
+    alpha: Annotated[float | None, typer.Option(min=0.0, help="Length penalty alpha, GNMT ((5+|Y|)/6)^alpha (default: decode.alpha).")] = None,
+    max_len_a: Annotated[float | None, typer.Option(min=0.0, help="Max output tokens = a * input tokens + b (default: decode.max_len_a).")] = None,
+    max_len_b: Annotated[int | None, typer.Option(min=0, help="See --max-len-a (default: decode.max_len_b).")] = None,
+    batch_size: Annotated[int | None, typer.Option(min=1, help="Sentences decoded together (default: decode.batch_size).")] = None,
+    truncate: Annotated[bool, typer.Option(help="Cut inputs longer than the model's limit instead of stopping with an error.")] = False,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    precision: Annotated[str, typer.Option(help="fp32, bf16 (autocast) or auto (bf16 on GPU).")] = "fp32",
+    progress: Annotated[bool, typer.Option(help="Show a progress bar (sentences/s) on standard error.")] = True,
+) -> None:
+    """Translate with beam search (paper Section 6.1: beam 4, alpha 0.6, max length input + 50).
+
+    Text comes from the arguments, `--input FILE`, standard input, or, for the DVC stage,
+    `--split test` (the source column of RAW/test.parquet, written to
+    data/translations/test.{tgt}). Output is detokenized text, one line per input line, in
+    the input's order; an empty line gives an empty line. Reads: params `decode.*` (options
+    override them) and `data.src_lang`/`tgt_lang` (for --split); MODEL.
+    """
+    from aiayn.translation import load_translator
+
+    p = read_params(params)
+    d = p.decode
+    cfg = BeamConfig(beam=beam or d.beam, alpha=d.alpha if alpha is None else alpha,
+                     max_len_a=d.max_len_a if max_len_a is None else max_len_a,
+                     max_len_b=d.max_len_b if max_len_b is None else max_len_b)
+    if text:
+        lines = list(text)
+    elif input_file is not None:
+        if str(input_file) == "-":
+            lines = sys.stdin.read().splitlines()
+        elif not input_file.is_file():
+            raise DataError(f"{input_file}: no such file to translate")
+        else:
+            lines = input_file.read_text(encoding="utf-8").splitlines()
+    elif split is not None:
+        lines = [t for b in iter_raw(raw, split, columns=[p.data.src_lang])
+                 for t in b[p.data.src_lang]]
+        out = out or Path(f"data/translations/{split}.{p.data.tgt_lang}")
+    elif not sys.stdin.isatty():
+        lines = sys.stdin.read().splitlines()
+    else:
+        raise DataError("nothing to translate: give sentences as arguments, --input FILE, "
+                        "--split test, or pipe text into standard input")
+    translator = load_translator(model, device=device, precision=precision)
+    with tqdm(total=len(lines), desc="translate", unit=" sent", disable=not progress,
+              mininterval=1.0, file=sys.stderr) as bar:
+        hyps = translator.translate(lines, cfg, batch_size=batch_size or d.batch_size,
+                                    truncate=truncate, progress=bar.update)
+    result = "".join(h + "\n" for h in hyps)
+    if out is None:
+        sys.stdout.write(result)
+    else:
+        write_text(out, result)
+        log.info("translate: %d sentences (beam %d, alpha %.2f) -> %s", len(lines), cfg.beam,
+                 cfg.alpha, out)
+
+
+app = single_command_app(translate, "Translate with the trained model.")
+
+if __name__ == "__main__":
+    app()

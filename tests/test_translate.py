@@ -1,0 +1,107 @@
+"""Translation: order kept, empty lines, batching, limits, mismatches, the commands."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from aiayn.beam import BeamConfig
+from aiayn.checkpoint import export_model, file_sha256
+from aiayn.errors import DataError
+from aiayn.model import Transformer, TransformerConfig
+from aiayn.translation import load_translator
+from tests.conftest import write_params
+
+
+@pytest.fixture
+def model_dir(toy_workspace, tmp_path) -> Path:
+    """An (untrained, deterministic) tiny model exported as `aiayn average` exports one."""
+    from aiayn.tokenizer import load_tokenizer
+
+    tok_path = toy_workspace / "data/vocab/tokenizer.json"
+    torch.manual_seed(3)
+    cfg = TransformerConfig(vocab_size=load_tokenizer(tok_path).get_vocab_size(), d_model=32,
+                            heads=4, encoder_layers=1, decoder_layers=1, d_ff=64,
+                            max_positions=40)
+    model = Transformer(cfg)
+    out = tmp_path / "model"
+    export_model(out, model.state_dict(), {"model": cfg.to_dict(), "vocab_size": cfg.vocab_size,
+                                           "tokenizer_sha256": file_sha256(tok_path)},
+                 extra_files={"tokenizer.json": tok_path})
+    return out
+
+
+LINES = ["The small dog sees the cat.", "", "A man reads a book because it rains.",
+         "Today the woman helps the children in the big house.", "Hello", ""]
+
+
+def test_order_empty_lines_and_batching(model_dir):
+    tr = load_translator(model_dir)
+    cfg = BeamConfig(beam=3, max_len_b=8)
+    batched = tr.translate(LINES, cfg, batch_size=3)
+    assert len(batched) == len(LINES)
+    assert batched[1] == "" and batched[5] == ""
+    singles = [tr.translate([line], cfg)[0] for line in LINES]
+    assert batched == singles
+    reordered = tr.translate(LINES[::-1], cfg, batch_size=2)
+    assert reordered == batched[::-1]
+
+
+def test_too_long_input_errors_or_truncates(model_dir):
+    tr = load_translator(model_dir)
+    long_line = " ".join(["word"] * 80)
+    with pytest.raises(DataError, match="input line 2 has .* tokens, more than the model's "
+                                        "limit of 39"):
+        tr.translate(["short", long_line], BeamConfig(beam=1, max_len_b=3))
+    out = tr.translate(["short", long_line], BeamConfig(beam=1, max_len_b=3), truncate=True)
+    assert len(out) == 2
+
+
+def test_model_and_tokenizer_mismatch(model_dir, tmp_path):
+    from aiayn.tokenizer import save_tokenizer, train_bpe
+
+    other = train_bpe(iter(["completely different text"] * 20), 300, 1)
+    save_tokenizer(other, model_dir / "tokenizer.json")
+    with pytest.raises(DataError, match="not the tokenizer this model was trained with"):
+        load_translator(model_dir)
+
+
+def test_translate_command_arguments_file_and_split(model_dir, toy_workspace, tmp_path,
+                                                    monkeypatch):
+    from stages.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    params = write_params(tmp_path / "params.yaml", {"decode": {"beam": 2, "max_len_b": 6}})
+    runner = CliRunner()
+    base = ["translate", "--params", str(params), "--model", str(model_dir), "--no-progress"]
+    res = runner.invoke(app, [*base, "The dog runs.", ""])
+    assert res.exit_code == 0, res.output
+    assert len(res.stdout.splitlines()) == 2 and res.stdout.splitlines()[1] == ""
+    src = tmp_path / "in.txt"
+    src.write_text("The dog runs.\n\nThe cat sleeps.\n")
+    res = runner.invoke(app, [*base, "--input", str(src)])
+    assert res.exit_code == 0 and len(res.stdout.splitlines()) == 3
+    res = runner.invoke(app, [*base, "--split", "test", "--raw",
+                              str(toy_workspace / "data/raw")])
+    assert res.exit_code == 0, res.output
+    written = (tmp_path / "data/translations/test.de").read_text().splitlines()
+    assert len(written) == 40
+    res = runner.invoke(app, [*base, "--input", str(tmp_path / "missing.txt")])
+    assert res.exit_code == 2 and "no such file" in res.stderr
+
+
+def test_attention_command_writes_a_picture_per_kind_and_layer(model_dir, tmp_path):
+    from stages.cli import app
+
+    res = CliRunner().invoke(app, ["attention", "The small dog sees the cat.",
+                                   "Der kleine Hund sieht die Katze.", "--model", str(model_dir),
+                                   "--out", str(tmp_path / "maps")])
+    assert res.exit_code == 0, res.output
+    names = sorted(p.name for p in (tmp_path / "maps").iterdir())
+    assert names == ["cross_layer1.png", "decoder_self_layer1.png", "encoder_self_layer1.png"]
+    assert (tmp_path / "maps/cross_layer1.png").read_bytes()[:4] == b"\x89PNG"
+    shutil.rmtree(tmp_path / "maps")
