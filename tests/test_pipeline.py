@@ -168,7 +168,7 @@ def test_dvc_exp_run_composes_presets_and_overrides(repo):
     assert params["vocab"]["vocab_size"] == 450 and params["data"]["toy"]["train_pairs"] == 1200
     assert params["model"]["d_model"] == 32  # an override
     # from conf/experiment/demo.yaml, over conf/config.yaml:
-    assert params["train"]["warmup_steps"] == 200 and params["data"]["source"] == "toy"
+    assert params["train"]["warmup_steps"] == 100 and params["data"]["source"] == "toy"
     vocab = json.loads((root / "metrics/vocab.json").read_text())
     assert vocab["requested_size"] == 450
 
