@@ -29,6 +29,7 @@ def translate(
     alpha: Annotated[float | None, typer.Option(min=0.0, help="Length penalty alpha, GNMT ((5+|Y|)/6)^alpha (default: decode.alpha).")] = None,
     max_len_a: Annotated[float | None, typer.Option(min=0.0, help="Max output tokens = a * input tokens + b (default: decode.max_len_a).")] = None,
     max_len_b: Annotated[int | None, typer.Option(min=0, help="See --max-len-a (default: decode.max_len_b).")] = None,
+    max_len: Annotated[int | None, typer.Option(min=1, help="A fixed cap on output tokens (instead of a * input + b).")] = None,
     batch_size: Annotated[int | None, typer.Option(min=1, help="Sentences decoded together (default: decode.batch_size).")] = None,
     truncate: Annotated[bool, typer.Option(help="Cut inputs longer than the model's limit instead of stopping with an error.")] = False,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
@@ -50,6 +51,8 @@ def translate(
     cfg = BeamConfig(beam=beam or d.beam, alpha=d.alpha if alpha is None else alpha,
                      max_len_a=d.max_len_a if max_len_a is None else max_len_a,
                      max_len_b=d.max_len_b if max_len_b is None else max_len_b)
+    if max_len is not None:
+        cfg.max_len_a, cfg.max_len_b = 0.0, max_len
     if text:
         lines = list(text)
     elif input_file is not None:

@@ -90,6 +90,12 @@ def test_translate_command_arguments_file_and_split(model_dir, toy_workspace, tm
     assert res.exit_code == 0, res.output
     written = (tmp_path / "data/translations/test.de").read_text().splitlines()
     assert len(written) == 40
+    res = runner.invoke(app, [*base, "--max-len", "3", "--beam", "1", "The dog runs fast."])
+    assert res.exit_code == 0
+    from aiayn.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model_dir / "tokenizer.json")
+    assert len(tok.encode(res.stdout.splitlines()[0], add_special_tokens=False).ids) <= 3
     res = runner.invoke(app, [*base, "--input", str(tmp_path / "missing.txt")])
     assert res.exit_code == 2 and "no such file" in res.stderr
 
