@@ -1,0 +1,723 @@
+"""Decoding speed on CPU: our beam search (cached, recompute, bf16) against CTranslate2.
+
+Usage (from the repository root)::
+
+    .venv/bin/python bench/decode_speed.py                    # 4 batches x 3 rounds, 2 threads
+    .venv/bin/python bench/decode_speed.py --threads 2,1 --json out.json
+    .venv/bin/python bench/decode_speed.py --profile          # + where the cached search spends
+    .venv/bin/python bench/decode_speed.py --help
+
+``ctranslate2`` (4.x) is needed for the CTranslate2 rows only (``--no-ct2`` skips them); it is
+not a dependency of ``aiayn``.
+
+Model
+-----
+d_model 256, 3+3 layers, 4 heads, d_ff 1024, vocabulary 8000, post-LN (``aiayn``'s default).
+Random weights decode degenerately: greedy output of a fresh model repeats a few tokens and
+never emits EOS, so every sentence runs to its maximum length (source + 50), a work profile
+unlike translation, and "the outputs agree" would test little. So the model is first trained
+for ``--train-steps`` (default 150) Adam steps on a copy task (Zipf-distributed words, 4-24
+per sentence; target = source), seconds to minutes of CPU. The result is deliberately half
+trained: its outputs follow the source (lengths near the source length, EOS at varied
+positions) but it is unsure, so beams hold real alternatives and near-ties, and the inputs
+of 10-40 words are partly longer than any training sentence. The weights are cached under
+``--weights`` (default: the temp directory, keyed by seed and steps); a rerun loads them.
+
+Inputs: ``--batches`` x ``--batch-size`` (64) source sentences of 10-40 Zipf words + EOS,
+sorted by length and cut into batches as ``aiayn.translation`` does.
+
+Methods (all on the same batches, beam 4, alpha 0.6, max length = source length + 50)
+------------------------------------------------------------------------------------
+* ``cached``     ``beam_search(use_cache=True)``: encode once, one ``decode_step`` per token;
+* ``bf16``       the same inside ``torch.autocast("cpu", dtype=torch.bfloat16)``;
+* ``recompute``  ``beam_search(use_cache=False)``: a full ``model(src, prefix)`` per step;
+                 slow, so timed on ``--recompute-batches`` (1) of the batches, the middle
+                 one(s) by length; its ratio to ``cached`` uses cached's times on the same
+                 batches of the same round;
+* ``ct2``        ``ctranslate2.Translator(device="cpu", compute_type="float32",
+                 inter_threads=1, intra_threads=threads).translate_batch(beam_size=4,
+                 length_penalty=0.6, max_decoding_length=max over the batch of
+                 (source length + 50))`` on the same weights (see "CTranslate2 model").
+
+``torch.set_num_threads(t)`` and CTranslate2's ``intra_threads`` take the same value ``t``,
+for each ``t`` of ``--threads`` (default 2). Each method decodes every batch once for warm-up;
+then ``--rounds`` rounds, each decoding all batches with every method, in an order rotated by
+one method per round, with a 0.5 s pause between methods (lets OpenMP threads of the other
+library stop spinning). The machine may be shared: only side-by-side ratios mean something,
+so each ratio is the median over rounds of the per-round ratio, and absolute figures are
+medians over rounds. CPU seconds (``time.process_time``, all threads of the process) come
+next to wall seconds: CPU/wall far below the thread count means time lost to other processes.
+
+sentences/s = sentences / wall seconds; tokens/s = generated tokens / wall seconds, where the
+generated tokens of a sentence are its output tokens + 1 (its EOS; also counted for an
+output cut at the maximum length). Beam search computes ``beam`` hypotheses per sentence;
+tokens/s counts the returned one only.
+
+CTranslate2 model
+-----------------
+Filled weight by weight from the PyTorch state dict, as the fairseq / OpenNMT-py converters
+of ``ctranslate2.converters`` do, into ``TransformerSpec.from_config((3, 3), 4,
+pre_norm=False, activation=RELU)``:
+
+* ``encoder.embeddings[0].weight``, ``decoder.embeddings.weight`` and
+  ``decoder.projection.weight`` = the one shared matrix (no projection bias; the saver
+  aliases the copies); ``scale_embeddings = True`` multiplies by sqrt(d_model);
+* ``{encoder,decoder}.position_encodings.encodings`` = ``model.positions`` (our interleaved
+  sin/cos table, passed explicitly: CTranslate2's built-in table concatenates sin and cos);
+  row 0 is the first position on both sides (the decoder start token);
+* per layer: ``self_attention.linear[0]`` = fused ``qkv_proj`` (rows q, k, v as CTranslate2
+  expects), ``linear[1]`` = ``out_proj``, ``self_attention.layer_norm`` = the LayerNorm of
+  that residual block (post-norm: CTranslate2 applies it after the residual sum when
+  ``pre_norm=False``); decoder ``attention.linear[0]`` = ``q_proj``, ``linear[1]`` = fused
+  ``kv_proj``, ``linear[2]`` = ``out_proj``, ``attention.layer_norm`` = the cross block's
+  norm; ``ffn.linear_0/1`` = ``w1/w2``, ``ffn.layer_norm`` = the FFN block's norm;
+  pre-LN models would also get the final ``layer_norm`` of each stack;
+* ``config.layer_norm_epsilon = 1e-5`` (``nn.LayerNorm``'s; CTranslate2's default is 1e-6);
+* one vocabulary for both sides: ``<pad> <s> </s> <unk> w4 ... w7999`` (ids = ours);
+  decoder start ``<s>`` (our BOS), end ``</s>``; the source is passed with its ``</s>``;
+* ``spec.validate(); spec.optimize(quantization="float32"); spec.save(dir)`` (what
+  ``Converter.convert`` does).
+
+Decoding options matched to ``aiayn.beam``: ``min_decoding_length=0`` (CTranslate2's default
+of 1 forbids an empty output; ours allows it) and ``suppress_sequences=[["<pad>"], ["<s>"]]``
+(ours sets PAD and BOS logits to -inf before the log-softmax; CTranslate2 applies suppressed
+tokens to the logits before its log-softmax too).
+
+Agreement (outside the timing)
+------------------------------
+* greedy: ``greedy_search`` against CTranslate2 ``beam_size=1``, token for token;
+* beam 4, alpha 0: both rank finished hypotheses by log P and stop once the best finished one
+  beats every live one, so they should agree;
+* beam 4, alpha 0.6: not the same objective. Ours ranks by log P / ((5 + |Y|) / 6)^alpha
+  (GNMT; |Y| counts EOS) and stops when no live hypothesis can win any more (exact);
+  CTranslate2 ranks by log P / len^alpha (len without EOS) and stops a sentence as soon as
+  ``beam x patience`` = 4 hypotheses have finished. Both keep the same live beams (the top k
+  non-EOS candidates of each step), so they differ only in which finished hypothesis wins
+  and in when they stop. Each disagreement is classified by rescoring both outputs with our
+  model (teacher forcing, fp32): "formula" (each output wins under its own search's
+  formula), "ct2 stopped early" (ours is better under both formulas: CTranslate2 stopped
+  before finding it), "ours stopped early" (CTranslate2's output is better under both),
+  "tie" (scores within 1e-4). Also: cached vs recompute and fp32 vs bf16 outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import hashlib
+import io
+import json
+import os
+import platform
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from aiayn.beam import BeamConfig, beam_search, max_lengths  # noqa: E402
+from aiayn.model import Transformer, TransformerConfig  # noqa: E402
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
+
+VOCAB = 8000
+ZIPF = 1.1
+TRAIN_LENGTHS = (4, 24)
+VOCAB_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(4, VOCAB)]
+TOKEN_ID = {t: i for i, t in enumerate(VOCAB_TOKENS)}
+METHODS = ("cached", "bf16", "recompute", "ct2")
+LABELS = {"cached": "ours, cached, fp32", "bf16": "ours, cached, bf16 autocast",
+          "recompute": "ours, recompute (no cache)", "ct2": "CTranslate2 fp32"}
+
+
+def model_config() -> TransformerConfig:
+    return TransformerConfig(vocab_size=VOCAB, d_model=256, heads=4, encoder_layers=3,
+                             decoder_layers=3, d_ff=1024, dropout=0.1, norm="post")
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+# -- data --------------------------------------------------------------------------------
+
+def zipf_sentences(rng: np.random.Generator, n: int, lo: int, hi: int) -> list[list[int]]:
+    ranks = np.arange(1, VOCAB - 4 + 1, dtype=np.float64)
+    p = ranks ** -ZIPF
+    p /= p.sum()
+    lengths = rng.integers(lo, hi + 1, n)
+    return [(4 + rng.choice(VOCAB - 4, size=int(k), p=p)).tolist() for k in lengths]
+
+
+def pad(seqs: list[list[int]], pre: tuple[int, ...] = (), post: tuple[int, ...] = ()
+        ) -> torch.Tensor:
+    width = max(len(s) for s in seqs) + len(pre) + len(post)
+    out = torch.full((len(seqs), width), PAD_ID, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        row = [*pre, *s, *post]
+        out[i, :len(row)] = torch.tensor(row)
+    return out
+
+
+@dataclass
+class Batch:
+    words: list[list[int]]  # source words, without EOS
+    src: torch.Tensor  # (B, S) ids + EOS, PAD-padded
+    tokens: list[list[str]]  # the same as CTranslate2 token strings, with "</s>"
+    max_len: list[int]  # our per-sentence maximum output length (EOS included)
+
+    @property
+    def ct2_max_len(self) -> int:  # one value per translate_batch call
+        return max(self.max_len)
+
+
+def make_batches(n_batches: int, batch_size: int, lo: int, hi: int, seed: int,
+                 cfg: BeamConfig, limit: int) -> list[Batch]:
+    rng = np.random.default_rng(seed + 1)
+    pool = sorted(zipf_sentences(rng, n_batches * batch_size, lo, hi), key=len)
+    batches = []
+    for start in range(0, len(pool), batch_size):
+        words = pool[start:start + batch_size]
+        src = pad(words, post=(EOS_ID,))
+        batches.append(Batch(words, src, [[VOCAB_TOKENS[i] for i in w] + ["</s>"] for w in words],
+                             max_lengths(src, cfg.max_len_a, cfg.max_len_b, limit)))
+    return batches
+
+
+# -- model -------------------------------------------------------------------------------
+
+def train_copy(model: Transformer, steps: int, seed: int, batch_size: int = 32) -> list[float]:
+    """Adam (paper betas), lr 2e-3 after 30 warm-up steps, label smoothing 0.1, copy task."""
+    rng = np.random.default_rng(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3, betas=(0.9, 0.98), eps=1e-9)
+    model.train()
+    losses = []
+    for step in range(1, steps + 1):
+        for group in opt.param_groups:
+            group["lr"] = 2e-3 * min(1.0, step / 30)
+        words = zipf_sentences(rng, batch_size, *TRAIN_LENGTHS)
+        logits = model(pad(words, post=(EOS_ID,)), pad(words, pre=(BOS_ID,)))
+        labels = pad(words, post=(EOS_ID,))
+        loss = F.cross_entropy(logits.view(-1, VOCAB), labels.view(-1), ignore_index=PAD_ID,
+                               label_smoothing=0.1)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if step % 25 == 0 or step == steps:
+            print(f"  train step {step}/{steps}: loss {statistics.fmean(losses[-25:]):.3f}",
+                  flush=True)
+    model.eval()
+    return losses
+
+
+def build_model(args) -> tuple[Transformer, dict]:
+    torch.manual_seed(args.seed)
+    model = Transformer(model_config())
+    info: dict = {"train_steps": args.train_steps, "task": "copy"}
+    if args.train_steps <= 0:
+        model.eval()
+        return model, info
+    key = hashlib.sha256(json.dumps([model.cfg.to_dict(), args.seed, args.train_steps,
+                                     TRAIN_LENGTHS, ZIPF, "copy-v1"]).encode()).hexdigest()[:12]
+    path = args.weights or Path(tempfile.gettempdir()) / f"aiayn_decode_speed_{key}.pt"
+    info["weights"] = str(path)
+    if path.exists():
+        model.load_state_dict(torch.load(path, map_location="cpu"))
+        info["trained"] = "loaded"
+        print(f"model: loaded {path}")
+    else:
+        print(f"model: training {args.train_steps} steps on the copy task "
+              f"({args.train_threads} thread(s)); cached at {path}", flush=True)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(args.train_threads)
+        t0 = time.perf_counter()
+        losses = train_copy(model, args.train_steps, args.seed)
+        torch.set_num_threads(threads)
+        info.update(trained="now", train_seconds=time.perf_counter() - t0,
+                    final_loss=statistics.fmean(losses[-25:]))
+        tmp = path.with_suffix(".tmp")
+        torch.save(model.state_dict(), tmp)
+        os.replace(tmp, path)
+    model.eval()
+    return model, info
+
+
+# -- CTranslate2 -------------------------------------------------------------------------
+
+def ct2_spec(model: Transformer):
+    from ctranslate2.specs import common_spec, transformer_spec
+
+    cfg = model.cfg
+    pre = cfg.norm == "pre"
+    spec = transformer_spec.TransformerSpec.from_config(
+        (cfg.encoder_layers, cfg.decoder_layers), cfg.heads, pre_norm=pre,
+        activation=common_spec.Activation.RELU)
+    sd = {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
+
+    def linear(s, name: str) -> None:
+        s.weight = sd[f"{name}.weight"]
+        s.bias = sd[f"{name}.bias"]
+
+    def norm(s, name: str) -> None:
+        s.gamma = sd[f"{name}.weight"]
+        s.beta = sd[f"{name}.bias"]
+
+    emb = sd["embedding.weight"]
+    positions = model.positions.detach().float().numpy().copy()
+    for side in (spec.encoder, spec.decoder):
+        table = side.embeddings[0] if isinstance(side.embeddings, list) else side.embeddings
+        table.weight = emb
+        side.scale_embeddings = True  # x sqrt(d_model), Section 3.4
+        side.position_encodings.encodings = positions
+    for i, ls in enumerate(spec.encoder.layer):
+        p = f"encoder.{i}"
+        linear(ls.self_attention.linear[0], f"{p}.self_attn.qkv_proj")
+        linear(ls.self_attention.linear[1], f"{p}.self_attn.out_proj")
+        norm(ls.self_attention.layer_norm, f"{p}.res_attn.norm")
+        linear(ls.ffn.linear_0, f"{p}.ffn.w1")
+        linear(ls.ffn.linear_1, f"{p}.ffn.w2")
+        norm(ls.ffn.layer_norm, f"{p}.res_ffn.norm")
+    for i, ls in enumerate(spec.decoder.layer):
+        p = f"decoder.{i}"
+        linear(ls.self_attention.linear[0], f"{p}.self_attn.qkv_proj")
+        linear(ls.self_attention.linear[1], f"{p}.self_attn.out_proj")
+        norm(ls.self_attention.layer_norm, f"{p}.res_self.norm")
+        linear(ls.attention.linear[0], f"{p}.cross_attn.q_proj")
+        linear(ls.attention.linear[1], f"{p}.cross_attn.kv_proj")
+        linear(ls.attention.linear[2], f"{p}.cross_attn.out_proj")
+        norm(ls.attention.layer_norm, f"{p}.res_cross.norm")
+        linear(ls.ffn.linear_0, f"{p}.ffn.w1")
+        linear(ls.ffn.linear_1, f"{p}.ffn.w2")
+        norm(ls.ffn.layer_norm, f"{p}.res_ffn.norm")
+    if pre:
+        norm(spec.encoder.layer_norm, "encoder_norm")
+        norm(spec.decoder.layer_norm, "decoder_norm")
+    spec.decoder.projection.weight = emb  # tied output matrix, no bias
+    spec.config.layer_norm_epsilon = 1e-5
+    spec.config.bos_token, spec.config.eos_token, spec.config.unk_token = "<s>", "</s>", "<unk>"
+    spec.config.decoder_start_token = "<s>"
+    spec.config.add_source_bos = spec.config.add_source_eos = False
+    spec.register_source_vocabulary(VOCAB_TOKENS)
+    spec.register_target_vocabulary(VOCAB_TOKENS)
+    return spec
+
+
+def ct2_save(model: Transformer, directory: Path) -> Path:
+    spec = ct2_spec(model)
+    spec.validate()
+    spec.optimize(quantization="float32")
+    directory.mkdir(parents=True, exist_ok=True)
+    spec.save(str(directory))
+    return directory
+
+
+def ct2_decode(translator, batch: Batch, beam: int, alpha: float, num_hypotheses: int = 1):
+    return translator.translate_batch(
+        batch.tokens, beam_size=beam, length_penalty=alpha, num_hypotheses=num_hypotheses,
+        max_decoding_length=batch.ct2_max_len, min_decoding_length=0, return_scores=True,
+        suppress_sequences=[["<pad>"], ["<s>"]], max_batch_size=0)
+
+
+def ct2_ids(results) -> list[list[int]]:
+    return [[TOKEN_ID[t] for t in r.hypotheses[0]] for r in results]
+
+
+# -- ours --------------------------------------------------------------------------------
+
+def ours_decode(model, batch: Batch, cfg: BeamConfig, use_cache: bool = True,
+                bf16: bool = False) -> list[list[int]]:
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        return beam_search(model, batch.src, cfg, use_cache=use_cache)
+
+
+@torch.no_grad()
+def log_probs_of(model, batch: Batch, hyps: list[list[int]], max_len: list[int]
+                 ) -> tuple[list[float], list[bool]]:
+    """log P(hyp [+ EOS] | src) under ``model`` in fp32, PAD and BOS banned as in beam.py.
+
+    A hypothesis as long as its sentence's maximum length was cut there: no EOS.
+    """
+    ended = [len(h) < m for h, m in zip(hyps, max_len, strict=True)]
+    outs = [h + [EOS_ID] if e else list(h) for h, e in zip(hyps, ended, strict=True)]
+    if max(len(o) for o in outs) == 0:
+        return [0.0] * len(hyps), ended
+    tgt_in = pad([[BOS_ID] + o[:-1] if o else [BOS_ID] for o in outs])
+    logits = model(batch.src, tgt_in).float()
+    logits[..., PAD_ID] = float("-inf")
+    logits[..., BOS_ID] = float("-inf")
+    lp = F.log_softmax(logits, dim=-1)
+    scores = []
+    for i, o in enumerate(outs):
+        idx = torch.tensor(o, dtype=torch.long)
+        scores.append(float(lp[i, torch.arange(len(o)), idx].sum()) if o else 0.0)
+    return scores, ended
+
+
+def gnmt(logp: float, n_out: int, alpha: float) -> float:
+    return logp / ((5 + n_out) / 6) ** alpha
+
+
+def ct2_norm(logp: float, n_tokens: int, alpha: float) -> float:
+    return logp / max(n_tokens, 1) ** alpha if alpha else logp
+
+
+# -- agreement ---------------------------------------------------------------------------
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    same = sum(x == y for x, y in zip(a, b, strict=True))
+    return {"sentences": len(a), "identical": same, "rate": same / len(a) if a else 1.0}
+
+
+def classify_beam(model, batches: list[Batch], ours: list[list[list[int]]],
+                  ct2: list[list[list[int]]], alpha: float, uniform: bool) -> dict:
+    """Count identical outputs; classify the others (see the module docstring).
+
+    ``uniform``: both searches ran with the batch's one maximum length (else ours per row).
+    """
+    counts = {"agree": 0, "formula": 0, "ct2 stopped early": 0, "ours stopped early": 0,
+              "tie": 0, "max length": 0}
+    examples = []
+    for batch, o_b, c_b in zip(batches, ours, ct2, strict=True):
+        diff = [i for i, (x, y) in enumerate(zip(o_b, c_b, strict=True)) if x != y]
+        counts["agree"] += len(o_b) - len(diff)
+        if not diff:
+            continue
+        mx = [batch.ct2_max_len] * len(o_b) if uniform else batch.max_len
+        lo, eo = log_probs_of(model, batch, o_b, mx)
+        lc, ec = log_probs_of(model, batch, c_b, [batch.ct2_max_len] * len(o_b))
+        for i in diff:
+            no, nc = len(o_b[i]) + eo[i], len(c_b[i]) + ec[i]
+            g_o, g_c = gnmt(lo[i], no, alpha), gnmt(lc[i], nc, alpha)
+            c_o, c_c = ct2_norm(lo[i], len(o_b[i]), alpha), ct2_norm(lc[i], len(c_b[i]), alpha)
+            if not uniform and max(len(o_b[i]), len(c_b[i])) >= batch.max_len[i]:
+                kind = "max length"  # ours was cut at source + b, ct2 at the batch's max
+            elif abs(g_o - g_c) < 1e-4 or abs(c_o - c_c) < 1e-4:
+                kind = "tie"
+            elif g_o > g_c and c_c > c_o:
+                kind = "formula"
+            elif g_o > g_c:
+                kind = "ct2 stopped early"
+            else:
+                kind = "ours stopped early"
+            counts[kind] += 1
+            if len(examples) < 6:
+                examples.append({"kind": kind, "src_len": len(batch.words[i]),
+                                 "ours_len": len(o_b[i]), "ct2_len": len(c_b[i]),
+                                 "logp_ours": round(lo[i], 4), "logp_ct2": round(lc[i], 4),
+                                 "gnmt_ours": round(g_o, 4), "gnmt_ct2": round(g_c, 4),
+                                 "ct2norm_ours": round(c_o, 4), "ct2norm_ct2": round(c_c, 4)})
+    total = sum(counts.values())
+    return {"counts": counts, "rate": counts["agree"] / total if total else 1.0,
+            "examples": examples}
+
+
+# -- timing ------------------------------------------------------------------------------
+
+def timed(fn):
+    w0, c0 = time.perf_counter(), time.process_time()
+    out = fn()
+    return out, time.perf_counter() - w0, time.process_time() - c0
+
+
+def out_tokens(hyps: list[list[int]]) -> int:
+    return sum(len(h) + 1 for h in hyps)
+
+
+def profile_cached(model, batch: Batch, cfg: BeamConfig) -> dict:
+    """cProfile (Python functions) and torch.profiler (operators) of one cached search."""
+    steps = {"decode_steps": 0, "rows": 0}
+    orig = model.decode_step
+
+    def counting(tokens, state):
+        steps["decode_steps"] += 1
+        steps["rows"] += tokens.shape[0]
+        return orig(tokens, state)
+
+    model.decode_step = counting
+    try:
+        ours_decode(model, batch, cfg)
+    finally:
+        del model.decode_step
+    prof = cProfile.Profile()
+    prof.enable()
+    _, wall, _ = timed(lambda: ours_decode(model, batch, cfg))
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(18)
+    print(f"\n-- cProfile, cached beam search, one batch {tuple(batch.src.shape)} "
+          f"({wall:.2f} s with the profiler) --")
+    print("\n".join(buf.getvalue().splitlines()[:40]))
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        ours_decode(model, batch, cfg)
+    table = p.key_averages().table(sort_by="self_cpu_time_total", row_limit=22)
+    print("\n-- torch.profiler, same batch, by self CPU time --")
+    print(table)
+    return {**steps, "profiler_table": table}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, default=4, help="batches of --batch-size (4)")
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3, help="measured rounds (3)")
+    ap.add_argument("--threads", default="2",
+                    help="torch threads = CTranslate2 intra_threads; comma list, e.g. 2,1")
+    ap.add_argument("--beam", type=int, default=4)
+    ap.add_argument("--alpha", type=float, default=0.6)
+    ap.add_argument("--max-len-b", type=int, default=50, help="max length = source + b (50)")
+    ap.add_argument("--min-words", type=int, default=10)
+    ap.add_argument("--max-words", type=int, default=40)
+    ap.add_argument("--recompute-batches", type=int, default=1,
+                    help="batches timed for the recompute path (1; 0 skips it)")
+    ap.add_argument("--train-steps", type=int, default=150,
+                    help="copy-task training steps before decoding (150; 0 = random weights)")
+    ap.add_argument("--train-threads", type=int, default=1)
+    ap.add_argument("--weights", type=Path, default=None,
+                    help="cache file for the trained weights (default: temp dir)")
+    ap.add_argument("--no-ct2", action="store_true", help="skip CTranslate2")
+    ap.add_argument("--no-bf16", action="store_true", help="skip the bf16 autocast row")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile one cached search (cProfile + torch.profiler) at the end")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, default=None, help="write all results here")
+    args = ap.parse_args(argv)
+
+    threads = [int(t) for t in args.threads.split(",")]
+    cfg = BeamConfig(beam=args.beam, alpha=args.alpha, max_len_a=1.0, max_len_b=args.max_len_b)
+    info: dict = {"command": " ".join([sys.executable, *sys.argv]), "torch": torch.__version__,
+                  "cpu": cpu_model(), "logical_cpus": os.cpu_count(),
+                  "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                  "python": platform.python_version(), "threads": threads,
+                  "beam": vars(cfg), "rounds": args.rounds}
+    ct2 = None
+    if not args.no_ct2:
+        import ctranslate2 as ct2
+        info["ctranslate2"] = ct2.__version__
+        info["ct2_compute_types_cpu"] = sorted(ct2.get_supported_compute_types("cpu"))
+    print(f"torch {torch.__version__}  ctranslate2 {info.get('ctranslate2', '-')}  "
+          f"CPU {info['cpu']} ({info['logical_cpus']} logical, {info['cpu_capability']})  "
+          f"threads {threads}")
+    info["load_average_start"] = os.getloadavg()
+    print("load average (1, 5, 15 min): " + " ".join(f"{x:.1f}" for x in os.getloadavg()))
+
+    model, info["model"] = build_model(args)
+    info["model"]["config"] = model.cfg.to_dict()
+    batches = make_batches(args.batches, args.batch_size, args.min_words, args.max_words,
+                           args.seed, cfg, model.cfg.max_positions)
+    n_sent = sum(len(b.words) for b in batches)
+    mid = len(batches) // 2
+    rc_idx = sorted({min(len(batches) - 1, max(0, mid - args.recompute_batches // 2 + j))
+                     for j in range(args.recompute_batches)}) if args.recompute_batches else []
+    info["batches"] = [{"shape": list(b.src.shape), "words": [len(b.words[0]), len(b.words[-1])],
+                        "ct2_max_len": b.ct2_max_len} for b in batches]
+    info["recompute_batches"] = rc_idx
+    print(f"{len(batches)} batches x {args.batch_size}: source shapes "
+          + " ".join(f"{tuple(b.src.shape)}" for b in batches)
+          + f"; recompute timed on batch(es) {rc_idx}")
+
+    translators = {}
+    tmpdir = None
+    if ct2 is not None:
+        tmpdir = tempfile.TemporaryDirectory(prefix="aiayn_ct2_")
+        path = ct2_save(model, Path(tmpdir.name) / "model")
+        for t in threads:
+            translators[t] = ct2.Translator(str(path), device="cpu", compute_type="float32",
+                                            inter_threads=1, intra_threads=t)
+
+    # -- agreement (untimed) --------------------------------------------------------------
+    # CTranslate2 takes one maximum length per call, ours one per sentence: here ours gets
+    # the batch's one value too (max_len_a=0, max_len_b=that), so both search the same space.
+    torch.set_num_threads(threads[0])
+    agree: dict = {}
+
+    def uniform(b: Batch, beam: int, alpha: float) -> BeamConfig:
+        return BeamConfig(beam=beam, alpha=alpha, max_len_a=0.0, max_len_b=b.ct2_max_len)
+
+    greedy_ours = [ours_decode(model, b, uniform(b, 1, 0.0)) for b in batches]
+    lens = [len(h) for g in greedy_ours for h in g]
+    cut = sum(len(h) >= m for g, b in zip(greedy_ours, batches, strict=True)
+              for h, m in zip(g, b.max_len, strict=True))
+    src_lens = [len(w) for b in batches for w in b.words]
+    info["greedy_outputs"] = {
+        "mean_src_words": statistics.fmean(src_lens), "mean_len": statistics.fmean(lens),
+        "min_len": min(lens), "max_len": max(lens), "distinct_lengths": len(set(lens)),
+        "longer_than_source_plus_b": cut,
+        "exact_copies": sum(h == w for g, b in zip(greedy_ours, batches, strict=True)
+                            for h, w in zip(g, b.words, strict=True))}
+    print("greedy outputs (ours): " + ", ".join(
+        f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+        for k, v in info["greedy_outputs"].items()), flush=True)
+    if translators:
+        tr = translators[threads[0]]
+        greedy_ct2 = [ct2_ids(ct2_decode(tr, b, 1, 0.0)) for b in batches]
+        agree["greedy ours vs ct2"] = agreement(sum(greedy_ours, []), sum(greedy_ct2, []))
+        for alpha in dict.fromkeys([0.0, cfg.alpha]):
+            ours_b = [ours_decode(model, b, uniform(b, cfg.beam, alpha)) for b in batches]
+            ct2_b = [ct2_ids(ct2_decode(tr, b, cfg.beam, alpha)) for b in batches]
+            agree[f"beam {cfg.beam} alpha={alpha} ours vs ct2"] = classify_beam(
+                model, batches, ours_b, ct2_b, alpha, uniform=True)
+    for k, v in agree.items():
+        print(f"agreement {k}: {v['counts']['agree'] if 'counts' in v else v['identical']}/"
+              f"{sum(v['counts'].values()) if 'counts' in v else v['sentences']} "
+              f"({100 * v['rate']:.1f}%)" + (f" {v['counts']}" if "counts" in v else ""),
+              flush=True)
+
+    # -- timing ---------------------------------------------------------------------------
+    methods = [m for m in METHODS
+               if not (m == "ct2" and not translators) and not (m == "bf16" and args.no_bf16)
+               and not (m == "recompute" and not rc_idx)]
+    results: dict = {}
+    first_outputs: dict = {}
+    for t in threads:
+        torch.set_num_threads(t)
+
+        def run(method: str, bi: int, t=t):
+            b = batches[bi]
+            if method == "ct2":
+                res, wall, cpu = timed(lambda: ct2_decode(translators[t], b, cfg.beam, cfg.alpha))
+                return ct2_ids(res), wall, cpu
+            return timed(lambda: ours_decode(model, b, cfg, use_cache=method != "recompute",
+                                             bf16=method == "bf16"))
+
+        def batch_ids(method: str) -> list[int]:
+            return rc_idx if method == "recompute" else list(range(len(batches)))
+
+        t0 = time.perf_counter()
+        for m in methods:  # warm-up: every batch once (recompute: its batches)
+            for bi in batch_ids(m):
+                run(m, bi)
+        print(f"\nthreads {t}: warm-up {time.perf_counter() - t0:.0f} s", flush=True)
+        runs = {m: [] for m in methods}
+        for r in range(args.rounds):
+            order = methods[r % len(methods):] + methods[:r % len(methods)]
+            for m in order:
+                time.sleep(0.5)
+                per = {}
+                for bi in batch_ids(m):
+                    hyps, wall, cpu = run(m, bi)
+                    per[bi] = (wall, cpu, len(hyps), out_tokens(hyps))
+                    if r == 0 and t == threads[0]:
+                        first_outputs.setdefault(m, {})[bi] = hyps
+                runs[m].append(per)
+                tot = [sum(x[j] for x in per.values()) for j in range(4)]
+                print(f"  round {r + 1} {m:9s} {tot[0]:7.2f} s wall {tot[1]:7.2f} s cpu "
+                      f"{tot[2] / tot[0]:7.1f} sent/s {tot[3] / tot[0]:8.1f} tok/s", flush=True)
+        results[t] = summarize(runs, rc_idx, args.rounds)
+    info["results"] = {str(t): v for t, v in results.items()}
+
+    # -- agreement of the timed outputs ---------------------------------------------------
+    fo = first_outputs
+    all_b = list(range(len(batches)))
+    if "ct2" in fo:
+        agree[f"timed beam {cfg.beam} alpha={cfg.alpha} ours (max len per sentence) vs ct2"] = (
+            classify_beam(model, batches, [fo["cached"][i] for i in all_b],
+                          [fo["ct2"][i] for i in all_b], cfg.alpha, uniform=False))
+    if "recompute" in fo:
+        agree["beam cached vs recompute"] = agreement(
+            sum((fo["cached"][i] for i in rc_idx), []),
+            sum((fo["recompute"][i] for i in rc_idx), []))
+    if "bf16" in fo:
+        agree["beam fp32 vs bf16"] = agreement(sum((fo["cached"][i] for i in all_b), []),
+                                               sum((fo["bf16"][i] for i in all_b), []))
+    info["agreement"] = agree
+    info["load_average_end"] = os.getloadavg()
+
+    report(info, results, agree, n_sent, len(rc_idx) * args.batch_size)
+    if args.profile:
+        torch.set_num_threads(threads[0])
+        info["profile"] = profile_cached(model, batches[mid], cfg)
+    if args.json:
+        args.json.write_text(json.dumps(info, indent=2, default=str))
+        print(f"\nwrote {args.json}")
+    if tmpdir is not None:
+        tmpdir.cleanup()
+    return info
+
+
+def summarize(runs: dict, rc_idx: list[int], rounds: int) -> dict:
+    med = statistics.median
+    out: dict = {}
+    for m, per_round in runs.items():
+        walls = [sum(x[0] for x in p.values()) for p in per_round]
+        cpus = [sum(x[1] for x in p.values()) for p in per_round]
+        sents = sum(x[2] for x in per_round[0].values())
+        toks = sum(x[3] for x in per_round[0].values())
+        out[m] = {"wall_s": med(walls), "cpu_s": med(cpus), "sentences": sents,
+                  "tokens": toks, "sent_per_s": med(sents / w for w in walls),
+                  "tok_per_s": med(toks / w for w in walls),
+                  "cpu_per_wall": med(c / w for c, w in zip(cpus, walls, strict=True)),
+                  "walls": walls}
+    ratios: dict = {}
+
+    def ratio(num: str, den: str, idx=None) -> float | None:
+        if num not in runs or den not in runs:
+            return None
+        vals = []
+        for r in range(rounds):
+            keys = idx if idx is not None else list(runs[num][r])
+            a = sum(runs[num][r][k][0] for k in keys)
+            b = sum(runs[den][r][k][0] for k in keys)
+            vals.append(a / b)
+        return med(vals)
+
+    # speed ratio X/Y = time(Y) / time(X), per round on the same batches, median
+    ratios["cached / recompute"] = ratio("recompute", "cached", rc_idx)
+    ratios["ours cached / ct2"] = ratio("ct2", "cached")
+    ratios["ours bf16 / ct2"] = ratio("ct2", "bf16")
+    ratios["bf16 / fp32 (cached)"] = ratio("cached", "bf16")
+    out["ratios"] = {k: v for k, v in ratios.items() if v is not None}
+    return out
+
+
+def report(info: dict, results: dict, agree: dict, n_sent: int, n_rc: int) -> None:
+    print("\n== decoding speed (medians over rounds; ratios: median of per-round ratios) ==")
+    print(f"beam {info['beam']['beam']}, alpha {info['beam']['alpha']}, max length = source + "
+          f"{info['beam']['max_len_b']}; CPU {info['cpu']}; torch {info['torch']}, "
+          f"ctranslate2 {info.get('ctranslate2', '-')}")
+    head = (f"{'threads':>7}  {'method':30s} {'sentences':>9} {'sent/s':>8} {'tok/s':>8} "
+            f"{'wall s':>8} {'cpu/wall':>8}")
+    print(head)
+    print("-" * len(head))
+    for t, res in results.items():
+        for m in METHODS:
+            if m not in res:
+                continue
+            r = res[m]
+            print(f"{t:>7}  {LABELS[m]:30s} {r['sentences']:>9} {r['sent_per_s']:8.1f} "
+                  f"{r['tok_per_s']:8.1f} {r['wall_s']:8.2f} {r['cpu_per_wall']:8.2f}")
+        for k, v in res["ratios"].items():
+            goal = {"cached / recompute": "  (goal >= 5)",
+                    "ours cached / ct2": "  (goal >= 0.5)"}.get(k, "")
+            print(f"{t:>7}  speed ratio {k}: {v:.2f}x{goal}")
+    print("\n== agreement ==")
+    for k, v in agree.items():
+        if "counts" in v:
+            tot = sum(v["counts"].values())
+            print(f"{k}: {v['counts']['agree']}/{tot} identical ({100 * v['rate']:.1f}%); "
+                  "disagreements: " + (", ".join(f"{c} {n}" for c, n in v["counts"].items()
+                                                  if c != "agree" and n) or "none"))
+            for ex in v["examples"]:
+                print(f"    {ex}")
+        else:
+            print(f"{k}: {v['identical']}/{v['sentences']} identical ({100 * v['rate']:.1f}%)")
+    print(f"(recompute timed on {n_rc} of {n_sent} sentences)")
+
+
+if __name__ == "__main__":
+    main()
