@@ -50,8 +50,9 @@ lengths are lognormal (median 20 tokens, long tail, 2..100) + EOS, target length
 N(1, 0.1) + BOS/EOS; a pool of 40k pairs is sorted by length and cut into batches of at
 most ``--max-tokens`` (4096) positions per side including padding (rows x longest row);
 ``--steps`` of those batches, drawn at random once, are what every configuration runs in
-every round (about 100 pairs x 40 positions, 3.7-4k positions and ~3.8k non-pad target
-tokens per side on average). Words are Zipf-distributed; the target is a fixed permutation
+every round (with the defaults: 71 x 48/57, 67 x 50/61 and 341 x 11/12 pairs x source/
+target positions; 3.5k source and 4.1k target positions, 3.4k non-pad target tokens per
+batch on average). Words are Zipf-distributed; the target is a fixed permutation
 of the source words, so the loss check has something to learn.
 
 Protocol
