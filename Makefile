@@ -37,9 +37,11 @@ demo: install
 	dvc repro
 	@echo
 	@echo "Done. Results:"
-	@echo "  metrics (git-tracked): metrics/*.json     -> dvc metrics show"
-	@echo "  plots:                 metrics/survey_hist.png, dvc plots show"
-	@echo "  data (DVC outputs):    data/raw data/vocab data/survey data/shards"
+	@echo "  BLEU / chrF:   metrics/bleu.json               (dvc metrics show)"
+	@echo "  training:      metrics/train.json, curves in metrics/*_log.tsv (dvc plots show)"
+	@echo "  MLflow run:    mlflow ui --backend-store-uri $(MLFLOW_TRACKING_URI)"
+	@echo "  model:         data/model/  (aiayn translate \"The house is small.\")"
+	@echo "  translations:  data/translations/test.de"
 
 test: install
 	$(BIN)/python -m pytest -q
