@@ -238,7 +238,7 @@ def build_model(args) -> tuple[Transformer, dict]:
     path = args.weights or Path(tempfile.gettempdir()) / f"aiayn_decode_speed_{key}.pt"
     info["weights"] = str(path)
     if path.exists():
-        model.load_state_dict(torch.load(path, map_location="cpu"))
+        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         info["trained"] = "loaded"
         print(f"model: loaded {path}")
     else:
@@ -551,7 +551,30 @@ def main(argv: list[str] | None = None) -> dict:
     def uniform(b: Batch, beam: int, alpha: float) -> BeamConfig:
         return BeamConfig(beam=beam, alpha=alpha, max_len_a=0.0, max_len_b=b.ct2_max_len)
 
-    greedy_ours = [ours_decode(model, b, uniform(b, 1, 0.0)) for b in batches]
+    # The same passes give one (not alternated) timing each, with the same maximum lengths
+    # for both and, at alpha 0, the same stopping rule: a rough like-for-like ratio. Our
+    # decode_step is wrapped to count decoder rows x steps (the work the search asked for).
+    work = {"steps": 0, "rows": 0}
+    step_fn = model.decode_step
+
+    def counting(tokens, state):
+        work["steps"] += 1
+        work["rows"] += tokens.shape[0]
+        return step_fn(tokens, state)
+
+    def ours_pass(beam: int, alpha: float) -> tuple[list[list[list[int]]], dict]:
+        work.update(steps=0, rows=0)
+        model.decode_step = counting
+        try:
+            outs, wall, _ = timed(lambda: [ours_decode(model, b, uniform(b, beam, alpha))
+                                           for b in batches])
+        finally:
+            del model.decode_step
+        return outs, {"ours_s": wall, "ours_decoder_steps": work["steps"],
+                      "ours_decoder_rows": work["rows"]}
+
+    single: dict = {}
+    greedy_ours, single["greedy"] = ours_pass(1, 0.0)
     lens = [len(h) for g in greedy_ours for h in g]
     cut = sum(len(h) >= m for g, b in zip(greedy_ours, batches, strict=True)
               for h, m in zip(g, b.max_len, strict=True))
@@ -567,13 +590,27 @@ def main(argv: list[str] | None = None) -> dict:
         for k, v in info["greedy_outputs"].items()), flush=True)
     if translators:
         tr = translators[threads[0]]
-        greedy_ct2 = [ct2_ids(ct2_decode(tr, b, 1, 0.0)) for b in batches]
+        greedy_ct2, single["greedy"]["ct2_s"], _ = timed(
+            lambda: [ct2_ids(ct2_decode(tr, b, 1, 0.0)) for b in batches])
         agree["greedy ours vs ct2"] = agreement(sum(greedy_ours, []), sum(greedy_ct2, []))
         for alpha in dict.fromkeys([0.0, cfg.alpha]):
-            ours_b = [ours_decode(model, b, uniform(b, cfg.beam, alpha)) for b in batches]
-            ct2_b = [ct2_ids(ct2_decode(tr, b, cfg.beam, alpha)) for b in batches]
-            agree[f"beam {cfg.beam} alpha={alpha} ours vs ct2"] = classify_beam(
-                model, batches, ours_b, ct2_b, alpha, uniform=True)
+            name = f"beam {cfg.beam} alpha={alpha}"
+            ours_b, single[name] = ours_pass(cfg.beam, alpha)
+            ct2_b, single[name]["ct2_s"], _ = timed(
+                lambda alpha=alpha: [ct2_ids(ct2_decode(tr, b, cfg.beam, alpha))
+                                     for b in batches])
+            agree[f"{name} ours vs ct2"] = classify_beam(model, batches, ours_b, ct2_b, alpha,
+                                                         uniform=True)
+        for v in single.values():
+            v["ours / ct2 speed"] = v["ct2_s"] / v["ours_s"]
+    info["single_pass"] = single
+    print(f"single passes (indicative, not alternated), {threads[0]} thread(s), one max length per "
+          "batch for both:")
+    for k, v in single.items():
+        print(f"  {k}: ours {v['ours_s']:.2f} s ({v['ours_decoder_steps']} decoder steps, "
+              f"{v['ours_decoder_rows']} rows)" + (f", ct2 {v['ct2_s']:.2f} s, ours/ct2 "
+                                                 f"{v['ours / ct2 speed']:.2f}x"
+                                                 if "ct2_s" in v else ""))
     for k, v in agree.items():
         print(f"agreement {k}: {v['counts']['agree'] if 'counts' in v else v['identical']}/"
               f"{sum(v['counts'].values()) if 'counts' in v else v['sentences']} "
@@ -638,6 +675,10 @@ def main(argv: list[str] | None = None) -> dict:
         agree["beam fp32 vs bf16"] = agreement(sum((fo["cached"][i] for i in all_b), []),
                                                sum((fo["bf16"][i] for i in all_b), []))
     info["agreement"] = agree
+    info["timed_outputs"] = {m: {"tokens": out_tokens(sum(v.values(), [])),
+                                 "empty": sum(not h for hs in v.values() for h in hs),
+                                 "sentences": sum(len(hs) for hs in v.values())}
+                             for m, v in fo.items()}
     info["load_average_end"] = os.getloadavg()
 
     report(info, results, agree, n_sent, len(rc_idx) * args.batch_size)
@@ -719,6 +760,9 @@ def report(info: dict, results: dict, agree: dict, n_sent: int, n_rc: int) -> No
         else:
             print(f"{k}: {v['identical']}/{v['sentences']} identical ({100 * v['rate']:.1f}%)")
     print(f"(recompute timed on {n_rc} of {n_sent} sentences)")
+    print("outputs of the first timed round: " + "; ".join(
+        f"{m}: {v['tokens']} tokens (with EOS) for {v['sentences']} sentences, {v['empty']} empty"
+        for m, v in info["timed_outputs"].items()))
 
 
 if __name__ == "__main__":
