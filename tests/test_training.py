@@ -197,7 +197,9 @@ def env_for_subprocess() -> dict:
 
 @pytest.mark.slow
 def test_sigkill_at_an_arbitrary_step_then_resume_ends_bitwise_equal(toy_workspace, tmp_path):
-    changes = {"train": {"steps": 30, "checkpoint_every_steps": 4, "keep_checkpoints": 10}}
+    # Long enough that a fast machine cannot finish between the poll and the kill.
+    steps = 160
+    changes = {"train": {"steps": steps, "checkpoint_every_steps": 4, "keep_checkpoints": 3}}
     params = write_params(tmp_path / "params.yaml", changes)
     env = env_for_subprocess()
     base = [sys.executable, "-m", "stages.train"]
@@ -210,16 +212,16 @@ def test_sigkill_at_an_arbitrary_step_then_resume_ends_bitwise_equal(toy_workspa
     while time.monotonic() < deadline and victim.poll() is None:
         if (ckpts / "step-00000012.pt").exists():
             break
-        time.sleep(0.05)
-    time.sleep(0.3)  # somewhere between two checkpoints
+        time.sleep(0.01)
+    time.sleep(0.05)  # somewhere after step 12, likely between two checkpoints
     assert victim.poll() is None, "the run finished before it could be killed"
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     killed_at = list_checkpoints(ckpts)[-1]
-    assert 12 <= int(killed_at.stem.split("-")[1]) < 30
+    assert 12 <= int(killed_at.stem.split("-")[1]) < steps
     subprocess.run(base + train_cmd(params, tmp_path / "killed", toy_workspace), env=env,
                    check=True, capture_output=True, timeout=300)
-    last = "checkpoints/step-00000030.pt"
+    last = f"checkpoints/step-{steps:08d}.pt"
     a = load_checkpoint(tmp_path / "full" / last)
     b = load_checkpoint(tmp_path / "killed" / last)
     assert_bitwise_equal(a["model"], b["model"])
