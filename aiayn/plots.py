@@ -1,4 +1,5 @@
-"""Pictures: attention maps (one PNG per kind and layer, one panel per head)."""
+"""Pictures: training curves (one PNG, three panels) and attention maps (one PNG per kind and
+layer, one panel per head)."""
 
 from __future__ import annotations
 
@@ -59,3 +60,37 @@ def plot_attention_maps(maps: dict[str, list], src_tokens: list[str], tgt_tokens
                                  f"{KIND_TITLES[kind]}, layer {layer}", path)
             written.append(path)
     return written
+
+
+def plot_training_curves(train_log: Path, valid_log: Path, path: Path) -> None:
+    """The train stage's TSV logs → one PNG: loss (train and valid, label-smoothed and NLL),
+    learning rate, and target tokens per second, each against the optimizer step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    train = pd.read_csv(train_log, sep="\t")
+    valid = pd.read_csv(valid_log, sep="\t")
+    fig, (loss_ax, lr_ax, speed_ax) = plt.subplots(1, 3, figsize=(14, 3.8), dpi=100)
+    if len(train):
+        loss_ax.plot(train["step"], train["loss"], label="train loss", color="tab:blue")
+        loss_ax.plot(train["step"], train["nll"], label="train NLL", color="tab:blue", ls="--")
+        lr_ax.plot(train["step"], train["lr"], color="tab:green")
+        speed_ax.plot(train["step"], train["tokens_per_s"], color="tab:purple")
+    if len(valid):
+        loss_ax.plot(valid["step"], valid["valid_loss"], "o-", label="valid loss",
+                     color="tab:orange")
+        loss_ax.plot(valid["step"], valid["valid_nll"], "o--", label="valid NLL",
+                     color="tab:orange")
+    loss_ax.set(title="loss per target token", xlabel="step", ylabel="nats")
+    loss_ax.legend(fontsize=8)
+    lr_ax.set(title="learning rate", xlabel="step")
+    speed_ax.set(title="target tokens / s", xlabel="step")
+    for ax in (loss_ax, lr_ax, speed_ax):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)

@@ -24,7 +24,7 @@ import re
 import subprocess
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -329,6 +329,34 @@ class Tracker:
         log.warning("%s; training continues, the same numbers are in metrics/", reason)
         self._enabled = False
         self._client = None
+
+
+def log_into_run(run_file: Path, stage: str, metrics: Mapping[str, float] | None = None,
+                 artifacts: Iterable[tuple[Path, str]] = ()) -> str | None:
+    """Log a later stage's numbers and files into the training run named in ``run_file``.
+
+    One pipeline execution is one MLflow run: ``aiayn train`` creates it and saves its id
+    next to the checkpoints; average, translate and score add to it. Returns the run id, or
+    None when there is no saved run for this tracking URI or MLflow is unreachable (the
+    reason is logged once; the stage's own outputs are complete either way).
+    """
+    tracker = Tracker()
+    run_id = load_run_id(run_file, tracker.tracking_uri)
+    if run_id is None:
+        log.info("%s: no MLflow run id for %s in %s; not logging to MLflow", stage,
+                 tracker.tracking_uri, run_file)
+        return None
+    with tracker:
+        if tracker.start(run_name=None, params={}, run_id=run_id) is None:
+            return None  # the tracker has said why (one warning)
+        if tracker.run_id != run_id:
+            log.warning("%s: MLflow run %s is gone; logged into a new run %s", stage, run_id,
+                        tracker.run_id)
+        tracker.log_metrics(metrics or {})
+        for path, artifact_path in artifacts:
+            tracker.log_artifact(path, artifact_path)
+    log.info("%s: logged to MLflow run %s", stage, tracker.run_id)
+    return tracker.run_id
 
 
 def _default_tags() -> dict[str, str]:

@@ -28,6 +28,7 @@ def average(
     checkpoints: Annotated[Path, typer.Option(help="Folder of step-*.pt checkpoints written by `aiayn train`.")] = Path("data/checkpoints"),
     tokenizer: Annotated[Path, typer.Option(help="The tokenizer the checkpoints were trained with; copied into OUT.")] = Path("data/vocab/tokenizer.json"),
     out: Annotated[Path, typer.Option(help="Model folder written: model.safetensors, config.json, tokenizer.json.")] = Path("data/model"),
+    mlflow: Annotated[bool, typer.Option(help="Upload OUT into the training run's MLflow artifacts (model/); the run id is CHECKPOINTS/mlflow_run.json.")] = True,
 ) -> None:
     """Average the weights of the last checkpoints into one model (paper Section 6.1).
 
@@ -37,7 +38,8 @@ def average(
     Writes: OUT as one atomic folder: model.safetensors (the element-wise mean of the
     model weights), config.json (model configuration, vocabulary size, tokenizer sha256,
     MLflow run id, averaged steps, tokens seen) and tokenizer.json (a copy of TOKENIZER),
-    so that the folder alone suffices to translate.
+    so that the folder alone suffices to translate. With MLflow on, OUT is also uploaded
+    into the training run's artifacts (under model/).
     """
     p = read_params(params)
     wanted = p.train.average_last
@@ -90,6 +92,11 @@ def average(
     }
     export_model(out, weights, config, extra_files={"tokenizer.json": tokenizer})
     log.info("average: wrote %s (steps %s)", out, steps)
+    if mlflow:
+        from aiayn.tracking import log_into_run
+
+        log_into_run(checkpoints / "mlflow_run.json", "average",
+                     {"averaged_checkpoints": len(chosen)}, [(out, "model")])
 
 
 def _meta(path: Path) -> dict:

@@ -75,7 +75,13 @@ def score(
     write_json(metrics, report)
     _print_table(report)
     if mlflow:
-        _log_to_mlflow(run_file, split, report, metrics, hyp_path)
+        from aiayn.tracking import log_into_run
+
+        log_into_run(run_file, "score", {
+            f"{split}/sacrebleu": report["sacrebleu"]["score"],
+            f"{split}/chrf": report["chrf"]["score"],
+            f"{split}/tokenized_bleu": report["tokenized_bleu"]["score"],
+        }, [(metrics, "metrics"), (hyp_path, "translations")])
     else:
         log.info("score: --no-mlflow; scores only in %s", metrics)
 
@@ -108,32 +114,6 @@ def _print_table(report: dict) -> None:
     typer.echo(f"{report['direction']} {report['split']}, {report['sentences']} sentences")
     for name, value, how in rows:
         typer.echo(f"  {name:<15}{value:7.2f}  {how}")
-
-
-def _log_to_mlflow(run_file: Path, split: str, report: dict, metrics: Path,
-                   hyp_path: Path) -> None:
-    from aiayn.tracking import Tracker, load_run_id
-
-    tracker = Tracker()
-    run_id = load_run_id(run_file, tracker.tracking_uri)
-    if run_id is None:
-        log.info("score: no MLflow run id for %s in %s; not logging to MLflow",
-                 tracker.tracking_uri, run_file)
-        return
-    with tracker:
-        if tracker.start(run_name=None, params={}, run_id=run_id) is None:
-            return  # the tracker has said why (one warning)
-        if tracker.run_id != run_id:
-            log.warning("score: MLflow run %s is gone; logged into a new run %s",
-                        run_id, tracker.run_id)
-        tracker.log_metrics({
-            f"{split}/sacrebleu": report["sacrebleu"]["score"],
-            f"{split}/chrf": report["chrf"]["score"],
-            f"{split}/tokenized_bleu": report["tokenized_bleu"]["score"],
-        })
-        tracker.log_artifact(metrics, "metrics")
-        tracker.log_artifact(hyp_path, "translations")
-    log.info("score: logged to MLflow run %s", tracker.run_id)
 
 
 app = single_command_app(score, "Score translations: sacreBLEU BLEU and chrF, tokenized BLEU.")

@@ -41,6 +41,7 @@ def train(
     metrics: Annotated[Path, typer.Option(help="Final figures (loss, perplexity, steps, tokens, time).")] = Path("metrics/train.json"),
     train_log: Annotated[Path, typer.Option(help="Step-wise train loss, lr, grad norm, tokens/s (TSV, for dvc plots).")] = Path("metrics/train_log.tsv"),
     valid_log: Annotated[Path, typer.Option(help="Step-wise validation loss and perplexity (TSV).")] = Path("metrics/valid_log.tsv"),
+    curves: Annotated[Path, typer.Option(help="The loss, learning-rate and throughput curves as one PNG.")] = Path("metrics/training_curves.png"),
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
     mlflow: Annotated[bool, typer.Option(help="Log to MLflow (MLFLOW_TRACKING_URI, default sqlite:///mlflow.db).")] = True,
 ) -> None:
@@ -49,8 +50,10 @@ def train(
     Reads: params `seed`, `model.*`, `train.*` (not `average_last`); SHARDS/{train,valid},
     TOKENIZER. Writes: CHECKPOINTS/step-*.pt (model, optimizer, schedule, RNG states, data
     cursor; every `train.checkpoint_every_steps` steps and/or `checkpoint_every_minutes`,
-    the last `train.keep_checkpoints` kept), METRICS, TRAIN_LOG, VALID_LOG, and an MLflow
-    run (sqlite:///mlflow.db unless MLFLOW_TRACKING_URI says otherwise).
+    the last `train.keep_checkpoints` kept), METRICS, TRAIN_LOG, VALID_LOG, CURVES, and an
+    MLflow run (sqlite:///mlflow.db unless MLFLOW_TRACKING_URI says otherwise) with every
+    param, the step curves, the tokenizer and CURVES; its id goes to
+    CHECKPOINTS/mlflow_run.json so that the later stages log into the same run.
 
     An existing run in CHECKPOINTS resumes where it stopped (a killed run ends bitwise where
     an uninterrupted one would, on CPU); Ctrl-C or SIGTERM writes a checkpoint first.
@@ -93,10 +96,15 @@ def train(
         trainer.write_logs()
         trainer.write_summary(summary)
         if world.is_main:
+            from aiayn.plots import plot_training_curves
+
+            plot_training_curves(train_log, valid_log, curves)
             tracker.log_metrics({f"final/{k}": float(v) for k, v in summary.items()
                                  if isinstance(v, int | float) and v is not None})
             for path in (metrics, train_log, valid_log):
                 tracker.log_artifact(path, "metrics")
+            tracker.log_artifact(curves, "plots")
+            tracker.log_artifact(tokenizer, "tokenizer")
             log.info("train: %d steps, valid loss %s, ppl %s, %.0f tokens/s", summary["steps"],
                      _round(summary["valid_loss"]), _round(summary["valid_ppl"]),
                      summary["tokens_per_s"])

@@ -186,6 +186,7 @@ def train_cmd(params: Path, run: Path, ws: Path) -> list[str]:
             "--tokenizer", str(ws / "data/vocab/tokenizer.json"),
             "--checkpoints", str(run / "checkpoints"), "--metrics", str(run / "train.json"),
             "--train-log", str(run / "train_log.tsv"), "--valid-log", str(run / "valid_log.tsv"),
+            "--curves", str(run / "curves.png"),
             "--no-progress", "--no-mlflow"]
 
 
