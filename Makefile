@@ -36,12 +36,7 @@ install: $(VENV)/.installed
 demo: install
 	dvc repro
 	@echo
-	@echo "Done. Results:"
-	@echo "  BLEU / chrF:   metrics/bleu.json               (dvc metrics show)"
-	@echo "  training:      metrics/train.json, curves in metrics/*_log.tsv (dvc plots show)"
-	@echo "  MLflow run:    mlflow ui --backend-store-uri $(MLFLOW_TRACKING_URI)"
-	@echo "  model:         data/model/  (aiayn translate \"The house is small.\")"
-	@echo "  translations:  data/translations/test.de"
+	aiayn results
 
 test: install
 	$(BIN)/python -m pytest -q

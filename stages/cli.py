@@ -8,6 +8,7 @@ from stages.attention import attention
 from stages.average import average
 from stages.download import download
 from stages.params import params
+from stages.results import results
 from stages.score import score
 from stages.shard import shard
 from stages.survey import survey
@@ -36,6 +37,7 @@ app.command("average")(average)
 app.command("translate")(translate)
 app.command("score")(score)
 app.command("attention")(attention)
+app.command("results")(results)
 
 if __name__ == "__main__":
     app()

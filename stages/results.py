@@ -1,0 +1,73 @@
+"""results: where the last pipeline run's numbers, curves, MLflow run and model are."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from stages.common import single_command_app
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def results(
+    metrics: Annotated[Path, typer.Option(help="The metrics folder the stages wrote.")] = Path("metrics"),
+    checkpoints: Annotated[Path, typer.Option(help="The train stage's checkpoint folder (holds the MLflow run id).")] = Path("data/checkpoints"),
+    model: Annotated[Path, typer.Option(help="The averaged model folder.")] = Path("data/model"),
+) -> None:
+    """Print the last run's results and where everything is (not a DVC stage; reads only).
+
+    Reads: METRICS/bleu.json, METRICS/train.json, CHECKPOINTS/mlflow_run.json. Exits
+    non-zero when there are no scores yet (run `dvc repro` first).
+    """
+    from aiayn.tracking import resolve_tracking_uri
+
+    bleu, train = _read(metrics / "bleu.json"), _read(metrics / "train.json")
+    if bleu is None:
+        typer.secho(f"error: {metrics / 'bleu.json'}: no scores yet; run the pipeline "
+                    "(`dvc repro`, or `make demo`)", fg=typer.colors.RED, err=True)
+        raise typer.Exit(code=1)
+    echo = typer.echo
+    echo(f"Results of the last run ({bleu['direction']}, {bleu['split']} split, "
+         f"{bleu['sentences']} sentences):")
+    echo(f"  sacreBLEU       {bleu['sacrebleu']['score']:6.2f}  {bleu['sacrebleu']['signature']}")
+    echo(f"  chrF2           {bleu['chrf']['score']:6.2f}  {bleu['chrf']['signature']}")
+    echo(f"  tokenized BLEU  {bleu['tokenized_bleu']['score']:6.2f}  (the paper's procedure; "
+         "compare only with its 27.3/28.4)")
+    if train:
+        echo(f"  training        {train['steps']} steps, valid perplexity "
+             f"{train['valid_ppl']:.2f}, {train['wall_time_s'] / 60:.1f} min, "
+             f"{train['tokens_per_s']:,.0f} target tokens/s ({train['precision']}, "
+             f"{train['device']})")
+    echo("Where things are:")
+    echo(f"  numbers         {metrics}/*.json   (dvc metrics show; dvc exp show)")
+    echo(f"  curves          {metrics}/training_curves.png, {metrics}/survey_hist.png   "
+         "(dvc plots show: all plots as HTML)")
+    echo(f"  translations    {bleu['hypotheses']}")
+    if model.is_dir():
+        echo(f"  model           {model}/   (aiayn translate \"A man is walking his dog.\")")
+    run = _read(checkpoints / "mlflow_run.json")
+    if run and run.get("run_id"):
+        uri = run.get("tracking_uri") or resolve_tracking_uri()
+        echo(f"  MLflow run      {run['run_id']} in {uri}")
+        if uri.startswith(("http://", "https://")):
+            echo(f"                  open {uri} in a browser")
+        else:
+            echo(f"                  mlflow ui --backend-store-uri {uri}   "
+                 "(then http://127.0.0.1:5000, experiment 'aiayn')")
+    else:
+        echo("  MLflow run      none recorded (trained with --no-mlflow?)")
+
+
+app = single_command_app(results, "Print the last run's results and where they are.")
+
+if __name__ == "__main__":
+    app()
