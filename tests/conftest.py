@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
+import socket
+import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pyarrow as pa
@@ -133,4 +138,102 @@ def toy_workspace(tmp_path_factory) -> Path:
     survey = root / "data/survey"
     build_survey(tokenizer, raw, p.data.languages, survey)
     build_shards(survey, tokenizer, root / "data/shards", p.shard, *p.data.languages)
+    return root
+
+
+# --------------------------------------------------------------------------- MLflow server
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def mlflow_server(tmp_path: Path):
+    port = free_port()
+    mlflow_exe = Path(sys.executable).with_name("mlflow")
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    log_file = (tmp_path / "server.log").open("wb")
+    proc = subprocess.Popen(
+        [
+            str(mlflow_exe), "server", "--host", "127.0.0.1", "--port", str(port),
+            "--backend-store-uri", f"sqlite:///{tmp_path}/db.sqlite",
+            "--default-artifact-root", str(tmp_path / "artifacts"), "--workers", "1",
+        ],
+        cwd=tmp_path, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"mlflow server exited: {(tmp_path / 'server.log').read_text()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                log = (tmp_path / "server.log").read_text()
+                pytest.fail(f"mlflow server not up in 60 s: {log}")
+            time.sleep(0.5)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log_file.close()
+
+
+# --------------------------------------------------------------------------- project copies
+
+GIT_IDENTITY = {"GIT_AUTHOR_NAME": "aiayn tests", "GIT_AUTHOR_EMAIL": "tests@aiayn.invalid",
+                "GIT_COMMITTER_NAME": "aiayn tests", "GIT_COMMITTER_EMAIL": "tests@aiayn.invalid"}
+
+
+def run(cmd: list[str], cwd: Path, env: dict, check: bool = True,
+        timeout: float = 600) -> subprocess.CompletedProcess:
+    result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
+                            timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n"
+                             f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result
+
+
+def project_files() -> list[str]:
+    """The project's own files (what a clone of the repository holds, minus results)."""
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+                         cwd=REPO, capture_output=True, text=True, check=True).stdout
+    return [f for f in out.splitlines() if (REPO / f).is_file()
+            and not f.startswith(("data/", "metrics/", "tests/", "bench/"))
+            and f != "dvc.lock"]
+
+
+def copy_project(root: Path, env: dict, preset_changes: dict | None = None) -> Path:
+    """A copy of the project as a fresh git + DVC repository with one commit.
+
+    ``preset_changes`` (nested dict) are merged into the copy's conf/experiment/demo.yaml
+    and params.yaml is composed again, so that `dvc repro` and `dvc exp run` (which
+    re-composes from conf/) both see them.
+    """
+    import yaml
+
+    for name in project_files():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, root / name)
+    (root / "metrics").mkdir(exist_ok=True)
+    if preset_changes:
+        preset = root / "conf/experiment/demo.yaml"
+        merged = merge(yaml.safe_load(preset.read_text()), preset_changes)
+        preset.write_text("# @package _global_\n" + yaml.safe_dump(merged, sort_keys=False))
+        run(["aiayn", "params", "demo"], root, env)
+    run(["git", "init", "-q"], root, env)
+    run(["git", "add", "-A"], root, env)
+    run(["git", "commit", "-q", "-m", "test repository"], root, env)
     return root

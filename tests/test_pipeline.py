@@ -7,8 +7,6 @@ DVC re-runs exactly the stages whose params or deps changed.
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -16,30 +14,11 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from tests.conftest import REPO
+from tests.conftest import GIT_IDENTITY, copy_project, run
 
 pytestmark = pytest.mark.slow
 STAGES = ("download", "vocab", "survey", "shard", "train", "average", "translate", "score")
 DATA_STAGES = STAGES[:4]
-
-GIT_IDENTITY = {"GIT_AUTHOR_NAME": "aiayn tests", "GIT_AUTHOR_EMAIL": "tests@aiayn.invalid",
-                "GIT_COMMITTER_NAME": "aiayn tests", "GIT_COMMITTER_EMAIL": "tests@aiayn.invalid"}
-
-
-def run(cmd: list[str], cwd: Path, env: dict, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    if check and result.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n"
-                             f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return result
-
-
-def tracked_files() -> list[str]:
-    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-                         cwd=REPO, capture_output=True, text=True, check=True).stdout
-    return [f for f in out.splitlines() if (REPO / f).is_file()
-            and not f.startswith(("data/", "metrics/", "tests/", "bench/"))
-            and f != "dvc.lock"]
 
 
 def set_params(repo: Path, **changes) -> None:
@@ -53,27 +32,21 @@ def set_params(repo: Path, **changes) -> None:
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
+# A small toy corpus and model keep the tests quick; everything else is the committed demo
+# preset. Written into the copy's conf/experiment/demo.yaml, so `dvc exp run` composes it too.
+SMALL = {"data": {"toy": {"train_pairs": 1500, "valid_pairs": 100, "test_pairs": 100}},
+         "vocab": {"vocab_size": 600}, "shard": {"max_tokens": 512, "max_len": 64},
+         "model": {"d_model": 32, "d_ff": 64, "encoder_layers": 1, "decoder_layers": 1},
+         "train": {"steps": 6, "tokens_per_step": 1024, "warmup_steps": 3, "log_every": 2,
+                   "valid_every": 3, "checkpoint_every_steps": 2,
+                   "checkpoint_every_minutes": 0, "keep_checkpoints": 3, "average_last": 2}}
+
+
 @pytest.fixture
 def repo(tmp_path, cli_env) -> tuple[Path, dict]:
-    """A copy of the project as a fresh git + DVC repository with a first commit."""
-    root = tmp_path / "repo"
-    for name in tracked_files():
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(REPO / name, root / name)
-    (root / "metrics").mkdir(exist_ok=True)
+    """A copy of the project, shrunk by SMALL, as a fresh git + DVC repository."""
     env = {**cli_env, **GIT_IDENTITY}
-    # A small toy corpus keeps the test quick; everything else is the committed demo preset.
-    set_params(root, data__toy__train_pairs=1500, data__toy__valid_pairs=100,
-               data__toy__test_pairs=100, vocab__vocab_size=600, shard__max_tokens=512,
-               shard__max_len=64, model__d_model=32, model__d_ff=64, model__encoder_layers=1,
-               model__decoder_layers=1, train__steps=6, train__tokens_per_step=1024,
-               train__warmup_steps=3, train__log_every=2, train__valid_every=3,
-               train__checkpoint_every_steps=2, train__checkpoint_every_minutes=0,
-               train__keep_checkpoints=3, train__average_last=2)
-    run(["git", "init", "-q"], root, env)
-    run(["git", "add", "-A"], root, env)
-    run(["git", "commit", "-q", "-m", "test repository"], root, env)
-    return root, env
+    return copy_project(tmp_path / "repo", env, SMALL), env
 
 
 def repro(root: Path, env: dict) -> str:
@@ -167,8 +140,9 @@ def test_dvc_exp_run_composes_presets_and_overrides(repo):
     params = yaml.safe_load((root / "params.yaml").read_text())
     assert params["vocab"]["vocab_size"] == 450 and params["data"]["toy"]["train_pairs"] == 1200
     assert params["model"]["d_model"] == 32  # an override
-    # from conf/experiment/demo.yaml, over conf/config.yaml:
-    assert params["train"]["warmup_steps"] == 100 and params["data"]["source"] == "toy"
+    # from the (shrunk) conf/experiment/demo.yaml, over conf/config.yaml:
+    assert params["train"]["warmup_steps"] == SMALL["train"]["warmup_steps"]
+    assert params["data"]["source"] == "toy"
     vocab = json.loads((root / "metrics/vocab.json").read_text())
     assert vocab["requested_size"] == 450
 

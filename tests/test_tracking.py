@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import urllib.request
 import warnings
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from mlflow import MlflowClient
 
 from aiayn import tracking
 from aiayn.tracking import Tracker, default_run_name, load_run_id, save_run_id
+from tests.conftest import free_port
 
 HTTP_VARS = (
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES",
@@ -52,12 +52,6 @@ def expected_flat() -> dict[str, str]:
     }
     flat.update({f"many.k{i:03d}": str(i) for i in range(150)})
     return flat
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def git(cwd: Path, *args: str) -> str:
@@ -333,46 +327,6 @@ def test_console_stays_quiet(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout == "" and out.stderr == ""
-
-
-@pytest.fixture
-def mlflow_server(tmp_path: Path):
-    port = free_port()
-    mlflow_exe = Path(sys.executable).with_name("mlflow")
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    log_file = (tmp_path / "server.log").open("wb")
-    proc = subprocess.Popen(
-        [
-            str(mlflow_exe), "server", "--host", "127.0.0.1", "--port", str(port),
-            "--backend-store-uri", f"sqlite:///{tmp_path}/db.sqlite",
-            "--default-artifact-root", str(tmp_path / "artifacts"), "--workers", "1",
-        ],
-        cwd=tmp_path, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"mlflow server exited: {(tmp_path / 'server.log').read_text()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                log = (tmp_path / "server.log").read_text()
-                pytest.fail(f"mlflow server not up in 60 s: {log}")
-            time.sleep(0.5)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log_file.close()
 
 
 @pytest.mark.slow
