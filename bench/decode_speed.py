@@ -5,30 +5,60 @@ Usage (from the repository root)::
     .venv/bin/python bench/decode_speed.py                    # 4 batches x 3 rounds, 2 threads
     .venv/bin/python bench/decode_speed.py --threads 2,1 --json out.json
     .venv/bin/python bench/decode_speed.py --profile          # + where the cached search spends
+    .venv/bin/python bench/decode_speed.py --model data/model \
+        --inputs ../shared/data/multi30k/test2016.en          # a trained model, real sentences
     .venv/bin/python bench/decode_speed.py --help
 
 ``ctranslate2`` (4.x) is needed for the CTranslate2 rows only (``--no-ct2`` skips them); it is
 not a dependency of ``aiayn``.
 
-Model
------
-d_model 256, 3+3 layers, 4 heads, d_ff 1024, vocabulary 8000, post-LN (``aiayn``'s default).
-Random weights decode degenerately: greedy output of a fresh model repeats a few tokens and
-never emits EOS, so every sentence runs to its maximum length (source + 50), a work profile
-unlike translation, and "the outputs agree" would test little. So the model is first trained
-for ``--train-steps`` (default 300) Adam steps on a copy task: batches of 32 sentences of
-4-40 words drawn uniformly from 500 word ids (4-503), target = source; label smoothing 0.1,
-lr 1e-3 after 30 warm-up steps. That takes about 0.9 CPU-seconds a step on one thread (about
-5 minutes on an idle core); 50 steps are not enough (still degenerate: no EOS), and with
-Zipf-distributed words over the whole vocabulary the copy is not learnt within 400 steps.
-The result is deliberately half trained (about 40% of greedy output tokens right): output
-lengths follow the source lengths with EOS at varied positions (a translation-like work
-profile), yet the model is unsure, so beams hold real alternatives and near-ties. The weights
-are cached under ``--weights`` (default: the temp directory, keyed by seed and settings); a
-rerun loads them. ``--train-steps 0`` uses the random initialisation.
+Model (default: the copy task)
+------------------------------
+Without ``--model``: d_model 256, 3+3 layers, 4 heads, d_ff 1024, vocabulary 8000, post-LN
+(``aiayn``'s default). Random weights decode degenerately: greedy output of a fresh model
+repeats a few tokens and never emits EOS, so every sentence runs to its maximum length
+(source + 50), a work profile unlike translation, and "the outputs agree" would test little.
+So the model is first trained for ``--train-steps`` (default 300) Adam steps on a copy task:
+batches of 32 sentences of 4-40 words drawn uniformly from 500 word ids (4-503), target =
+source; label smoothing 0.1, lr 1e-3 after 30 warm-up steps. That takes about 0.9
+CPU-seconds a step on one thread (about 5 minutes on an idle core); 50 steps are not enough
+(still degenerate: no EOS), and with Zipf-distributed words over the whole vocabulary the
+copy is not learnt within 400 steps. The result is deliberately half trained (about 40% of
+greedy output tokens right): output lengths follow the source lengths with EOS at varied
+positions (a translation-like work profile), yet the model is unsure, so beams hold real
+alternatives and near-ties. The weights are cached under ``--weights`` (default: the temp
+directory, keyed by seed and settings); a rerun loads them. ``--train-steps 0`` uses the
+random initialisation.
 
 Inputs: ``--batches`` x ``--batch-size`` (64) source sentences of 10-40 words (same word
 distribution) + EOS, sorted by length and cut into batches as ``aiayn.translation`` does.
+
+Real model (``--model DIR --inputs FILE``)
+------------------------------------------
+``--model`` takes a folder written by ``aiayn average`` (``model.safetensors``,
+``config.json``, ``tokenizer.json``), loaded with ``aiayn.translation.load_translator``
+(device cpu, fp32; it checks the tokenizer's sha256 and vocabulary size against
+``config.json``). No copy-task training then: ``--train-steps``, ``--train-threads``,
+``--weights``, ``--min-words`` and ``--max-words`` are ignored. The two options go together
+(either alone is an argparse error). ``--inputs`` is plain text, one source sentence a line
+(e.g. ``../shared/data/multi30k/test2016.en``), prepared as ``aiayn.translation`` does:
+each line stripped and encoded with the model's tokenizer without special tokens, lines
+that encode to nothing dropped, a line over ``max_positions - 1`` tokens cut there (what
+``aiayn translate --truncate`` does; counted as ``truncated_in_file``), EOS appended,
+sorted by token count (stable) and cut into batches of ``--batch-size`` (default 64, the
+``decode.batch_size`` of ``params.yaml``). Which ``--batches`` x ``--batch-size``
+sentences: ``--select head`` (default) takes the first that many non-empty lines in file
+order, then sorts and batches them, i.e. exactly the batches ``aiayn translate --input``
+makes for a file of those lines, with the file's length mix; ``--select shortest`` takes
+the first batches that ``aiayn translate`` makes for the whole file, which are its
+shortest sentences (for 4 x 64 of test2016's 1000, its shortest quarter: not the file's
+length mix). Fewer sentences than asked for: all are used, and the last batch may be
+smaller. The beam settings are the script's (``--beam``, ``--alpha``,
+``--max-len-b``; max length = source tokens + EOS + b, as ``decode.max_len_a`` 1.0), not
+read from ``params.yaml``. Besides the tables below, the report shows ``--examples`` (3)
+sentences spread over the length range, detokenized with the model's tokenizer
+(``aiayn.tokenizer.decode``): the source line, our cached fp32 output and CTranslate2's, from
+the first timed round, marked "same tokens" or "differs".
 
 Methods (all on the same batches, beam 4, alpha 0.6, max length = source length + 50)
 ------------------------------------------------------------------------------------
@@ -60,8 +90,10 @@ tokens/s counts the returned one only.
 CTranslate2 model
 -----------------
 Filled weight by weight from the PyTorch state dict, as the fairseq / OpenNMT-py converters
-of ``ctranslate2.converters`` do, into ``TransformerSpec.from_config((3, 3), 4,
-pre_norm=False, activation=RELU)``:
+of ``ctranslate2.converters`` do, into ``TransformerSpec.from_config((encoder_layers,
+decoder_layers), heads, pre_norm=(norm == "pre"), activation=RELU)`` with the numbers of
+the model's ``TransformerConfig`` (copy task: (3, 3), 4, post-norm; d_model, d_ff and the
+vocabulary size follow from the weight shapes):
 
 * ``encoder.embeddings[0].weight``, ``decoder.embeddings.weight`` and
   ``decoder.projection.weight`` = the one shared matrix (no projection bias; the saver
@@ -77,8 +109,11 @@ pre_norm=False, activation=RELU)``:
   norm; ``ffn.linear_0/1`` = ``w1/w2``, ``ffn.layer_norm`` = the FFN block's norm;
   pre-LN models would also get the final ``layer_norm`` of each stack;
 * ``config.layer_norm_epsilon = 1e-5`` (``nn.LayerNorm``'s; CTranslate2's default is 1e-6);
-* one vocabulary for both sides: ``<pad> <s> </s> <unk> w4 ... w7999`` (ids = ours);
-  decoder start ``<s>`` (our BOS), end ``</s>``; the source is passed with its ``</s>``;
+* one vocabulary for both sides, token string ``i`` for our id ``i``: for the copy task
+  ``<pad> <s> </s> <unk> w4 ... w7999``, for ``--model`` the tokenizer's own tokens
+  (byte-level BPE strings, ids 0-3 the same specials); CTranslate2's output tokens map
+  back to ids through the same list; decoder start ``<s>`` (our BOS), end ``</s>``; the
+  source is passed with its ``</s>``;
 * ``spec.validate(); spec.optimize(quantization="float32"); spec.save(dir)`` (what
   ``Converter.convert`` does).
 
@@ -94,14 +129,19 @@ Agreement (outside the timing)
   beats every live one, so they should agree;
 * beam 4, alpha 0.6: not the same objective. Ours ranks by log P / ((5 + |Y|) / 6)^alpha
   (GNMT; |Y| counts EOS) and stops when no live hypothesis can win any more (exact);
-  CTranslate2 ranks by log P / len^alpha (len without EOS) and stops a sentence as soon as
-  ``beam x patience`` = 4 hypotheses have finished. Both keep the same live beams (the top k
-  non-EOS candidates of each step), so they differ only in which finished hypothesis wins
-  and in when they stop. Each disagreement is classified by rescoring both outputs with our
-  model (teacher forcing, fp32): "formula" (each output wins under its own search's
-  formula), "ct2 stopped early" (ours is better under both formulas: CTranslate2 stopped
-  before finding it), "ours stopped early" (CTranslate2's output is better under both),
-  "tie" (scores within 1e-4). Also: cached vs recompute and fp32 vs bf16 outputs.
+  CTranslate2 ranks by log P / |Y|^alpha and stops a sentence as soon as ``beam x
+  patience`` = 4 hypotheses have finished. (|Y| with EOS in 4.8.5: its returned scores equal
+  our model's teacher-forced log P / (tokens + 1)^alpha; the script prints the largest
+  difference, about 1e-5, which also shows that both run the same weights.) An empty output
+  (EOS first) has lp = 1 under both formulas, so an unsure model can prefer it. Both keep
+  the same live beams (the top k non-EOS candidates of each step), so they differ only in
+  which finished hypothesis wins and in when they stop. Each disagreement is classified by
+  rescoring both outputs with our model (teacher forcing, fp32): "formula" (each output wins
+  under its own search's formula), "ct2 stopped early" (ours is better under both formulas:
+  CTranslate2 stopped before finding it), "ours stopped early" (CTranslate2's output is
+  better under both), "tie" (scores within 1e-4), and for the timed outputs "max length"
+  (ours was cut at source + 50, CTranslate2 ran on to the batch's one maximum).
+  Also: cached vs recompute and fp32 vs bf16 outputs.
 """
 
 from __future__ import annotations
@@ -118,7 +158,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -129,13 +169,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from aiayn.beam import BeamConfig, beam_search, max_lengths  # noqa: E402
 from aiayn.model import Transformer, TransformerConfig  # noqa: E402
-from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, decode, encode_ids  # noqa: E402
 
 VOCAB = 8000
 WORDS = 500  # sentences draw their words uniformly from ids 4 .. 4 + WORDS - 1
 TRAIN_LENGTHS = (4, 40)
 VOCAB_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(4, VOCAB)]
-TOKEN_ID = {t: i for i, t in enumerate(VOCAB_TOKENS)}
 METHODS = ("cached", "bf16", "recompute", "ct2")
 LABELS = {"cached": "ours, cached, fp32", "bf16": "ours, cached, bf16 autocast",
           "recompute": "ours, recompute (no cache)", "ct2": "CTranslate2 fp32"}
@@ -176,27 +215,67 @@ def pad(seqs: list[list[int]], pre: tuple[int, ...] = (), post: tuple[int, ...] 
 
 @dataclass
 class Batch:
-    words: list[list[int]]  # source words, without EOS
+    words: list[list[int]]  # source token ids (copy task: word ids), without EOS
     src: torch.Tensor  # (B, S) ids + EOS, PAD-padded
     tokens: list[list[str]]  # the same as CTranslate2 token strings, with "</s>"
     max_len: list[int]  # our per-sentence maximum output length (EOS included)
+    texts: list[str] = field(default_factory=list)  # --inputs: the source lines
 
     @property
     def ct2_max_len(self) -> int:  # one value per translate_batch call
         return max(self.max_len)
 
 
-def make_batches(n_batches: int, batch_size: int, lo: int, hi: int, seed: int,
-                 cfg: BeamConfig, limit: int) -> list[Batch]:
-    rng = np.random.default_rng(seed + 1)
-    pool = sorted(sentences(rng, n_batches * batch_size, lo, hi), key=len)
+def cut_batches(pool: list[list[int]], batch_size: int, vocab: list[str], cfg: BeamConfig,
+                limit: int, texts: list[str] | None = None) -> list[Batch]:
+    """``pool`` (sorted by length) in consecutive batches, each source + EOS, PAD-padded."""
     batches = []
     for start in range(0, len(pool), batch_size):
         words = pool[start:start + batch_size]
         src = pad(words, post=(EOS_ID,))
-        batches.append(Batch(words, src, [[VOCAB_TOKENS[i] for i in w] + ["</s>"] for w in words],
-                             max_lengths(src, cfg.max_len_a, cfg.max_len_b, limit)))
+        batches.append(Batch(words, src, [[vocab[i] for i in w] + [vocab[EOS_ID]] for w in words],
+                             max_lengths(src, cfg.max_len_a, cfg.max_len_b, limit),
+                             list(texts[start:start + batch_size]) if texts else []))
     return batches
+
+
+def make_batches(n_batches: int, batch_size: int, lo: int, hi: int, seed: int,
+                 cfg: BeamConfig, limit: int) -> list[Batch]:
+    rng = np.random.default_rng(seed + 1)
+    pool = sorted(sentences(rng, n_batches * batch_size, lo, hi), key=len)
+    return cut_batches(pool, batch_size, VOCAB_TOKENS, cfg, limit)
+
+
+def read_inputs(path: Path, tokenizer, n: int, select: str, limit: int
+                ) -> tuple[list[list[int]], list[str], dict]:
+    """Source lines of ``path`` as ``aiayn.translation`` encodes and orders them.
+
+    Lines are stripped and encoded with the model's tokenizer (no special tokens; EOS is
+    appended when batching); lines that encode to nothing are dropped; a line longer than
+    ``limit - 1`` tokens is cut there (what ``aiayn translate --truncate`` does). ``select``
+    "head" keeps the first ``n`` remaining lines in file order, "shortest" the ``n`` shortest
+    of the whole file; either way the kept ones are returned sorted by token count (stable,
+    as ``aiayn.translation`` sorts), ready to be cut into batches.
+    """
+    if not path.is_file():
+        raise SystemExit(f"--inputs {path}: no such file")
+    lines = path.read_text(encoding="utf-8").splitlines()
+    texts = [line.strip() for line in lines]
+    ids = encode_ids(tokenizer, texts)
+    keep = [i for i, seq in enumerate(ids) if seq]
+    truncated = sum(len(ids[i]) > limit - 1 for i in keep)
+    for i in keep:
+        ids[i] = ids[i][:limit - 1]
+    if select == "head":
+        chosen = sorted(keep[:n], key=lambda i: len(ids[i]))
+    else:
+        chosen = sorted(keep, key=lambda i: len(ids[i]))[:n]
+    lens = [len(ids[i]) for i in chosen]
+    stats = {"file": str(path), "lines": len(lines), "empty_dropped": len(lines) - len(keep),
+             "select": select, "selected": len(chosen), "truncated_in_file": truncated,
+             "mean_src_tokens": statistics.fmean(lens) if lens else 0.0,
+             "min_src_tokens": min(lens, default=0), "max_src_tokens": max(lens, default=0)}
+    return [ids[i] for i in chosen], [texts[i] for i in chosen], stats
 
 
 # -- model -------------------------------------------------------------------------------
@@ -226,7 +305,32 @@ def train_copy(model: Transformer, steps: int, seed: int, batch_size: int = 32) 
     return losses
 
 
+def load_real_model(model_dir: Path) -> tuple[Transformer, dict, list[str], object]:
+    """An ``aiayn average`` folder through the project's loader; vocabulary by token id."""
+    from aiayn.io import read_json
+    from aiayn.translation import load_translator
+
+    tr = load_translator(model_dir, device="cpu", precision="fp32")
+    vocab_map = tr.tokenizer.get_vocab(with_added_tokens=True)
+    vocab = [""] * tr.model.cfg.vocab_size
+    for token, i in vocab_map.items():
+        vocab[i] = token
+    if len(vocab_map) != len(vocab) or not all(vocab):
+        raise SystemExit(f"{model_dir}/tokenizer.json: ids are not exactly 0..{len(vocab) - 1}; "
+                         "cannot build a CTranslate2 vocabulary from it")
+    meta = read_json(model_dir / "config.json")
+    info = {"task": "real", "dir": str(model_dir),
+            **{k: meta[k] for k in ("averaged_steps", "tokens_seen", "mlflow_run_id")
+               if k in meta}}
+    print(f"model: {model_dir} ({tr.model.cfg.d_model} d_model, {tr.model.cfg.encoder_layers}"
+          f"+{tr.model.cfg.decoder_layers} layers, {tr.model.cfg.heads} heads, d_ff "
+          f"{tr.model.cfg.d_ff}, {tr.model.cfg.norm}-LN, vocabulary {len(vocab)})")
+    tr.model.eval()
+    return tr.model, info, vocab, tr.tokenizer
+
+
 def build_model(args) -> tuple[Transformer, dict]:
+    """The copy-task model of the module docstring: trained now, or loaded from its cache."""
     torch.manual_seed(args.seed)
     model = Transformer(model_config())
     info: dict = {"train_steps": args.train_steps, "task": "copy"}
@@ -260,10 +364,16 @@ def build_model(args) -> tuple[Transformer, dict]:
 
 # -- CTranslate2 -------------------------------------------------------------------------
 
-def ct2_spec(model: Transformer):
+def ct2_spec(model: Transformer, vocab: list[str]):
+    """CTranslate2 ``TransformerSpec`` of ``model`` (any size; see the module docstring).
+
+    ``vocab[i]`` is the token string of id ``i``, for both sides.
+    """
     from ctranslate2.specs import common_spec, transformer_spec
 
     cfg = model.cfg
+    if len(vocab) != cfg.vocab_size:
+        raise ValueError(f"{len(vocab)} token strings for a vocabulary of {cfg.vocab_size}")
     pre = cfg.norm == "pre"
     spec = transformer_spec.TransformerSpec.from_config(
         (cfg.encoder_layers, cfg.decoder_layers), cfg.heads, pre_norm=pre,
@@ -313,13 +423,13 @@ def ct2_spec(model: Transformer):
     spec.config.bos_token, spec.config.eos_token, spec.config.unk_token = "<s>", "</s>", "<unk>"
     spec.config.decoder_start_token = "<s>"
     spec.config.add_source_bos = spec.config.add_source_eos = False
-    spec.register_source_vocabulary(VOCAB_TOKENS)
-    spec.register_target_vocabulary(VOCAB_TOKENS)
+    spec.register_source_vocabulary(vocab)
+    spec.register_target_vocabulary(vocab)
     return spec
 
 
-def ct2_save(model: Transformer, directory: Path) -> Path:
-    spec = ct2_spec(model)
+def ct2_save(model: Transformer, directory: Path, vocab: list[str]) -> Path:
+    spec = ct2_spec(model, vocab)
     spec.validate()
     spec.optimize(quantization="float32")
     directory.mkdir(parents=True, exist_ok=True)
@@ -334,8 +444,8 @@ def ct2_decode(translator, batch: Batch, beam: int, alpha: float, num_hypotheses
         suppress_sequences=[["<pad>"], ["<s>"]], max_batch_size=0)
 
 
-def ct2_ids(results) -> list[list[int]]:
-    return [[TOKEN_ID[t] for t in r.hypotheses[0]] for r in results]
+def ct2_ids(results, token_id: dict[str, int]) -> list[list[int]]:
+    return [[token_id[t] for t in r.hypotheses[0]] for r in results]
 
 
 # -- ours --------------------------------------------------------------------------------
@@ -373,8 +483,9 @@ def gnmt(logp: float, n_out: int, alpha: float) -> float:
     return logp / ((5 + n_out) / 6) ** alpha
 
 
-def ct2_norm(logp: float, n_tokens: int, alpha: float) -> float:
-    return logp / max(n_tokens, 1) ** alpha if alpha else logp
+def ct2_norm(logp: float, n_out: int, alpha: float) -> float:
+    """CTranslate2 4.x: log P / |Y|^alpha, |Y| with EOS (its scores match this, see below)."""
+    return logp / n_out ** alpha if alpha and n_out else logp
 
 
 # -- agreement ---------------------------------------------------------------------------
@@ -404,7 +515,7 @@ def classify_beam(model, batches: list[Batch], ours: list[list[list[int]]],
         for i in diff:
             no, nc = len(o_b[i]) + eo[i], len(c_b[i]) + ec[i]
             g_o, g_c = gnmt(lo[i], no, alpha), gnmt(lc[i], nc, alpha)
-            c_o, c_c = ct2_norm(lo[i], len(o_b[i]), alpha), ct2_norm(lc[i], len(c_b[i]), alpha)
+            c_o, c_c = ct2_norm(lo[i], no, alpha), ct2_norm(lc[i], nc, alpha)
             if not uniform and max(len(o_b[i]), len(c_b[i])) >= batch.max_len[i]:
                 kind = "max length"  # ours was cut at source + b, ct2 at the batch's max
             elif abs(g_o - g_c) < 1e-4 or abs(c_o - c_c) < 1e-4:
@@ -475,23 +586,37 @@ def profile_cached(model, batch: Batch, cfg: BeamConfig) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=None,
+                    help="a model folder written by `aiayn average` (model.safetensors, "
+                         "config.json, tokenizer.json): benchmark it instead of training the "
+                         "copy-task model; needs --inputs")
+    ap.add_argument("--inputs", type=Path, default=None,
+                    help="source sentences, one per line (plain text); needs --model")
+    ap.add_argument("--select", choices=("head", "shortest"), default="head",
+                    help="with --inputs: decode the first --batches x --batch-size non-empty "
+                         "lines in file order (head, default) or the shortest that many of the "
+                         "file (shortest); sorted by length and batched as aiayn.translation")
+    ap.add_argument("--examples", type=int, default=3,
+                    help="with --model: detokenized outputs of ours and CTranslate2 shown (3)")
     ap.add_argument("--batches", type=int, default=4, help="batches of --batch-size (4)")
-    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=64,
+                    help="sentences per batch (64, params.yaml's decode.batch_size)")
     ap.add_argument("--rounds", type=int, default=3, help="measured rounds (3)")
     ap.add_argument("--threads", default="2",
                     help="torch threads = CTranslate2 intra_threads; comma list, e.g. 2,1")
     ap.add_argument("--beam", type=int, default=4)
     ap.add_argument("--alpha", type=float, default=0.6)
     ap.add_argument("--max-len-b", type=int, default=50, help="max length = source + b (50)")
-    ap.add_argument("--min-words", type=int, default=10)
-    ap.add_argument("--max-words", type=int, default=40)
+    ap.add_argument("--min-words", type=int, default=10, help="copy task only")
+    ap.add_argument("--max-words", type=int, default=40, help="copy task only")
     ap.add_argument("--recompute-batches", type=int, default=1,
                     help="batches timed for the recompute path (1; 0 skips it)")
     ap.add_argument("--train-steps", type=int, default=300,
-                    help="copy-task training steps before decoding (300; 0 = random weights)")
+                    help="copy-task training steps before decoding (300; 0 = random weights; "
+                         "ignored with --model)")
     ap.add_argument("--train-threads", type=int, default=1)
     ap.add_argument("--weights", type=Path, default=None,
-                    help="cache file for the trained weights (default: temp dir)")
+                    help="cache file for the copy-task weights (default: temp dir)")
     ap.add_argument("--no-ct2", action="store_true", help="skip CTranslate2")
     ap.add_argument("--no-bf16", action="store_true", help="skip the bf16 autocast row")
     ap.add_argument("--profile", action="store_true",
@@ -499,6 +624,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None, help="write all results here")
     args = ap.parse_args(argv)
+    if args.inputs is not None and args.model is None:
+        ap.error("--inputs requires --model (the copy-task model decodes synthetic word ids)")
+    if args.model is not None and args.inputs is None:
+        ap.error("--model requires --inputs FILE (source sentences, one per line)")
+    if args.model is not None and not args.model.is_dir():
+        ap.error(f"--model {args.model}: not a folder")
 
     threads = [int(t) for t in args.threads.split(",")]
     cfg = BeamConfig(beam=args.beam, alpha=args.alpha, max_len_a=1.0, max_len_b=args.max_len_b)
@@ -518,10 +649,29 @@ def main(argv: list[str] | None = None) -> dict:
     info["load_average_start"] = os.getloadavg()
     print("load average (1, 5, 15 min): " + " ".join(f"{x:.1f}" for x in os.getloadavg()))
 
-    model, info["model"] = build_model(args)
-    info["model"]["config"] = model.cfg.to_dict()
-    batches = make_batches(args.batches, args.batch_size, args.min_words, args.max_words,
-                           args.seed, cfg, model.cfg.max_positions)
+    tokenizer = None
+    if args.model is not None:
+        from aiayn.errors import DataError
+        try:
+            model, info["model"], vocab, tokenizer = load_real_model(args.model)
+        except DataError as exc:
+            raise SystemExit(f"error: {exc}") from None
+        info["model"]["config"] = model.cfg.to_dict()
+        pool, texts, info["inputs"] = read_inputs(args.inputs, tokenizer,
+                                                  args.batches * args.batch_size, args.select,
+                                                  model.cfg.max_positions)
+        if not pool:
+            raise SystemExit(f"error: --inputs {args.inputs} has no non-empty line")
+        batches = cut_batches(pool, args.batch_size, vocab, cfg, model.cfg.max_positions, texts)
+        print("inputs: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+                                     for k, v in info["inputs"].items()))
+    else:
+        vocab = VOCAB_TOKENS
+        model, info["model"] = build_model(args)
+        info["model"]["config"] = model.cfg.to_dict()
+        batches = make_batches(args.batches, args.batch_size, args.min_words, args.max_words,
+                               args.seed, cfg, model.cfg.max_positions)
+    token_id = {t: i for i, t in enumerate(vocab)}
     n_sent = sum(len(b.words) for b in batches)
     mid = len(batches) // 2
     rc_idx = sorted({min(len(batches) - 1, max(0, mid - args.recompute_batches // 2 + j))
@@ -537,7 +687,7 @@ def main(argv: list[str] | None = None) -> dict:
     tmpdir = None
     if ct2 is not None:
         tmpdir = tempfile.TemporaryDirectory(prefix="aiayn_ct2_")
-        path = ct2_save(model, Path(tmpdir.name) / "model")
+        path = ct2_save(model, Path(tmpdir.name) / "model", vocab)
         for t in threads:
             translators[t] = ct2.Translator(str(path), device="cpu", compute_type="float32",
                                             inter_threads=1, intra_threads=t)
@@ -580,25 +730,36 @@ def main(argv: list[str] | None = None) -> dict:
               for h, m in zip(g, b.max_len, strict=True))
     src_lens = [len(w) for b in batches for w in b.words]
     info["greedy_outputs"] = {
-        "mean_src_words": statistics.fmean(src_lens), "mean_len": statistics.fmean(lens),
+        "mean_src_words" if tokenizer is None else "mean_src_tokens": statistics.fmean(src_lens),
+        "mean_len": statistics.fmean(lens),
         "min_len": min(lens), "max_len": max(lens), "distinct_lengths": len(set(lens)),
-        "longer_than_source_plus_b": cut,
-        "exact_copies": sum(h == w for g, b in zip(greedy_ours, batches, strict=True)
-                            for h, w in zip(g, b.words, strict=True))}
+        "longer_than_source_plus_b": cut}
+    if tokenizer is None:  # the copy task: how many outputs are the source
+        info["greedy_outputs"]["exact_copies"] = sum(
+            h == w for g, b in zip(greedy_ours, batches, strict=True)
+            for h, w in zip(g, b.words, strict=True))
     print("greedy outputs (ours): " + ", ".join(
         f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
         for k, v in info["greedy_outputs"].items()), flush=True)
     if translators:
         tr = translators[threads[0]]
         greedy_ct2, single["greedy"]["ct2_s"], _ = timed(
-            lambda: [ct2_ids(ct2_decode(tr, b, 1, 0.0)) for b in batches])
+            lambda: [ct2_ids(ct2_decode(tr, b, 1, 0.0), token_id) for b in batches])
         agree["greedy ours vs ct2"] = agreement(sum(greedy_ours, []), sum(greedy_ct2, []))
         for alpha in dict.fromkeys([0.0, cfg.alpha]):
             name = f"beam {cfg.beam} alpha={alpha}"
             ours_b, single[name] = ours_pass(cfg.beam, alpha)
-            ct2_b, single[name]["ct2_s"], _ = timed(
-                lambda alpha=alpha: [ct2_ids(ct2_decode(tr, b, cfg.beam, alpha))
-                                     for b in batches])
+            raw, single[name]["ct2_s"], _ = timed(
+                lambda alpha=alpha: [ct2_decode(tr, b, cfg.beam, alpha) for b in batches])
+            ct2_b = [ct2_ids(r, token_id) for r in raw]
+            # Same weights? CTranslate2's returned scores against our model's log P of
+            # CTranslate2's outputs, normalised by CTranslate2's formula.
+            diffs = []
+            for b, r, hyps in zip(batches, raw, ct2_b, strict=True):
+                lp, ended = log_probs_of(model, b, hyps, [b.ct2_max_len] * len(hyps))
+                diffs += [abs(x.scores[0] - ct2_norm(q, len(h) + e, alpha))
+                          for x, q, h, e in zip(r, lp, hyps, ended, strict=True)]
+            single[name]["max |ct2 score - our log P normalised|"] = max(diffs)
             agree[f"{name} ours vs ct2"] = classify_beam(model, batches, ours_b, ct2_b, alpha,
                                                          uniform=True)
         for v in single.values():
@@ -610,7 +771,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  {k}: ours {v['ours_s']:.2f} s ({v['ours_decoder_steps']} decoder steps, "
               f"{v['ours_decoder_rows']} rows)" + (f", ct2 {v['ct2_s']:.2f} s, ours/ct2 "
                                                  f"{v['ours / ct2 speed']:.2f}x"
-                                                 if "ct2_s" in v else ""))
+                                                 if "ct2_s" in v else "")
+              + "".join(f", {m} {x:.1e}" for m, x in v.items() if m.startswith("max |")))
     for k, v in agree.items():
         print(f"agreement {k}: {v['counts']['agree'] if 'counts' in v else v['identical']}/"
               f"{sum(v['counts'].values()) if 'counts' in v else v['sentences']} "
@@ -630,7 +792,7 @@ def main(argv: list[str] | None = None) -> dict:
             b = batches[bi]
             if method == "ct2":
                 res, wall, cpu = timed(lambda: ct2_decode(translators[t], b, cfg.beam, cfg.alpha))
-                return ct2_ids(res), wall, cpu
+                return ct2_ids(res, token_id), wall, cpu
             return timed(lambda: ours_decode(model, b, cfg, use_cache=method != "recompute",
                                              bf16=method == "bf16"))
 
@@ -680,6 +842,8 @@ def main(argv: list[str] | None = None) -> dict:
                                  "sentences": sum(len(hs) for hs in v.values())}
                              for m, v in fo.items()}
     info["load_average_end"] = os.getloadavg()
+    if tokenizer is not None and "cached" in fo and args.examples > 0:
+        info["examples"] = examples(tokenizer, batches, fo, args.examples)
 
     report(info, results, agree, n_sent, len(rc_idx) * args.batch_size)
     if args.profile:
@@ -691,6 +855,26 @@ def main(argv: list[str] | None = None) -> dict:
     if tmpdir is not None:
         tmpdir.cleanup()
     return info
+
+
+def examples(tokenizer, batches: list[Batch], outputs: dict, n: int) -> list[dict]:
+    """``n`` sentences spread over the length range: source, ours and CTranslate2, as text.
+
+    ``outputs``: the first timed round's outputs (beam, alpha of the run), method → batch
+    index → hypotheses.
+    """
+    where = [(bi, i) for bi, b in enumerate(batches) for i in range(len(b.words))]
+    picks = sorted({round(j * (len(where) - 1) / max(n - 1, 1)) for j in range(n)})
+    out = []
+    for k in picks:
+        bi, i = where[k]
+        ex = {"source": batches[bi].texts[i], "src_tokens": len(batches[bi].words[i]),
+              "ours": decode(tokenizer, outputs["cached"][bi][i])}
+        if "ct2" in outputs:
+            ex["ct2"] = decode(tokenizer, outputs["ct2"][bi][i])
+            ex["same_tokens"] = outputs["cached"][bi][i] == outputs["ct2"][bi][i]
+        out.append(ex)
+    return out
 
 
 def summarize(runs: dict, rc_idx: list[int], rounds: int) -> dict:
@@ -733,6 +917,15 @@ def report(info: dict, results: dict, agree: dict, n_sent: int, n_rc: int) -> No
     print(f"beam {info['beam']['beam']}, alpha {info['beam']['alpha']}, max length = source + "
           f"{info['beam']['max_len_b']}; CPU {info['cpu']}; torch {info['torch']}, "
           f"ctranslate2 {info.get('ctranslate2', '-')}")
+    mc = info["model"]["config"]
+    what = (f"{info['model']['dir']} on {info['inputs']['selected']} sentences of "
+            f"{info['inputs']['file']} ({info['inputs']['select']}, mean "
+            f"{info['inputs']['mean_src_tokens']:.1f} source tokens)"
+            if info["model"].get("task") == "real" else
+            f"copy task, {info['model']['train_steps']} training steps")
+    print(f"model: {what}; d_model {mc['d_model']}, {mc['encoder_layers']}+"
+          f"{mc['decoder_layers']} layers, {mc['heads']} heads, d_ff {mc['d_ff']}, "
+          f"{mc['norm']}-LN, vocabulary {mc['vocab_size']}")
     head = (f"{'threads':>7}  {'method':30s} {'sentences':>9} {'sent/s':>8} {'tok/s':>8} "
             f"{'wall s':>8} {'cpu/wall':>8}")
     print(head)
@@ -763,6 +956,15 @@ def report(info: dict, results: dict, agree: dict, n_sent: int, n_rc: int) -> No
     print("outputs of the first timed round: " + "; ".join(
         f"{m}: {v['tokens']} tokens (with EOS) for {v['sentences']} sentences, {v['empty']} empty"
         for m, v in info["timed_outputs"].items()))
+    if info.get("examples"):
+        print(f"\n== examples (first timed round, beam {info['beam']['beam']}, alpha "
+              f"{info['beam']['alpha']}; detokenized) ==")
+        for j, ex in enumerate(info["examples"], 1):
+            print(f"[{j}] source ({ex['src_tokens']} tokens): {ex['source']}")
+            print(f"    ours: {ex['ours']}")
+            if "ct2" in ex:
+                print(f"    ct2:  {ex['ct2']}"
+                      + ("   (same tokens)" if ex["same_tokens"] else "   (differs)"))
 
 
 if __name__ == "__main__":
