@@ -195,27 +195,39 @@ class HubPairs:
         where = f"{self.cfg.path} ({self.cfg.name}, {split_name})"
         try:
             for chunk in ds.iter(batch_size=BATCH_SIZE):
-                if "translation" not in chunk:
-                    raise DataError(
-                        f"{where}: no 'translation' column (found {sorted(chunk)}); the hub "
-                        "source expects rows {'translation': {lang: text}}"
-                    )
-                batch: Batch = {lang: [] for lang in self.languages}
-                for row in chunk["translation"]:
-                    for lang in self.languages:
-                        text = row.get(lang) if isinstance(row, dict) else None
-                        if text is None:
-                            raise DataError(
-                                f"{where}: a row has no translation.{lang} (keys: "
-                                f"{sorted(row) if isinstance(row, dict) else row!r}); set "
-                                "data.src_lang/data.tgt_lang to languages of this dataset"
-                            )
-                        batch[lang].append(text)
-                yield batch
+                yield self._pairs(chunk, where)
         except DataError:
             raise
         except Exception as exc:
             raise DataError(f"{where}: reading failed: {type(exc).__name__}: {exc}") from None
+
+    def _pairs(self, chunk: dict, where: str) -> Batch:
+        """One chunk of rows in either hub layout → ``{lang: [text, ...]}``.
+
+        WMT-style datasets (``wmt/wmt14``) hold one column ``translation: {lang: text}``;
+        others (``bentrevett/multi30k``) one plain column per language.
+        """
+        if "translation" not in chunk:
+            missing = [lang for lang in self.languages if lang not in chunk]
+            if missing:
+                raise DataError(
+                    f"{where}: no 'translation' column and no column {missing[0]!r} (found "
+                    f"{sorted(chunk)}); the hub source reads rows {{'translation': {{lang: "
+                    "text}}}} or one column per language: set data.src_lang/data.tgt_lang "
+                    "to languages of this dataset")
+            return {lang: list(chunk[lang]) for lang in self.languages}
+        batch: Batch = {lang: [] for lang in self.languages}
+        for row in chunk["translation"]:
+            for lang in self.languages:
+                text = row.get(lang) if isinstance(row, dict) else None
+                if text is None:
+                    raise DataError(
+                        f"{where}: a row has no translation.{lang} (keys: "
+                        f"{sorted(row) if isinstance(row, dict) else row!r}); set "
+                        "data.src_lang/data.tgt_lang to languages of this dataset"
+                    )
+                batch[lang].append(text)
+        return batch
 
 
 def make_source(cfg: DataConfig, root: Path = Path(".")) -> PairSource:

@@ -142,6 +142,26 @@ def test_hub_schema_loads_through_the_hub_code_path(fake_hub, tmp_path):
     assert [len(b["en"]) for b in batches] == [7, 7, 4]
 
 
+def test_hub_dataset_with_one_column_per_language(tmp_path):
+    """The layout of bentrevett/multi30k: {train,val,test}.jsonl with rows {"en", "de"}."""
+    import json
+
+    folder = tmp_path / "multi30k"
+    folder.mkdir()
+    pairs = list(zip(SENTENCES_EN, SENTENCES_DE, strict=True))
+    for name, rows in (("train", pairs * 2), ("val", pairs[:2]), ("test", pairs[2:])):
+        (folder / f"{name}.jsonl").write_text(
+            "".join(json.dumps({"en": en, "de": de}) + "\n" for en, de in rows), "utf-8")
+    source = HubPairs(HubSource(path=str(folder), name=None), LANGS)
+    out = tmp_path / "raw"
+    write_raw_splits(source, LANGS, Cleaning(), out)
+    assert read_split(out, "train")["de"] == SENTENCES_DE * 2
+    assert read_split(out, "valid")["en"] == SENTENCES_EN[:2]   # file val.jsonl
+    assert read_split(out, "test")["de"] == SENTENCES_DE[2:]
+    with pytest.raises(DataError, match="no 'translation' column and no column 'fr'"):
+        next(HubPairs(HubSource(path=str(folder), name=None), ("fr", "en")).batches("train"))
+
+
 def test_hub_rows_without_the_language(tmp_path):
     hub = make_fake_hub(tmp_path / "h", {s: [("a", "b")] for s in ("train", "validation", "test")})
     source = HubPairs(HubSource(path=str(hub), name="de-en"), ("fr", "de"))
