@@ -20,7 +20,8 @@ def attention(
     """Plot encoder self-attention, decoder self-attention and encoder-decoder attention,
     per layer (one PNG each) and head (one panel each), with the BPE tokens as axis labels.
 
-    Writes OUT/{encoder_self,decoder_self,cross}_layer{N}.png.
+    Reads: MODEL (weights, config and tokenizer from `aiayn average`); not params.yaml.
+    Writes: OUT/{encoder_self,decoder_self,cross}_layer{N}.png.
     """
     import torch
 

@@ -50,6 +50,9 @@ def params(
 ) -> None:
     """Compose conf/config.yaml with an experiment preset into params.yaml and validate it.
 
+    Reads: CONF/config.yaml and CONF/experiment/EXPERIMENT.yaml. Writes: OUT (atomically;
+    nothing with --check).
+
     Examples: `aiayn params multi30k`, `aiayn params demo train.lr_scale=2`,
     `aiayn params --check`. Under `dvc exp run -S experiment=NAME` DVC does this itself.
     """

@@ -25,8 +25,9 @@ def results(
 ) -> None:
     """Print the last run's results and where everything is (not a DVC stage; reads only).
 
-    Reads: METRICS/bleu.json, METRICS/train.json, CHECKPOINTS/mlflow_run.json. Exits
-    non-zero when there are no scores yet (run `dvc repro` first).
+    Reads: METRICS/bleu.json, METRICS/train.json, CHECKPOINTS/mlflow_run.json. Writes:
+    nothing (standard output only). Exits non-zero when there are no scores yet (run
+    `dvc repro` first).
     """
     from aiayn.tracking import resolve_tracking_uri
 

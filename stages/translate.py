@@ -42,7 +42,8 @@ def translate(
     `--split test` (the source column of RAW/test.parquet, written to
     data/translations/test.{tgt}). Output is detokenized text, one line per input line, in
     the input's order; an empty line gives an empty line. Reads: params `decode.*` (options
-    override them) and `data.src_lang`/`tgt_lang` (for --split); MODEL.
+    override them) and `data.src_lang`/`tgt_lang` (for --split); MODEL. Writes: OUT
+    (atomically), or standard output.
     """
     from aiayn.translation import load_translator
 
