@@ -49,7 +49,7 @@ def lc_tok_bleu(hyps: list[str], refs: list[str], lang: str) -> float:
     def prep(lines: list[str]) -> list[str]:
         return [moses_tokenize(line, lang).lower() for line in lines]
 
-    return sacrebleu.corpus_bleu(prep(hyps), [prep(refs)], tokenize="none").score
+    return sacrebleu.corpus_bleu(prep(hyps), [prep(refs)], tokenize="none", force=True).score
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
