@@ -96,9 +96,10 @@ def test_dvc_repro_runs_the_data_stages_and_reruns_only_what_changed(repo):
 
     # A training parameter touches no data stage, a decoding one only translate;
     # averaging more re-runs average and what follows it.
-    set_params(root, train__lr_scale=3.0)
+    lr = yaml.safe_load((root / "params.yaml").read_text())["train"]["lr_scale"]
+    set_params(root, train__lr_scale=lr + 2.0)
     assert set(json.loads(run(["dvc", "status", "--json"], root, env).stdout)) == {"train"}
-    set_params(root, train__lr_scale=2.0, decode__beam=8)
+    set_params(root, train__lr_scale=lr, decode__beam=8)
     assert set(json.loads(run(["dvc", "status", "--json"], root, env).stdout)) == {"translate"}
     set_params(root, decode__beam=4, train__average_last=3)
     assert set(json.loads(run(["dvc", "status", "--json"], root, env).stdout)) == {"average"}
