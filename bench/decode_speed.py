@@ -170,6 +170,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from aiayn.beam import BeamConfig, beam_search, max_lengths  # noqa: E402
 from aiayn.model import Transformer, TransformerConfig  # noqa: E402
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, decode, encode_ids  # noqa: E402
+from bench.machine import cpu_model  # noqa: E402
 
 VOCAB = 8000
 WORDS = 500  # sentences draw their words uniformly from ids 4 .. 4 + WORDS - 1
@@ -183,16 +184,6 @@ LABELS = {"cached": "ours, cached, fp32", "bf16": "ours, cached, bf16 autocast",
 def model_config() -> TransformerConfig:
     return TransformerConfig(vocab_size=VOCAB, d_model=256, heads=4, encoder_layers=3,
                              decoder_layers=3, d_ff=1024, dropout=0.1, norm="post")
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 # -- data --------------------------------------------------------------------------------

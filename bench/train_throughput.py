@@ -107,6 +107,7 @@ if str(REPO) not in sys.path:  # run as a script: make `aiayn` importable withou
     sys.path.insert(0, str(REPO))
 
 from aiayn.model import Transformer, TransformerConfig, sinusoidal_positions  # noqa: E402
+from bench.machine import cpu_model  # noqa: E402
 
 PAD, BOS, EOS = 0, 1, 2
 FIRST_WORD = 4  # ids below are special tokens
@@ -318,16 +319,6 @@ def profile(runners: dict, configs: list, batches: list[dict], steps: int = 2) -
 
 
 # --------------------------------------------------------------------------- main
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main(argv: list[str] | None = None) -> dict:
