@@ -147,6 +147,7 @@ Agreement (outside the timing)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import hashlib
 import io
@@ -541,21 +542,30 @@ def out_tokens(hyps: list[list[int]]) -> int:
     return sum(len(h) + 1 for h in hyps)
 
 
-def profile_cached(model, batch: Batch, cfg: BeamConfig) -> dict:
-    """cProfile (Python functions) and torch.profiler (operators) of one cached search."""
-    steps = {"decode_steps": 0, "rows": 0}
-    orig = model.decode_step
+@contextlib.contextmanager
+def counting_decode_steps(model):
+    """Count the decoder steps and rows (batch x beam) of the searches run inside the block:
+    the work a search asked of the cached decoder. Yields ``{"steps": n, "rows": n}``."""
+    work = {"steps": 0, "rows": 0}
+    step_fn = model.decode_step
 
     def counting(tokens, state):
-        steps["decode_steps"] += 1
-        steps["rows"] += tokens.shape[0]
-        return orig(tokens, state)
+        work["steps"] += 1
+        work["rows"] += tokens.shape[0]
+        return step_fn(tokens, state)
 
     model.decode_step = counting
     try:
-        ours_decode(model, batch, cfg)
+        yield work
     finally:
         del model.decode_step
+
+
+def profile_cached(model, batch: Batch, cfg: BeamConfig) -> dict:
+    """cProfile (Python functions) and torch.profiler (operators) of one cached search."""
+    with counting_decode_steps(model) as work:
+        ours_decode(model, batch, cfg)
+    steps = {"decode_steps": work["steps"], "rows": work["rows"]}
     prof = cProfile.Profile()
     prof.enable()
     _, wall, _ = timed(lambda: ours_decode(model, batch, cfg))
@@ -695,22 +705,10 @@ def main(argv: list[str] | None = None) -> dict:
     # The same passes give one (not alternated) timing each, with the same maximum lengths
     # for both and, at alpha 0, the same stopping rule: a rough like-for-like ratio. Our
     # decode_step is wrapped to count decoder rows x steps (the work the search asked for).
-    work = {"steps": 0, "rows": 0}
-    step_fn = model.decode_step
-
-    def counting(tokens, state):
-        work["steps"] += 1
-        work["rows"] += tokens.shape[0]
-        return step_fn(tokens, state)
-
     def ours_pass(beam: int, alpha: float) -> tuple[list[list[list[int]]], dict]:
-        work.update(steps=0, rows=0)
-        model.decode_step = counting
-        try:
+        with counting_decode_steps(model) as work:
             outs, wall, _ = timed(lambda: [ours_decode(model, b, uniform(b, beam, alpha))
                                            for b in batches])
-        finally:
-            del model.decode_step
         return outs, {"ours_s": wall, "ours_decoder_steps": work["steps"],
                       "ours_decoder_rows": work["rows"]}
 
