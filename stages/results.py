@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from aiayn.io import read_json
 from stages.common import single_command_app
 
 
 def _read(path: Path) -> dict | None:
+    """The JSON at ``path``; None if it is missing or unreadable (not yet run)."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return read_json(path)
     except (OSError, ValueError):
         return None
 
