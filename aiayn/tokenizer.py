@@ -21,7 +21,6 @@ from aiayn.errors import DataError
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0, 1, 2, 3 in this order
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
-WORD_CACHE = 1_000_000  # distinct words whose BPE split is memoised while encoding
 
 
 def new_tokenizer() -> Tokenizer:
@@ -70,10 +69,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         raise DataError(
             f"{path}: not a tokenizers JSON file ({exc}); re-run `aiayn vocab`"
         ) from None
-    # tokenizers memoises the BPE split of up to 10k distinct words; corpora like WMT have
-    # millions of word types, and a larger memo encodes 1.4-2x faster with identical output.
-    if hasattr(tok.model, "_resize_cache"):
-        tok.model._resize_cache(WORD_CACHE)
+    # tokenizers memoises the BPE split of 10k words by default. A memo of 1M words, tried
+    # on a WMT-sized corpus, encoded 10-15% slower and held ~1 GiB more (bench/README.md).
     for token_id, token in enumerate(SPECIAL_TOKENS):
         if tok.token_to_id(token) != token_id:
             raise DataError(
