@@ -37,3 +37,48 @@ def test_each_help_says_what_it_reads_and_writes(name):
     for param in command.params:
         shown = param.opts[0] if param.opts[0].startswith("-") else param.name
         assert shown in text, (name, shown)
+
+
+# Runs `aiayn <args>` through the console entry point, then reports which heavy libraries
+# the process had loaded.
+IMPORT_PROBE = r"""
+import sys
+from stages.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as exc:
+    assert exc.code in (0, None), exc.code
+print(sorted(m for m in ("torch", "mlflow") if m in sys.modules))
+"""
+
+
+def loaded_by(*args: str) -> list[str]:
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", IMPORT_PROBE, *args], capture_output=True,
+                         text=True, env={"COLUMNS": "200", "NO_COLOR": "1", "PATH": ""})
+    assert res.returncode == 0, res.stderr
+    return eval(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", ("download", "vocab", "survey", "shard"))
+def test_a_data_stage_loads_neither_torch_nor_mlflow(name):
+    assert loaded_by(name, "--help") == []
+
+
+def test_the_training_stage_and_the_full_help_load_torch():
+    # The probe can see torch: a stage that needs it, and the listing of all stages, load it.
+    assert "torch" in loaded_by("train", "--help")
+    assert "torch" in loaded_by("--help")
+
+
+def test_a_single_loaded_stage_parses_like_the_full_app():
+    from stages.cli import build_app
+
+    lone = typer.main.get_command(build_app(["vocab"])).commands["vocab"]
+    full = typer.main.get_command(app).commands["vocab"]
+    assert [p.opts for p in lone.params] == [p.opts for p in full.params]
+    assert help_text("vocab") == re.sub(r"\s+", " ", CliRunner().invoke(
+        build_app(["vocab"]), ["vocab", "--help"], terminal_width=200,
+        env={"COLUMNS": "200", "NO_COLOR": "1"}).output.replace("│", " "))
