@@ -58,10 +58,20 @@ _CALL_ENV = {
 }
 
 def resolve_tracking_uri(tracking_uri: str | None = None) -> str:
-    """The given URI, else ``$MLFLOW_TRACKING_URI``, else ``sqlite:///mlflow.db`` (cwd)."""
+    """The given URI, else ``$MLFLOW_TRACKING_URI``, else the project's SQLite store.
+
+    The project's store is ``mlflow.db`` in the DVC repository's root when a stage runs
+    under DVC: DVC sets ``$DVC_ROOT`` to the user's repository, also for queued experiments
+    that run in a temporary copy (whose own ``mlflow.db`` would vanish with it). Run by
+    hand, outside DVC, a stage uses ``mlflow.db`` in the current directory.
+    """
     if tracking_uri:
         return tracking_uri
-    return os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+    if env_uri := os.environ.get("MLFLOW_TRACKING_URI"):
+        return env_uri
+    if dvc_root := os.environ.get("DVC_ROOT"):
+        return f"sqlite:///{Path(dvc_root).resolve() / 'mlflow.db'}"
+    return DEFAULT_TRACKING_URI
 
 
 def default_run_name() -> str | None:

@@ -108,8 +108,9 @@ TINY = {"data": {"toy": {"train_pairs": 1000, "valid_pairs": 60, "test_pairs": 6
 
 @pytest.fixture
 def tiny_repo(tmp_path, cli_env) -> tuple[Path, dict]:
-    env = {**cli_env, **GIT_IDENTITY,
-           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
+    # No MLFLOW_TRACKING_URI: every run, queued ones included, must land in the default
+    # store, mlflow.db in the repository's root.
+    env = {**cli_env, **GIT_IDENTITY}
     root = copy_project(tmp_path / "repo", env, TINY)
     run(["dvc", "repro"], root, env)
     run(["git", "add", "-A"], root, env)
@@ -173,7 +174,8 @@ def test_a_queued_sweep_reruns_only_training_onwards_and_compares(tiny_repo):
     # MLflow: one run per experiment that trained, named after it and tagged with it, with
     # its own scores (score re-runs for a new run even if the translations are unchanged).
     # The experiment equal to the baseline trained nothing: its run is the baseline's.
-    client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
+    assert not list((root / ".dvc").rglob("mlflow.db")), "a queued run logged into its copy"
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("aiayn")
     by_name = {r.info.run_name: r for r in client.search_runs([experiment.experiment_id])}
     assert len(by_name) == 3  # the baseline and the two new learning rates

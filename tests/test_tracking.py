@@ -358,3 +358,16 @@ def test_real_tracking_server(mlflow_server: str, tmp_path: Path) -> None:
     again.log_metrics({"loss": 1.75}, step=30)
     again.end()
     assert [m.step for m in client.get_metric_history(run_id, "loss")] == [10, 20, 30]
+
+
+def test_the_default_store_is_the_dvc_repository_root_under_dvc(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("DVC_ROOT", raising=False)
+    assert tracking.resolve_tracking_uri() == "sqlite:///mlflow.db"  # by hand: the cwd
+    # Under DVC (a queued experiment runs in a copy, DVC_ROOT is the user's repository).
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path / "repo"))
+    assert tracking.resolve_tracking_uri() == f"sqlite:///{tmp_path.resolve()}/repo/mlflow.db"
+    # The user's choice wins over the default, and an explicit URI over both.
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracker:5000")
+    assert tracking.resolve_tracking_uri() == "http://tracker:5000"
+    assert tracking.resolve_tracking_uri("sqlite:///x.db") == "sqlite:///x.db"
