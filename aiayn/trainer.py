@@ -37,6 +37,7 @@ from aiayn.errors import AiaynError, DataError
 from aiayn.io import atomic_path, write_json
 from aiayn.model import Transformer, TransformerConfig, count_parameters
 from aiayn.objective import label_smoothed_loss, make_optimizer
+from aiayn.precision import autocast_dtype, slow_bf16_warning
 from aiayn.sampler import Batch, BatchLoader, ShardDataset, TokenBudgetSampler
 
 log = logging.getLogger("aiayn")
@@ -95,12 +96,6 @@ def pick_device(choice: str, world: World) -> torch.device:
     return torch.device("cpu")
 
 
-def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
-        return torch.bfloat16
-    return None
-
-
 def accumulation_steps(tokens_per_step: int, world_size: int, max_tokens: int) -> int:
     return max(1, math.ceil(tokens_per_step / (world_size * max_tokens)))
 
@@ -140,6 +135,9 @@ class Trainer:
         self.device = pick_device(p.train.device, world)
         distributed.init(world, self.device)
         self.amp_dtype = autocast_dtype(p.train.precision, self.device)
+        if (warning := slow_bf16_warning(p.train.precision, self.device, "train.precision")) \
+                and world.is_main:
+            log.warning(warning)
         self.cfg = model_config(p, vocab_size)
         self.fingerprint = {"model_config": self.cfg.to_dict(), "vocab_size": vocab_size,
                             "tokenizer_sha256": tokenizer_sha256}

@@ -7,6 +7,7 @@ returned in the original order. An empty line gives an empty line.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,10 @@ from tokenizers import Tokenizer
 from aiayn.beam import BeamConfig, beam_search
 from aiayn.errors import DataError
 from aiayn.model import Transformer, TransformerConfig
+from aiayn.precision import autocast_dtype, slow_bf16_warning
 from aiayn.tokenizer import EOS_ID, PAD_ID, decode, encode_ids, load_tokenizer
+
+log = logging.getLogger("aiayn")
 
 
 @dataclass
@@ -86,6 +90,6 @@ def load_translator(model_dir: Path, device: str = "auto", precision: str = "fp3
     model = Transformer(cfg)
     model.load_state_dict(state)
     model.to(dev).eval()
-    amp = torch.bfloat16 if precision == "bf16" or (precision == "auto"
-                                                    and dev.type == "cuda") else None
-    return Translator(model, tok, dev, amp)
+    if warning := slow_bf16_warning(precision, dev, "--precision"):
+        log.warning(warning)
+    return Translator(model, tok, dev, autocast_dtype(precision, dev))

@@ -1,0 +1,100 @@
+"""aiayn.precision: bf16 autocast only where the hardware runs it natively."""
+
+from __future__ import annotations
+
+import logging
+import platform
+from pathlib import Path
+
+import pytest
+import torch
+
+import aiayn.precision as precision
+from aiayn.precision import BF16_FLAGS, _cpuinfo_flags, autocast_dtype, slow_bf16_warning
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+X86_CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_tile
+bugs\t\t: sysret_ss_attrs
+
+processor\t: 1
+flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_tile
+"""
+ARM_CPUINFO = """processor\t: 0
+BogoMIPS\t: 243.75
+Features\t: fp asimd evtstrm aes sve bf16 i8mm
+CPU implementer\t: 0x41
+"""
+
+
+@pytest.fixture
+def native(monkeypatch):
+    """Pretend the CPU has (True) or lacks (False) native bf16."""
+    def set_native(value: bool) -> None:
+        monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: value)
+    return set_native
+
+
+def test_cpuinfo_flags_of_x86_and_arm(tmp_path):
+    (tmp_path / "x86").write_text(X86_CPUINFO)
+    (tmp_path / "arm").write_text(ARM_CPUINFO)
+    assert {"avx2", "avx512_bf16", "amx_tile"} <= _cpuinfo_flags(tmp_path / "x86")
+    assert "bugs" not in _cpuinfo_flags(tmp_path / "x86")  # only the flags line counts
+    assert {"sve", "bf16", "i8mm"} <= _cpuinfo_flags(tmp_path / "arm")
+    assert _cpuinfo_flags(tmp_path / "missing") == set()
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="reads /proc/cpuinfo")
+def test_the_answer_agrees_with_the_kernels_cpu_flags():
+    flags = _cpuinfo_flags(Path("/proc/cpuinfo"))
+    assert precision.cpu_has_native_bf16() == bool(flags & BF16_FLAGS)
+
+
+def test_fp32_and_bf16_are_what_they_say(native):
+    for has in (True, False):
+        native(has)
+        for dev in (CPU, CUDA):
+            assert autocast_dtype("fp32", dev) is None
+            assert autocast_dtype("bf16", dev) is torch.bfloat16
+
+
+def test_auto_is_bf16_on_gpu_and_on_cpus_with_native_bf16(native):
+    native(True)
+    assert autocast_dtype("auto", CPU) is torch.bfloat16
+    assert autocast_dtype("auto", CUDA) is torch.bfloat16
+    native(False)
+    assert autocast_dtype("auto", CPU) is None
+    assert autocast_dtype("auto", CUDA) is torch.bfloat16
+
+
+def test_unknown_precision_is_refused():
+    with pytest.raises(ValueError, match="auto, fp32, bf16"):
+        autocast_dtype("fp16", CPU)
+
+
+def test_forced_bf16_on_an_emulating_cpu_warns(native):
+    native(False)
+    msg = slow_bf16_warning("bf16", CPU, "train.precision")
+    assert msg and "train.precision" in msg and "auto" in msg
+    assert slow_bf16_warning("auto", CPU, "train.precision") is None
+    assert slow_bf16_warning("bf16", CUDA, "train.precision") is None
+    native(True)
+    assert slow_bf16_warning("bf16", CPU, "train.precision") is None
+
+
+def test_trainer_follows_the_cpu(native, toy_workspace, tmp_path, caplog):
+    from tests.test_training import make_trainer
+
+    native(False)
+    assert make_trainer(toy_workspace, tmp_path / "a", {"train": {"precision": "auto"}}
+                        ).amp_dtype is None
+    native(True)
+    assert make_trainer(toy_workspace, tmp_path / "b", {"train": {"precision": "auto"}}
+                        ).amp_dtype is torch.bfloat16
+    native(False)
+    with caplog.at_level(logging.WARNING, logger="aiayn"):
+        trainer = make_trainer(toy_workspace, tmp_path / "c", {"train": {"precision": "bf16"}})
+    assert trainer.amp_dtype is torch.bfloat16
+    assert "train.precision is bf16, but this CPU has no native bf16" in caplog.text
