@@ -1,0 +1,154 @@
+"""Resident memory of CPU training with and without ``aiayn.memory.HeapTrimmer``.
+
+Usage (from the repository root)::
+
+    .venv/bin/python bench/train_memory.py                   # 300 steps, notrim then trim
+    .venv/bin/python bench/train_memory.py --steps 100 --repeats 2 --json out.json
+    .venv/bin/python bench/train_memory.py --help
+
+What it measures
+----------------
+Token-bucket batches have a different shape at almost every step, so each step allocates
+activations of new sizes. On glibc the freed blocks stay in malloc's heap, fragmented, and
+the resident set size (RSS) of a training process creeps up for as long as it runs.
+``aiayn.trainer.Trainer`` on CPU calls ``malloc_trim(0)`` every
+``aiayn.memory.TRIM_EVERY_STEPS`` steps through ``HeapTrimmer``. This script trains the
+same model on the same batches with the trimmer (``trim``) and without it (``notrim``) and
+prints RSS along the way and seconds per step.
+
+Each mode runs in a fresh Python process (a heap is per process), one after the other,
+alternating ``notrim``/``trim`` ``--repeats`` times; the machine may be shared, so compare
+the modes of one run as ratios. Model and batches are those of ``bench/train_throughput.py``
+(d_model 256, 3+3 layers, d_ff 1024, 4 heads, vocabulary 8000: the ``multi30k`` preset's
+size; token buckets of at most ``--max-tokens`` positions per side from a lognormal length
+distribution), in the precision ``aiayn train`` picks (``--precision``, default ``auto``:
+bf16 autocast on a CPU with native bf16, fp32 elsewhere; see ``aiayn.precision``). ``--steps``
+batches are drawn at random from the bucket pool (with repetition once the pool's ~250
+buckets are used up), the same sequence in both modes.
+
+Reported per mode: RSS after the warm-up (``--warmup`` steps), at the end, its maximum,
+the growth from warm-up to end, and the median seconds per step after the warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script: make `aiayn` importable without installing
+    sys.path.insert(0, str(REPO))
+
+MODES = ("notrim", "trim")
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+
+def worker(mode: str, steps: int, max_tokens: int, seed: int, prec: str) -> dict:
+    """Train ``steps`` steps in this process; RSS and wall time of every step."""
+    import numpy as np
+    import torch
+
+    from aiayn.memory import HeapTrimmer
+    from aiayn.model import Transformer, TransformerConfig
+    from aiayn.precision import autocast_dtype
+    from bench.train_throughput import Runner, make_batches
+
+    cfg = TransformerConfig(vocab_size=8000, d_model=256, heads=4, encoder_layers=3,
+                            decoder_layers=3, d_ff=1024, dropout=0.1, norm="post")
+    torch.manual_seed(seed)
+    pool = make_batches(cfg, 200, max_tokens, seed)
+    order = np.random.default_rng(seed + 1).integers(len(pool), size=steps)
+    runner = Runner(Transformer(cfg))
+    bf16 = autocast_dtype(prec, torch.device("cpu")) is not None
+    heap = HeapTrimmer(enabled=mode == "trim")
+    if mode == "trim" and not heap.active:
+        raise SystemExit("this C library has no malloc_trim: nothing to compare")
+    rss, secs = [], []
+    for step, b in enumerate(order, start=1):
+        t0 = time.perf_counter()
+        runner.step(pool[b], bf16=bf16)
+        heap.after_step(step)
+        secs.append(time.perf_counter() - t0)
+        rss.append(rss_mib())
+    return {"mode": mode, "precision": "bf16" if bf16 else "fp32", "rss_mib": rss,
+            "step_s": secs}
+
+
+def summarise(run: dict, warmup: int) -> dict:
+    rss, secs = run["rss_mib"], run["step_s"]
+    return {"mode": run["mode"], "rss_warm": rss[warmup - 1], "rss_end": rss[-1],
+            "rss_max": max(rss), "growth": rss[-1] - rss[warmup - 1],
+            "s_per_step": statistics.median(secs[warmup:])}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=300, help="training steps per mode (300)")
+    ap.add_argument("--warmup", type=int, default=20,
+                    help="steps before the baseline RSS and the timing start (20)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="how many notrim/trim pairs to run, alternating (1)")
+    ap.add_argument("--max-tokens", type=int, default=4096, help="positions per batch side")
+    ap.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
+                    help="as train.precision (default auto)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, default=None, help="write all results here")
+    ap.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.warmup >= args.steps and not args.worker:
+        ap.error(f"--warmup ({args.warmup}) must be below --steps ({args.steps})")
+
+    if args.worker:  # the child process: one mode, result as JSON on stdout
+        print(json.dumps(worker(args.worker, args.steps, args.max_tokens, args.seed,
+                                args.precision)))
+        return {}
+
+    runs = []
+    for r in range(args.repeats):
+        for mode in MODES:
+            print(f"[{r + 1}/{args.repeats}] {mode}: {args.steps} steps ...", flush=True)
+            res = subprocess.run(
+                [sys.executable, __file__, "--worker", mode, "--steps", str(args.steps),
+                 "--max-tokens", str(args.max_tokens), "--seed", str(args.seed),
+                 "--precision", args.precision],
+                capture_output=True, text=True)
+            if res.returncode:
+                sys.exit(f"the {mode} worker failed (exit {res.returncode}):\n{res.stderr}")
+            runs.append(json.loads(res.stdout.strip().splitlines()[-1]))
+
+    every = max(1, args.steps // 6)
+    marks = sorted({args.warmup, *range(every, args.steps + 1, every), args.steps})
+    print(f"\n{runs[0]['precision']}; RSS (MiB) after step")
+    print(f"{'mode':>8} " + " ".join(f"{m:>6}" for m in marks))
+    for run in runs:
+        print(f"{run['mode']:>8} " + " ".join(f"{run['rss_mib'][m - 1]:6.0f}" for m in marks))
+
+    summary = [summarise(run, args.warmup) for run in runs]
+    print(f"\n{'mode':>8} {'warm':>7} {'end':>7} {'max':>7} {'growth':>7} {'s/step':>7}")
+    for s in summary:
+        print(f"{s['mode']:>8} {s['rss_warm']:7.0f} {s['rss_end']:7.0f} {s['rss_max']:7.0f} "
+              f"{s['growth']:+7.0f} {s['s_per_step']:7.3f}")
+    pairs = list(zip(summary[0::2], summary[1::2], strict=True))
+    end = statistics.median(t["rss_end"] / n["rss_end"] for n, t in pairs)
+    speed = statistics.median(t["s_per_step"] / n["s_per_step"] for n, t in pairs)
+    print(f"\ntrim / notrim: RSS at the end x{end:.2f}, seconds per step x{speed:.2f} "
+          f"(median over {len(pairs)} pair(s))")
+    out = {"args": {k: v for k, v in vars(args).items() if k not in ("json", "worker")},
+           "summary": summary, "ratio_rss_end": end, "ratio_s_per_step": speed, "runs": runs}
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()
