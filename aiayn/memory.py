@@ -4,11 +4,12 @@ Training on CPU with token-bucket batches allocates activations of a different s
 almost every step. glibc's malloc keeps the freed blocks in its heap, fragmented, so the
 resident memory of a run grows for hours: from 2.1 to 3.3 GiB over 400 steps of the
 `multi30k` model with varied shapes (bf16 autocast, 2 cores), against a flat 1.0 GiB with
-one fixed shape. ``bench/train_memory.py`` measures it with and without trimming.
-Calling glibc's ``malloc_trim(0)`` every few steps returns the free pages (it also
-releases pages inside the heap, not only at its top) and keeps the run flat at ~1.05 GiB
-at no measurable cost per step. ``MALLOC_ARENA_MAX=2`` did not help; a low
-``MALLOC_MMAP_THRESHOLD_`` did, but made steps 40% slower.
+one fixed shape. Calling glibc's ``malloc_trim(0)`` every few steps returns the free pages
+(it also releases pages inside the heap, not only at its top) and keeps the run flat at
+~1.05 GiB at no measurable cost per step. ``MALLOC_ARENA_MAX=2`` did not help; a low
+``MALLOC_MMAP_THRESHOLD_`` did, but made steps 40% slower. In fp32 (on a CPU without
+native bf16) the heap did not grow, and the trim cost nothing there either.
+``bench/train_memory.py`` measures both modes side by side.
 
 There is no library for this; ``ctypes`` reaches the C library the process already runs
 on. Elsewhere (macOS, Windows, musl) there is no ``malloc_trim`` and nothing is done.

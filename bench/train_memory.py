@@ -26,8 +26,10 @@ bf16 autocast on a CPU with native bf16, fp32 elsewhere; see ``aiayn.precision``
 batches are drawn at random from the bucket pool (with repetition once the pool's ~250
 buckets are used up), the same sequence in both modes.
 
-Reported per mode: RSS after the warm-up (``--warmup`` steps), at the end, its maximum,
-the growth from warm-up to end, and the median seconds per step after the warm-up.
+Reported per mode: the peak RSS in the warm-up (``--warmup`` steps) and in five windows
+after it (peaks, not samples: right after a trim step RSS is low, and sampling there would
+flatter the trimmed run), the growth from the warm-up's peak to the last window's, and the
+median seconds per step after the warm-up.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import time
+from itertools import pairwise
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -83,11 +86,48 @@ def worker(mode: str, steps: int, max_tokens: int, seed: int, prec: str) -> dict
             "step_s": secs}
 
 
+def window_max(rss: list[float], start: int, stop: int) -> float:
+    """Peak RSS over steps start+1 .. stop (1-based steps)."""
+    return max(rss[start:stop])
+
+
 def summarise(run: dict, warmup: int) -> dict:
     rss, secs = run["rss_mib"], run["step_s"]
-    return {"mode": run["mode"], "rss_warm": rss[warmup - 1], "rss_end": rss[-1],
-            "rss_max": max(rss), "growth": rss[-1] - rss[warmup - 1],
+    window = max(1, (len(rss) - warmup) // 5)
+    first, last = window_max(rss, 0, warmup), window_max(rss, len(rss) - window, len(rss))
+    return {"mode": run["mode"], "peak_warmup": first, "peak_last": last,
+            "peak": max(rss), "growth": last - first,
             "s_per_step": statistics.median(secs[warmup:])}
+
+
+def report(runs: list[dict], warmup: int, steps: int) -> tuple[list[dict], float, float]:
+    """Print the tables; return the summaries and the trim/notrim ratios."""
+    # Peaks per window: a trim step's RSS alone would flatter the trimmed run.
+    edges = [0, warmup]
+    step = max(1, (steps - warmup) // 5)
+    edges += list(range(warmup + step, steps, step))[:4] + [steps]
+    print(f"\n{runs[0].get('precision', '?')}: peak RSS (MiB) over steps")
+    heads = [f"{a + 1}-{b}" for a, b in pairwise(edges)]
+    print(f"{'mode':>8} " + " ".join(f"{h:>9}" for h in heads))
+    for run in runs:
+        print(f"{run['mode']:>8} " + " ".join(
+            f"{window_max(run['rss_mib'], a, b):9.0f}" for a, b in pairwise(edges)))
+    print(f"{'':>8} (last RSS: " + ", ".join(
+        f"{run['mode']} {run['rss_mib'][-1]:.0f}" for run in runs) + ")")
+
+    summary = [summarise(run, warmup) for run in runs]
+    print(f"\n{'mode':>8} {'warm-up peak':>12} {'last-fifth peak':>15} {'growth':>7} "
+          f"{'s/step':>7}")
+    for s in summary:
+        print(f"{s['mode']:>8} {s['peak_warmup']:12.0f} {s['peak_last']:15.0f} "
+              f"{s['growth']:+7.0f} {s['s_per_step']:7.3f}")
+    pairs = list(zip(summary[0::2], summary[1::2], strict=True))
+    end = statistics.median(t["peak_last"] / n["peak_last"] for n, t in pairs)
+    speed = statistics.median(t["s_per_step"] / n["s_per_step"] for n, t in pairs)
+    print(f"\ntrim / notrim: peak RSS of the last fifth x{end:.2f}, seconds per step "
+          f"x{speed:.2f} "
+          f"(median over {len(pairs)} pair(s))")
+    return summary, end, speed
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -103,8 +143,14 @@ def main(argv: list[str] | None = None) -> dict:
                     help="as train.precision (default auto)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None, help="write all results here")
+    ap.add_argument("--report", type=Path, default=None,
+                    help="print the tables of a file written by --json, run nothing")
     ap.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.report:
+        saved = json.loads(args.report.read_text())
+        report(saved["runs"], saved["args"]["warmup"], saved["args"]["steps"])
+        return saved
     if args.warmup >= args.steps and not args.worker:
         ap.error(f"--warmup ({args.warmup}) must be below --steps ({args.steps})")
 
@@ -126,25 +172,9 @@ def main(argv: list[str] | None = None) -> dict:
                 sys.exit(f"the {mode} worker failed (exit {res.returncode}):\n{res.stderr}")
             runs.append(json.loads(res.stdout.strip().splitlines()[-1]))
 
-    every = max(1, args.steps // 6)
-    marks = sorted({args.warmup, *range(every, args.steps + 1, every), args.steps})
-    print(f"\n{runs[0]['precision']}; RSS (MiB) after step")
-    print(f"{'mode':>8} " + " ".join(f"{m:>6}" for m in marks))
-    for run in runs:
-        print(f"{run['mode']:>8} " + " ".join(f"{run['rss_mib'][m - 1]:6.0f}" for m in marks))
-
-    summary = [summarise(run, args.warmup) for run in runs]
-    print(f"\n{'mode':>8} {'warm':>7} {'end':>7} {'max':>7} {'growth':>7} {'s/step':>7}")
-    for s in summary:
-        print(f"{s['mode']:>8} {s['rss_warm']:7.0f} {s['rss_end']:7.0f} {s['rss_max']:7.0f} "
-              f"{s['growth']:+7.0f} {s['s_per_step']:7.3f}")
-    pairs = list(zip(summary[0::2], summary[1::2], strict=True))
-    end = statistics.median(t["rss_end"] / n["rss_end"] for n, t in pairs)
-    speed = statistics.median(t["s_per_step"] / n["s_per_step"] for n, t in pairs)
-    print(f"\ntrim / notrim: RSS at the end x{end:.2f}, seconds per step x{speed:.2f} "
-          f"(median over {len(pairs)} pair(s))")
-    out = {"args": {k: v for k, v in vars(args).items() if k not in ("json", "worker")},
-           "summary": summary, "ratio_rss_end": end, "ratio_s_per_step": speed, "runs": runs}
+    summary, end, speed = report(runs, args.warmup, args.steps)
+    out = {"args": {k: v for k, v in vars(args).items() if k not in ("json", "worker", "report")},
+           "summary": summary, "ratio_peak_last": end, "ratio_s_per_step": speed, "runs": runs}
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     return out
