@@ -170,6 +170,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from aiayn.beam import BeamConfig, beam_search, max_lengths  # noqa: E402
 from aiayn.model import Transformer, TransformerConfig  # noqa: E402
+from aiayn.precision import cpu_has_native_bf16  # noqa: E402
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, decode, encode_ids  # noqa: E402
 from bench.machine import cpu_model  # noqa: E402
 
@@ -619,12 +620,20 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--weights", type=Path, default=None,
                     help="cache file for the copy-task weights (default: temp dir)")
     ap.add_argument("--no-ct2", action="store_true", help="skip CTranslate2")
-    ap.add_argument("--no-bf16", action="store_true", help="skip the bf16 autocast row")
+    ap.add_argument("--no-bf16", action="store_true",
+                    help="skip the bf16 autocast row (skipped anyway on a CPU without native "
+                         "bf16, where it would be ~100x slower, unless --bf16)")
+    ap.add_argument("--bf16", action="store_true",
+                    help="run the bf16 row even on a CPU without native bf16")
     ap.add_argument("--profile", action="store_true",
                     help="profile one cached search (cProfile + torch.profiler) at the end")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None, help="write all results here")
     args = ap.parse_args(argv)
+    if not args.no_bf16 and not args.bf16 and not cpu_has_native_bf16():
+        print("this CPU has no native bf16 (see aiayn/precision.py): skipping the bf16 row; "
+              "--bf16 runs it anyway", flush=True)
+        args.no_bf16 = True
     if args.inputs is not None and args.model is None:
         ap.error("--inputs requires --model (the copy-task model decodes synthetic word ids)")
     if args.model is not None and args.inputs is None:

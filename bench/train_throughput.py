@@ -107,6 +107,7 @@ if str(REPO) not in sys.path:  # run as a script: make `aiayn` importable withou
     sys.path.insert(0, str(REPO))
 
 from aiayn.model import Transformer, TransformerConfig, sinusoidal_positions  # noqa: E402
+from aiayn.precision import cpu_has_native_bf16  # noqa: E402
 from bench.machine import cpu_model  # noqa: E402
 
 PAD, BOS, EOS = 0, 1, 2
@@ -334,7 +335,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=4096, help="positions per batch side")
     ap.add_argument("--models", default="ours,ours+drop,nn",
                     help=f"comma-separated, from {', '.join(KINDS)} (default ours,ours+drop,nn)")
-    ap.add_argument("--precisions", default="fp32,bf16", help="fp32, bf16 or both")
+    ap.add_argument("--precisions", default=None,
+                    help="fp32, bf16 or both (default: both on a CPU with native bf16, else "
+                         "fp32: emulated bf16 is ~100x slower)")
     ap.add_argument("--baseline", type=Path, default=None,
                     help="another model.py, run as models base / base+drop")
     ap.add_argument("--loss-steps", type=int, default=20, help="0 skips the loss check")
@@ -346,6 +349,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     thread_counts = ([int(t) for t in args.threads.split(",")] if args.threads
                      else [torch.get_num_threads()])
+    if args.precisions is None:
+        args.precisions = "fp32,bf16" if cpu_has_native_bf16() else "fp32"
+        if args.precisions == "fp32":
+            print("this CPU has no native bf16 (see aiayn/precision.py): fp32 only; "
+                  "--precisions fp32,bf16 measures bf16 anyway", flush=True)
     kinds, precs = args.models.split(","), args.precisions.split(",")
     baseline = load_module(args.baseline) if args.baseline else None
     cfg = TransformerConfig(vocab_size=8000, d_model=256, heads=4, encoder_layers=3,
