@@ -211,8 +211,8 @@ class TrainConfig(Strict):
     adam_eps: float = Field(1e-9, gt=0)
     clip_norm: float = Field(0.0, ge=0, description="gradient-norm clipping; 0 turns it off")
     precision: Literal["auto", "fp32", "bf16"] = Field(
-        "auto", description="auto: bf16 autocast on a GPU and on a CPU with native bf16 "
-        "(AVX512-BF16, AMX, Arm BF16), fp32 elsewhere; bf16 forces autocast")
+        "auto", description="auto: bf16 autocast on a GPU or CPU with native bf16 (Ampere+; "
+        "AVX512-BF16, AMX, Arm BF16), fp32 elsewhere; bf16 forces autocast")
     compile: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
     nproc_per_node: int = Field(1, gt=0, description="processes per machine under torchrun")

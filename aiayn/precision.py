@@ -1,6 +1,7 @@
 """The precision a run computes in: bf16 autocast where the hardware runs bf16 natively.
 
-``precision: auto`` (training and decoding) means bf16 autocast on a GPU, and on a CPU only
+``precision: auto`` (training and decoding) means bf16 autocast on a GPU that computes in
+bf16 natively (Ampere and later; on a V100 or older it means fp32), and on a CPU only
 where the CPU multiplies bf16 matrices in hardware: x86 with AVX512-BF16 or AMX, Arm with
 the BF16 extension. There bf16 matmuls are 1.5-3x faster than fp32. A CPU without them
 (an AVX2-only x86, for instance) emulates bf16 in software, about 100x slower than fp32:
@@ -51,6 +52,15 @@ def cpu_has_native_bf16() -> bool:
     return bool(_cpuinfo_flags() & BF16_FLAGS)
 
 
+def gpu_has_native_bf16() -> bool:
+    """True where the current CUDA device computes in bf16 natively (Ampere and later)."""
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def has_native_bf16(device: torch.device) -> bool:
+    return gpu_has_native_bf16() if device.type == "cuda" else cpu_has_native_bf16()
+
+
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     """The autocast dtype for ``precision`` ('auto', 'fp32' or 'bf16') on ``device``;
     None means fp32 without autocast."""
@@ -58,17 +68,19 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
     if precision == "fp32":
         return None
-    if precision == "bf16" or device.type == "cuda":
-        return torch.bfloat16
-    if device.type == "cpu" and cpu_has_native_bf16():
+    if precision == "bf16" or has_native_bf16(device):
         return torch.bfloat16
     return None
 
 
 def slow_bf16_warning(precision: str, device: torch.device, key: str) -> str | None:
-    """A warning for bf16 forced on a CPU that only emulates it, naming the setting ``key``."""
-    if precision == "bf16" and device.type == "cpu" and not cpu_has_native_bf16():
-        return (f"{key} is bf16, but this CPU has no native bf16 (no AVX512-BF16, AMX or Arm "
-                f"BF16): it emulates bf16 matmuls, typically ~100x slower than fp32. Set "
-                f"{key} to auto (bf16 only where it is fast) or fp32.")
-    return None
+    """A warning for bf16 forced on a device that only emulates it, naming the setting ``key``."""
+    if precision != "bf16" or has_native_bf16(device):
+        return None
+    if device.type == "cuda":
+        return (f"{key} is bf16, but this GPU has no native bf16 (it needs compute capability "
+                f"8.0 or later): bf16 is emulated and slower than fp32. Set {key} to auto "
+                f"(bf16 only where it is fast) or fp32.")
+    return (f"{key} is bf16, but this CPU has no native bf16 (no AVX512-BF16, AMX or Arm "
+            f"BF16): it emulates bf16 matmuls, typically ~100x slower than fp32. Set "
+            f"{key} to auto (bf16 only where it is fast) or fp32.")

@@ -31,9 +31,10 @@ CPU implementer\t: 0x41
 
 @pytest.fixture
 def native(monkeypatch):
-    """Pretend the CPU has (True) or lacks (False) native bf16."""
+    """Pretend the CPU has (True) or lacks (False) native bf16; the GPU has it."""
     def set_native(value: bool) -> None:
         monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: value)
+    monkeypatch.setattr(precision, "gpu_has_native_bf16", lambda: True)
     return set_native
 
 
@@ -67,6 +68,15 @@ def test_auto_is_bf16_on_gpu_and_on_cpus_with_native_bf16(native):
     native(False)
     assert autocast_dtype("auto", CPU) is None
     assert autocast_dtype("auto", CUDA) is torch.bfloat16
+
+
+def test_auto_is_fp32_on_a_gpu_without_native_bf16(native, monkeypatch):
+    native(True)
+    monkeypatch.setattr(precision, "gpu_has_native_bf16", lambda: False)  # a V100, say
+    assert autocast_dtype("auto", CUDA) is None
+    assert autocast_dtype("bf16", CUDA) is torch.bfloat16
+    assert "compute capability 8.0" in slow_bf16_warning("bf16", CUDA, "train.precision")
+    assert autocast_dtype("auto", CPU) is torch.bfloat16
 
 
 def test_unknown_precision_is_refused():
