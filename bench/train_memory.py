@@ -91,10 +91,15 @@ def window_max(rss: list[float], start: int, stop: int) -> float:
     return max(rss[start:stop])
 
 
-def summarise(run: dict, warmup: int) -> dict:
-    rss, secs = run["rss_mib"], run["step_s"]
-    window = max(1, (len(rss) - warmup) // 5)
-    first, last = window_max(rss, 0, warmup), window_max(rss, len(rss) - window, len(rss))
+def windows(warmup: int, steps: int) -> list[int]:
+    """Window edges: the warm-up, then five windows of about equal length."""
+    step = max(1, (steps - warmup) // 5)
+    return [0, warmup, *list(range(warmup + step, steps, step))[:4], steps]
+
+
+def summarise(run: dict, edges: list[int]) -> dict:
+    rss, secs, warmup = run["rss_mib"], run["step_s"], edges[1]
+    first, last = window_max(rss, 0, warmup), window_max(rss, edges[-2], edges[-1])
     return {"mode": run["mode"], "peak_warmup": first, "peak_last": last,
             "peak": max(rss), "growth": last - first,
             "s_per_step": statistics.median(secs[warmup:])}
@@ -103,9 +108,7 @@ def summarise(run: dict, warmup: int) -> dict:
 def report(runs: list[dict], warmup: int, steps: int) -> tuple[list[dict], float, float]:
     """Print the tables; return the summaries and the trim/notrim ratios."""
     # Peaks per window: a trim step's RSS alone would flatter the trimmed run.
-    edges = [0, warmup]
-    step = max(1, (steps - warmup) // 5)
-    edges += list(range(warmup + step, steps, step))[:4] + [steps]
+    edges = windows(warmup, steps)
     print(f"\n{runs[0].get('precision', '?')}: peak RSS (MiB) over steps")
     heads = [f"{a + 1}-{b}" for a, b in pairwise(edges)]
     print(f"{'mode':>8} " + " ".join(f"{h:>9}" for h in heads))
@@ -115,16 +118,16 @@ def report(runs: list[dict], warmup: int, steps: int) -> tuple[list[dict], float
     print(f"{'':>8} (last RSS: " + ", ".join(
         f"{run['mode']} {run['rss_mib'][-1]:.0f}" for run in runs) + ")")
 
-    summary = [summarise(run, warmup) for run in runs]
-    print(f"\n{'mode':>8} {'warm-up peak':>12} {'last-fifth peak':>15} {'growth':>7} "
+    summary = [summarise(run, edges) for run in runs]
+    print(f"\n{'mode':>8} {'warm-up peak':>12} {'last-window peak':>16} {'growth':>7} "
           f"{'s/step':>7}")
     for s in summary:
-        print(f"{s['mode']:>8} {s['peak_warmup']:12.0f} {s['peak_last']:15.0f} "
+        print(f"{s['mode']:>8} {s['peak_warmup']:12.0f} {s['peak_last']:16.0f} "
               f"{s['growth']:+7.0f} {s['s_per_step']:7.3f}")
     pairs = list(zip(summary[0::2], summary[1::2], strict=True))
     end = statistics.median(t["peak_last"] / n["peak_last"] for n, t in pairs)
     speed = statistics.median(t["s_per_step"] / n["s_per_step"] for n, t in pairs)
-    print(f"\ntrim / notrim: peak RSS of the last fifth x{end:.2f}, seconds per step "
+    print(f"\ntrim / notrim: peak RSS of the last window x{end:.2f}, seconds per step "
           f"x{speed:.2f} "
           f"(median over {len(pairs)} pair(s))")
     return summary, end, speed
