@@ -213,7 +213,14 @@ class TrainConfig(Strict):
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="auto: bf16 autocast on a GPU or CPU with native bf16 (Ampere+; "
         "AVX512-BF16, AMX, Arm BF16), fp32 elsewhere; bf16 forces autocast")
+    kernels: Literal["fast", "plain"] = Field(
+        "fast", description="fast: the fused output-projection loss, cheaper dropout masks and "
+        "fused Adam (aiayn/kernels.py), the same math with fewer passes over memory; plain: "
+        "torch's own operators, readable against the paper")
     compile: bool = False
+    max_minutes: float = Field(
+        0.0, ge=0, description="training time budget over all sessions of a run; when spent, "
+        "training stops at a checkpoint (0: no budget, train.steps decides)")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     nproc_per_node: int = Field(1, gt=0, description="processes per machine under torchrun")
     log_every: int = Field(50, gt=0, description="steps between train-loss log lines")

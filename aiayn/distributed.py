@@ -55,10 +55,23 @@ def all_sum(values: list[float], device: torch.device, world: World) -> list[flo
     return t.tolist()
 
 
+def all_sum_(t: torch.Tensor, world: World) -> torch.Tensor:
+    """Sum a tensor over all processes, in place, without waiting for the result on the
+    host (NCCL queues it on the GPU); returns it."""
+    if world.distributed:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
 def broadcast_flag(flag: bool, device: torch.device, world: World) -> bool:
     """Rank 0's decision, for every rank (e.g. 'stop now')."""
+    return broadcast_flags([flag], device, world)[0]
+
+
+def broadcast_flags(flags: list[bool], device: torch.device, world: World) -> list[bool]:
+    """Rank 0's decisions, for every rank, in one collective."""
     if not world.distributed:
-        return flag
-    t = torch.tensor([1 if flag else 0], device=device)
+        return list(flags)
+    t = torch.tensor([1 if f else 0 for f in flags], device=device)
     dist.broadcast(t, src=0)
-    return bool(t.item())
+    return [bool(v) for v in t.tolist()]

@@ -17,6 +17,13 @@ Readable top to bottom against the paper:
 The model knows nothing of files or tokenizers. Decoding uses ``encode`` once per source
 and ``decode_step`` per target token with a key/value cache (self-attention keys/values
 grow by one position per step; cross-attention keys/values are computed once).
+
+``Transformer(cfg, fast=True)`` draws dropout masks with ``aiayn.kernels.dropout`` (the same
+distribution, cheaper) and multiplies fp32 linear layers on CPU with ``aiayn.kernels.linear``;
+``forward(..., packed=positions)`` runs the decoder's position-wise layers on the real
+(non-pad) target positions only (:class:`Packing`) and stops before the tied projection, for
+losses that apply it themselves (``aiayn.kernels``). These serve the fast training step
+(``train.kernels: fast``) and change no parameter: the state dict is the same either way.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from aiayn import kernels
 
 
 @dataclass
@@ -97,6 +106,60 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: floa
                                           is_causal=is_causal)
 
 
+class Linear(nn.Linear):
+    """``nn.Linear``; with ``fast`` its forward product is ``aiayn.kernels.linear``."""
+
+    fast = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.fast:
+            return kernels.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+class Dropout(nn.Module):
+    """Section 5.4's dropout; with ``fast`` its masks come from ``aiayn.kernels.dropout``."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p, self.fast = p, False
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Compiled, F.dropout becomes Inductor's own fused random mask.
+        if self.fast and not torch.compiler.is_compiling():
+            return kernels.dropout(x, self.p, self.training)
+        return F.dropout(x, self.p, self.training)
+
+
+@dataclass
+class Packing:
+    """The real positions of a padded (B, T) batch, for layers that skip the padding.
+
+    Position-wise layers (projections, feed-forward, LayerNorm, dropout) treat every
+    position alike, so the decoder can run them on the N real positions alone, (N, d) rows
+    in row-major order; attention alone needs the (B, T) layout and gets it from ``pad``
+    (zeros at padding: with the causal mask, real queries never see those keys).
+    """
+
+    index: Tensor  # (N,) positions in the flattened (B * T) batch
+    batch: int
+    length: int
+
+    @staticmethod
+    def positions(tokens: Tensor, pad_id: int) -> Tensor:
+        """The flat positions of the non-pad tokens (waits for a GPU; loaders know them)."""
+        return (tokens.reshape(-1) != pad_id).nonzero().squeeze(1)
+
+    def pad(self, rows: Tensor) -> Tensor:
+        """(N, k) → (B, T, k), zeros at padding."""
+        out = rows.new_zeros(self.batch * self.length, rows.shape[-1])
+        return out.index_copy(0, self.index, rows).view(self.batch, self.length, -1)
+
+    def unpad(self, x: Tensor) -> Tensor:
+        """(B, T, k) → (N, k)."""
+        return x.reshape(-1, x.shape[-1]).index_select(0, self.index)
+
+
 class MultiHeadAttention(nn.Module):
     """Section 3.2.2: h heads of scaled dot-product attention over d_model/h dimensions."""
 
@@ -104,11 +167,11 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         self.heads, self.d_head, self.dropout, self.cross = heads, d_model // heads, dropout, cross
         if cross:  # queries from the decoder, keys and values from the encoder output
-            self.q_proj = nn.Linear(d_model, d_model)
-            self.kv_proj = nn.Linear(d_model, 2 * d_model)
+            self.q_proj = Linear(d_model, d_model)
+            self.kv_proj = Linear(d_model, 2 * d_model)
         else:  # one fused projection for queries, keys and values
-            self.qkv_proj = nn.Linear(d_model, 3 * d_model)
-        self.out_proj = nn.Linear(d_model, d_model)
+            self.qkv_proj = Linear(d_model, 3 * d_model)
+        self.out_proj = Linear(d_model, d_model)
 
     def split_heads(self, x: Tensor) -> Tensor:
         b, t, _ = x.shape
@@ -120,24 +183,28 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, x: Tensor, *, mask: Tensor | None = None, causal: bool = False,
                 memory: Tensor | None = None, kv: tuple[Tensor, Tensor] | None = None,
-                cache: dict | None = None, need_weights: bool = False
-                ) -> tuple[Tensor, Tensor | None]:
-        """x: (B, Tq, d). mask: bool (B, 1, Tq|1, Tk), True where attention is allowed.
+                cache: dict | None = None, need_weights: bool = False,
+                packing: Packing | None = None) -> tuple[Tensor, Tensor | None]:
+        """x: (B, Tq, d), or (N, d) rows of ``packing``. mask: bool (B, 1, Tq|1, Tk), True
+        where attention is allowed.
 
         Self-attention with ``cache`` appends this step's keys/values to cache["k"/"v"];
         cross-attention takes precomputed ``kv`` or projects ``memory``.
         """
-        b, tq, d = x.shape
+        def padded(t: Tensor) -> Tensor:  # (B, Tq, k), also from packed rows
+            return packing.pad(t) if packing is not None else t
+
         if self.cross:
-            q = self.split_heads(self.q_proj(x))
+            q = self.split_heads(padded(self.q_proj(x)))
             k, v = kv if kv is not None else self.project_kv(memory)
         else:
-            q, k, v = (self.split_heads(t) for t in self.qkv_proj(x).chunk(3, dim=-1))
+            q, k, v = (self.split_heads(t) for t in padded(self.qkv_proj(x)).chunk(3, dim=-1))
             if cache is not None:
                 if "k" in cache:
                     k = torch.cat([cache["k"], k], dim=2)  # (B, H, t_past + Tq, d_head)
                     v = torch.cat([cache["v"], v], dim=2)
                 cache["k"], cache["v"] = k, v
+        b, _, tq, _ = q.shape
         drop = self.dropout if self.training else 0.0
         tk = k.shape[2]
         # A single query at the end of a cached prefix sees every key: no causal mask then.
@@ -153,9 +220,14 @@ class MultiHeadAttention(nn.Module):
             weights = scores.softmax(dim=-1)
             out = F.dropout(weights, drop, self.training) @ v
         else:
-            out = attend(q, k, v, mask, drop, causal and tq > 1)
+            # Without a cache queries and keys line up (training; shapes may be symbolic
+            # under torch.compile, so no test on them); a single query after a cached prefix
+            # sees every key.
+            out = attend(q, k, v, mask, drop, causal if cache is None else causal and tk == tq)
             weights = None
-        out = out.transpose(1, 2).reshape(b, tq, d)  # (B, Tq, H * d_head)
+        out = out.transpose(1, 2).reshape(b, tq, -1)  # (B, Tq, H * d_head)
+        if packing is not None:
+            out = packing.unpad(out)
         return self.out_proj(out), weights
 
 
@@ -164,12 +236,15 @@ class FeedForward(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int, activation_dropout: float):
         super().__init__()
-        self.w1, self.w2 = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
-        self.activation_dropout = activation_dropout
+        self.w1, self.w2 = Linear(d_model, d_ff), Linear(d_ff, d_model)
+        self.activation_dropout = Dropout(activation_dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        h = F.dropout(F.relu(self.w1(x)), self.activation_dropout, self.training)
-        return self.w2(h)
+        if self.w1.fast:  # the same, with the ReLU fused into the product
+            h = kernels.linear_relu(x, self.w1.weight, self.w1.bias)
+        else:
+            h = F.relu(self.w1(x))
+        return self.w2(self.activation_dropout(h))
 
 
 class Residual(nn.Module):
@@ -177,11 +252,11 @@ class Residual(nn.Module):
 
     def __init__(self, d_model: int, dropout: float, pre_norm: bool):
         super().__init__()
-        self.norm, self.dropout, self.pre_norm = nn.LayerNorm(d_model), dropout, pre_norm
+        self.norm, self.dropout, self.pre_norm = nn.LayerNorm(d_model), Dropout(dropout), pre_norm
 
     def forward(self, x: Tensor, sublayer) -> tuple[Tensor, Tensor | None]:
         out, weights = sublayer(self.norm(x) if self.pre_norm else x)
-        x = x + F.dropout(out, self.dropout, self.training)
+        x = x + self.dropout(out)
         return (x if self.pre_norm else self.norm(x)), weights
 
 
@@ -213,14 +288,16 @@ class DecoderLayer(nn.Module):
         self.res_ffn = Residual(cfg.d_model, cfg.dropout, pre)
 
     def forward(self, y: Tensor, memory: Tensor | None, src_mask: Tensor, *,
-                cache: dict | None = None, need_weights: bool = False):
+                cache: dict | None = None, need_weights: bool = False,
+                packing: Packing | None = None):
         y, w_self = self.res_self(y, lambda h: self.self_attn(
-            h, causal=True, cache=cache, need_weights=need_weights))
+            h, causal=True, cache=cache, need_weights=need_weights, packing=packing))
         kv = cache.get("cross") if cache is not None else None
         if cache is not None and kv is None:
             kv = cache["cross"] = self.cross_attn.project_kv(memory)
         y, w_cross = self.res_cross(y, lambda h: self.cross_attn(
-            h, mask=src_mask, memory=memory, kv=kv, need_weights=need_weights))
+            h, mask=src_mask, memory=memory, kv=kv, need_weights=need_weights,
+            packing=packing))
         y, _ = self.res_ffn(y, lambda h: (self.ffn(h), None))
         return y, w_self, w_cross
 
@@ -244,11 +321,12 @@ class DecoderState:
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: TransformerConfig):
+    def __init__(self, cfg: TransformerConfig, fast: bool = False):
         super().__init__()
         self.cfg = cfg
         # Section 3.4: one matrix for source embedding, target embedding and output projection.
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_id)
+        self.embed_dropout = Dropout(cfg.dropout)
         self.register_buffer("positions", sinusoidal_positions(cfg.max_positions, cfg.d_model),
                              persistent=False)
         self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
@@ -257,6 +335,9 @@ class Transformer(nn.Module):
         self.encoder_norm = nn.LayerNorm(cfg.d_model) if pre else nn.Identity()
         self.decoder_norm = nn.LayerNorm(cfg.d_model) if pre else nn.Identity()
         self.reset_parameters()
+        for module in self.modules():
+            if isinstance(module, Dropout | Linear):
+                module.fast = fast
 
     def reset_parameters(self) -> None:
         # Embedding ~ N(0, d^-1/2), so that after the sqrt(d) scaling inputs have unit
@@ -277,7 +358,7 @@ class Transformer(nn.Module):
                              f"({self.cfg.max_positions})")
         x = self.embedding(tokens) * math.sqrt(self.cfg.d_model)
         x = x + self.positions[offset:offset + t].to(x.dtype)
-        return F.dropout(x, self.cfg.dropout, self.training)
+        return self.embed_dropout(x)
 
     def source_mask(self, src: Tensor) -> Tensor:
         return (src != self.cfg.pad_id)[:, None, None, :]  # (B, 1, 1, S): keys allowed
@@ -295,14 +376,22 @@ class Transformer(nn.Module):
     def logits(self, y: Tensor) -> Tensor:
         return y @ self.embedding.weight.t()  # (B, T, V): the shared matrix, Section 3.4
 
-    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
-        """Teacher forcing: src (B, S), tgt_in (B, T) → logits (B, T, V)."""
+    def forward(self, src: Tensor, tgt_in: Tensor, *, hidden: bool = False,
+                packed: Tensor | None = None) -> Tensor:
+        """Teacher forcing: src (B, S), tgt_in (B, T) → logits (B, T, V); with ``hidden``
+        the decoder's output (B, T, d) that the logits project; with ``packed``, the flat
+        positions of the real (non-pad) tokens of ``tgt_in`` (``Packing.positions``), that
+        output at those positions only, (N, d) rows, computed without the padding."""
         memory = self.encode(src)
         mask = self.source_mask(src)
+        packing = None if packed is None else Packing(packed, *tgt_in.shape)
         y = self.embed(tgt_in)
+        if packing is not None:
+            y = packing.unpad(y)
         for layer in self.decoder:
-            y, _, _ = layer(y, memory, mask)
-        return self.logits(self.decoder_norm(y))
+            y, _, _ = layer(y, memory, mask, packing=packing)
+        y = self.decoder_norm(y)
+        return y if hidden or packing is not None else self.logits(y)
 
     def attention_maps(self, src: Tensor, tgt_in: Tensor) -> dict[str, list[Tensor]]:
         """Every attention distribution, per layer: each (B, heads, T_query, T_key)."""

@@ -19,28 +19,33 @@ def noam_lr(step: int, d_model: int, warmup_steps: int, scale: float = 1.0) -> f
 
 
 def make_optimizer(model: nn.Module, betas: tuple[float, float], eps: float, d_model: int,
-                   warmup_steps: int, scale: float
+                   warmup_steps: int, scale: float, fused: bool = False
                    ) -> tuple[torch.optim.Adam, torch.optim.lr_scheduler.LambdaLR]:
     """Adam whose learning rate follows :func:`noam_lr` through a LambdaLR scheduler.
 
     The base lr is 1 and the schedule returns the absolute rate; the scheduler has taken k
-    steps after k optimizer steps, so step k+1 uses noam_lr(k + 1).
+    steps after k optimizer steps, so step k+1 uses noam_lr(k + 1). ``fused`` selects
+    torch's fused Adam kernel (CPU and CUDA; one kernel over all parameters, 5.5 against
+    20 ms per step for the multi30k model on 2 CPU cores); otherwise torch's default
+    (a loop over parameters on CPU, ``foreach`` on CUDA). The state dict is the same.
     """
-    optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=betas, eps=eps)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=betas, eps=eps,
+                                 fused=True if fused else None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda k: noam_lr(k + 1, d_model, warmup_steps, scale))
     return optimizer, scheduler
 
 
 def label_smoothed_loss(logits: Tensor, labels: Tensor, epsilon: float, pad_id: int
-                        ) -> tuple[Tensor, Tensor, int]:
+                        ) -> tuple[Tensor, Tensor, Tensor]:
     """Sum over non-pad labels of the label-smoothed loss and of the plain NLL.
 
     Section 5.4: label smoothing of value epsilon; the target distribution puts
     1 - epsilon on the reference token and spreads epsilon uniformly over the vocabulary
     (as ``F.cross_entropy(label_smoothing=epsilon)``). Padding positions count for nothing.
     Returns (smoothed loss sum, NLL sum, number of non-pad labels); log-probabilities are
-    computed in fp32 even under bf16 autocast.
+    computed in fp32 even under bf16 autocast. The count is a 0-dim tensor on the logits'
+    device, so that computing the loss never waits for a GPU; ``int(n)`` reads it.
     """
     lprobs = F.log_softmax(logits.float(), dim=-1).view(-1, logits.shape[-1])  # (N, V)
     flat = labels.reshape(-1)
@@ -48,4 +53,4 @@ def label_smoothed_loss(logits: Tensor, labels: Tensor, epsilon: float, pad_id: 
     nll = -lprobs.gather(1, flat.unsqueeze(1)).squeeze(1)  # (N,)
     uniform = -lprobs.mean(dim=-1)                            # (N,)
     loss = (1.0 - epsilon) * nll + epsilon * uniform
-    return loss.masked_fill(~real, 0.0).sum(), nll.masked_fill(~real, 0.0).sum(), int(real.sum())
+    return loss.masked_fill(~real, 0.0).sum(), nll.masked_fill(~real, 0.0).sum(), real.sum()

@@ -14,6 +14,8 @@ batch that contributes no tokens (:meth:`Batch.empty`).
 from __future__ import annotations
 
 import json
+import queue
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +43,10 @@ class Batch:
     ``tgt_out`` [B, T] is target + EOS (labels). Padding is ``pad_id`` on every tensor.
     ``rows`` [B] are the raw row indices of the pairs, ``src_tokens``/``tgt_tokens`` the
     non-pad counts of ``src``/``tgt_out`` (what a token-normalised loss divides by).
+    ``tgt_positions`` [tgt_tokens] are the flat (row-major) positions of the non-pad labels,
+    which are also the real positions of ``tgt_in``: the rows a decoder that skips padding
+    computes (``aiayn.model.Packing``). The loader finds them on the host, so that a GPU
+    never has to be asked how many there are.
     """
 
     src: torch.Tensor
@@ -50,13 +56,15 @@ class Batch:
     src_tokens: int
     tgt_tokens: int
     index: int = EMPTY  # batch index in the split, EMPTY for an empty batch
+    tgt_positions: torch.Tensor | None = None
 
     @classmethod
     def empty(cls, pad_id: int = 0) -> Batch:
         """A batch of 0 pairs. Sequence dimensions are 1, not 0, so that shape-generic model
         code (masks, softmax) never meets a zero-length axis; there are no elements anyway."""
         blank = torch.full((0, 1), pad_id, dtype=torch.long)
-        return cls(blank, blank.clone(), blank.clone(), torch.zeros(0, dtype=torch.long), 0, 0)
+        none = torch.zeros(0, dtype=torch.long)
+        return cls(blank, blank.clone(), blank.clone(), none, 0, 0, EMPTY, none.clone())
 
     @property
     def num_pairs(self) -> int:
@@ -70,8 +78,9 @@ class Batch:
         return self.num_pairs == 0
 
     def _map(self, fn) -> Batch:
+        positions = None if self.tgt_positions is None else fn(self.tgt_positions)
         return Batch(fn(self.src), fn(self.tgt_in), fn(self.tgt_out), fn(self.rows),
-                     self.src_tokens, self.tgt_tokens, self.index)
+                     self.src_tokens, self.tgt_tokens, self.index, positions)
 
     def pin_memory(self) -> Batch:
         return self._map(lambda t: t.pin_memory())
@@ -202,6 +211,7 @@ class ShardDataset:
             src_tokens=int(src_len.sum()),
             tgt_tokens=int((tgt_len - 1).sum()),
             index=index,
+            tgt_positions=torch.from_numpy(np.flatnonzero(tgt_out != self.pad_id)),
         )
 
     @staticmethod
@@ -336,3 +346,70 @@ class BatchLoader:
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state)
+
+
+class PrefetchLoader:
+    """A :class:`BatchLoader` read ahead by a background thread: the next ``depth`` batches
+    are built (and, for a GPU, pinned) while the current step computes.
+
+    It yields exactly the batches of the loader it wraps, in the same order. Its
+    ``state_dict`` is the cursor after the last batch *handed out*, not after the last one
+    read ahead, so a checkpoint resumes at the batch the next step would have taken.
+    ``load_state_dict`` must come before the first batch is asked for.
+    """
+
+    def __init__(self, loader: BatchLoader, depth: int = 2, pin_memory: bool = False):
+        if depth < 1:
+            raise ValueError(f"depth must be at least 1, not {depth}")
+        self.loader, self.depth, self.pin_memory = loader, depth, pin_memory
+        self._state = loader.state_dict()
+        self._queue: queue.Queue | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _produce(self) -> None:
+        sampler, dataset = self.loader.sampler, self.loader.dataset
+        try:
+            for index in sampler:
+                batch = dataset.batch(index)
+                if self.pin_memory:
+                    batch = batch.pin_memory()
+                item = (batch, sampler.state_dict())
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+        except BaseException as exc:  # handed to the consumer, raised there
+            self._queue.put((None, exc))
+
+    def __iter__(self) -> Iterator[Batch]:
+        if self._thread is None:
+            self._queue = queue.Queue(maxsize=self.depth)
+            self._thread = threading.Thread(target=self._produce, name="aiayn-prefetch",
+                                            daemon=True)
+            self._thread.start()
+        while True:
+            batch, state = self._queue.get()
+            if batch is None:
+                raise state
+            self._state = state
+            yield batch
+
+    def state_dict(self) -> dict:
+        return dict(self._state)
+
+    def load_state_dict(self, state: dict) -> None:
+        if self._thread is not None:
+            raise RuntimeError("PrefetchLoader.load_state_dict after iteration has started")
+        self.loader.load_state_dict(state)
+        self._state = self.loader.state_dict()
+
+    def close(self) -> None:
+        """Stop the reading thread (it is a daemon, so an exiting process never waits)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)

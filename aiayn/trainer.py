@@ -9,6 +9,13 @@
 * checkpoints (aiayn.checkpoint) every N steps and/or T minutes hold the model, optimizer,
   scheduler, every RNG state, the data cursor and the logs, so a killed run resumes and
   ends bitwise where an uninterrupted one ends (CPU);
+* ``train.max_minutes`` is a time budget over all sessions of a run: when it is spent the
+  run validates, writes a checkpoint and stops (as fairseq's --stop-time-hours);
+* ``train.kernels: fast`` computes the same step with aiayn.kernels (fused output-projection
+  loss, cheap dropout masks) and fused Adam; ``plain`` with torch's own operators;
+* the next batches are read by a background thread (pinned for a GPU), and loss sums and
+  token counts stay on the device: the host waits for the device only at logging,
+  checkpoint and stop steps, never per micro-batch;
 * metrics go to metrics/ (git, DVC plots) and, from rank 0, to MLflow (aiayn.tracking).
 """
 
@@ -35,11 +42,12 @@ from aiayn.config import Params
 from aiayn.distributed import World
 from aiayn.errors import AiaynError, DataError
 from aiayn.io import atomic_path, write_json
+from aiayn.kernels import projected_label_smoothed_loss
 from aiayn.memory import HeapTrimmer
-from aiayn.model import Transformer, TransformerConfig, count_parameters
+from aiayn.model import Packing, Transformer, TransformerConfig, count_parameters
 from aiayn.objective import label_smoothed_loss, make_optimizer
 from aiayn.precision import autocast_dtype, slow_bf16_warning
-from aiayn.sampler import Batch, BatchLoader, ShardDataset, TokenBudgetSampler
+from aiayn.sampler import Batch, BatchLoader, PrefetchLoader, ShardDataset, TokenBudgetSampler
 
 log = logging.getLogger("aiayn")
 
@@ -75,6 +83,7 @@ class RunState:
     train_rows: list[list[float]] = field(default_factory=list)
     valid_rows: list[list[float]] = field(default_factory=list)
     mlflow_run_id: str | None = None
+    stopped_by: str | None = None  # "steps", "time budget" or "interrupted"
 
 
 def model_config(p: Params, vocab_size: int) -> TransformerConfig:
@@ -99,6 +108,26 @@ def pick_device(choice: str, world: World) -> torch.device:
 
 def accumulation_steps(tokens_per_step: int, world_size: int, max_tokens: int) -> int:
     return max(1, math.ceil(tokens_per_step / (world_size * max_tokens)))
+
+
+def batch_loss(net: nn.Module, embedding: torch.Tensor, batch: Batch, label_smoothing: float,
+               pad_id: int, fast: bool, amp_dtype: torch.dtype | None
+               ) -> tuple[torch.Tensor, torch.Tensor, int | torch.Tensor]:
+    """(smoothed loss sum, NLL sum, labels) of ``net`` (the model, or its compiled or DDP
+    wrapper, whose shared embedding matrix is ``embedding``) on a batch already on the
+    device: the plain kernels (full logits, ``label_smoothed_loss``) or the fast ones (a
+    decoder without padding, the tied projection inside ``projected_label_smoothed_loss``)."""
+    device = batch.src.device.type
+    with torch.autocast(device, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+        if fast:
+            positions = batch.tgt_positions
+            if positions is None:
+                positions = Packing.positions(batch.tgt_out, pad_id)
+            rows = net(batch.src, batch.tgt_in, packed=positions)
+            return projected_label_smoothed_loss(rows, embedding, batch.tgt_out,
+                                                 label_smoothing, pad_id, positions=positions)
+        logits = net(batch.src, batch.tgt_in)
+    return label_smoothed_loss(logits, batch.tgt_out, label_smoothing, pad_id)
 
 
 # --------------------------------------------------------------------------- RNG state
@@ -143,34 +172,44 @@ class Trainer:
         self.fingerprint = {"model_config": self.cfg.to_dict(), "vocab_size": vocab_size,
                             "tokenizer_sha256": tokenizer_sha256}
 
+        self.fast = p.train.kernels == "fast"
         torch.manual_seed(p.seed)  # identical initial weights on every rank
-        self.model = Transformer(self.cfg).to(self.device)
+        self.model = Transformer(self.cfg, fast=self.fast).to(self.device)
         self.optimizer, self.scheduler = make_optimizer(
             self.model, p.train.adam_betas, p.train.adam_eps, p.model.d_model,
-            p.train.warmup_steps, p.train.lr_scale)
+            p.train.warmup_steps, p.train.lr_scale, fused=self.fast)
 
         self.train_data = ShardDataset(paths.shards / "train")
         self.valid_data = ShardDataset(paths.shards / "valid")
         self._check_vocab(vocab_size)
         self.sampler = TokenBudgetSampler(self.train_data.num_batches, world.rank, world.size,
                                           seed=p.seed)
-        self.loader = BatchLoader(self.train_data, self.sampler)
+        self.loader = PrefetchLoader(BatchLoader(self.train_data, self.sampler),
+                                     pin_memory=self.device.type == "cuda")
         # Varied batch shapes fragment glibc's heap on CPU; trimming keeps RSS flat.
         self.heap = HeapTrimmer(enabled=self.device.type == "cpu")
         self.accum = accumulation_steps(p.train.tokens_per_step, world.size,
                                         int(self.train_data.meta["max_tokens"]))
         self.state = RunState()
+        # Device-side sums of [target tokens, loss, NLL] since the last flush (_flush).
+        self._pending = torch.zeros(3, dtype=torch.float64, device=self.device)
+        self._pending_from = 1  # first step the pending sums cover
+        self._grad_norm: torch.Tensor | None = None
+        self._lr = 0.0
         self.identity = self.run_identity()
         self._resume()
         # Dropout differs between ranks; the seed offset keeps it reproducible per rank.
         if self.state.step == 0:
             torch.manual_seed(p.seed + 1 + world.rank)
         self.net: nn.Module = self.model
-        if p.train.compile:
-            self.net = torch.compile(self.net)
         if world.distributed:
             self.net = nn.parallel.DistributedDataParallel(
                 self.net, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        if p.train.compile:
+            # After DDP, so that Dynamo splits the graph at DDP's gradient buckets and the
+            # all-reduce of one overlaps the backward of the next. Shapes become symbolic
+            # after the first new batch shape: 2 graphs whatever the number of shapes.
+            self.net = torch.compile(self.net)
 
     # -- setup helpers ----------------------------------------------------------------
 
@@ -190,7 +229,7 @@ class Trainer:
         equals a longer fresh one), logging and checkpoint cadence, device, compilation,
         and the process count (a resumed run may move to more GPUs; see _resume).
         """
-        ignored = {"steps", "log_every", "valid_every", "checkpoint_every_steps",
+        ignored = {"steps", "max_minutes", "log_every", "valid_every", "checkpoint_every_steps",
                    "checkpoint_every_minutes", "keep_checkpoints", "average_last",
                    "nproc_per_node", "device", "compile"}
         identity = {"seed": self.p.seed, "vocab_size": self.fingerprint["vocab_size"],
@@ -261,51 +300,77 @@ class Trainer:
             # padding, so it adds nothing.
             pad = self.cfg.pad_id
             one = torch.full((1, 1), pad, dtype=torch.long)
-            batch = Batch(one, one, one, torch.zeros(1, dtype=torch.long), 0, 0)
-        batch = batch.to(self.device, non_blocking=True)
-        with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
-                            enabled=self.amp_dtype is not None):
-            logits = self.net(batch.src, batch.tgt_in)
-        return label_smoothed_loss(logits, batch.tgt_out, self.p.train.label_smoothing,
-                                   self.cfg.pad_id)
+            none = torch.zeros(0, dtype=torch.long)
+            batch = Batch(one, one, one, torch.zeros(1, dtype=torch.long), 0, 0,
+                          tgt_positions=none)
+        return self._loss(self.net, batch.to(self.device, non_blocking=True))
 
-    def train_step(self, batches: list[Batch]) -> dict:
-        """Accumulate gradients over this rank's micro-batches and take one Adam step."""
+    def _loss(self, net: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return batch_loss(net, self.model.embedding.weight, batch, self.p.train.label_smoothing,
+                          self.cfg.pad_id, self.fast, self.amp_dtype)
+
+    def train_step(self, batches: list[Batch]) -> None:
+        """Accumulate gradients over this rank's micro-batches and take one Adam step.
+
+        Nothing here waits for the device: the step's token count and loss sums are added
+        to device-side totals that :meth:`_flush` reads at logging and checkpoint steps.
+        """
         local_tokens = sum(b.tgt_tokens for b in batches)
-        (global_tokens,) = distributed.all_sum([local_tokens], self.device, self.world)
-        if global_tokens == 0:
-            raise DataError("an optimizer step got no target tokens; the shards are empty?")
+        if self.world.distributed:  # the global count, as a device tensor (no host sync)
+            global_tokens = distributed.all_sum_(
+                torch.tensor(float(local_tokens), dtype=torch.float64, device=self.device),
+                self.world)
+        else:
+            if local_tokens == 0:
+                raise DataError("an optimizer step got no target tokens; the shards are empty?")
+            global_tokens = local_tokens
         # DDP averages gradients over ranks; multiplying by world size makes the step's
         # gradient the sum over all tokens divided by their global count.
         scale = self.world.size / global_tokens
-        loss_sum = nll_sum = 0.0
         for i, batch in enumerate(batches):
             sync = i == len(batches) - 1 or not self.world.distributed
             ctx = contextlib.nullcontext() if sync else self.net.no_sync()
             with ctx:
                 loss, nll, _ = self._forward_loss(batch)
                 (loss * scale).backward()
-            loss_sum += loss.item()
-            nll_sum += nll.item()
-        loss_sum, nll_sum = distributed.all_sum([loss_sum, nll_sum], self.device, self.world)
-        loss = loss_sum / global_tokens
-        if not math.isfinite(loss):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise TrainingDiverged(
-                f"the training loss became {loss} at step {self.state.step + 1}; nothing was "
-                f"written for this step, the last good checkpoint is in "
-                f"{self.paths.checkpoints}. Lower train.lr_scale, raise train.warmup_steps or "
-                "set train.clip_norm, then run again (it resumes from that checkpoint)")
-        max_norm = self.p.train.clip_norm if self.p.train.clip_norm > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
-        lr = self.scheduler.get_last_lr()[0]
+            self._pending[1] += loss.detach()
+            self._pending[2] += nll.detach()
+        self._pending[0] += local_tokens
+        params = [q for q in self.model.parameters() if q.grad is not None]
+        if self.p.train.clip_norm > 0:
+            self._grad_norm = torch.nn.utils.clip_grad_norm_(params, self.p.train.clip_norm)
+        elif self._logs_at(self.state.step + 1):  # the norm is only shown, not used
+            self._grad_norm = torch.nn.utils.get_total_norm([q.grad for q in params])
+        self._lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
-        self.state.tokens_seen += int(global_tokens)
-        return {"loss": loss, "nll": nll_sum / global_tokens, "lr": lr, "grad_norm": grad_norm,
-                "tokens": int(global_tokens)}
+
+    def _logs_at(self, step: int) -> bool:
+        return step % self.p.train.log_every == 0 or step == self.p.train.steps
+
+    def _flush(self) -> tuple[float, float, float]:
+        """Read (and zero) the device-side sums since the last flush, summed over ranks:
+        (target tokens, loss sum, NLL sum). Every rank calls it at the same steps.
+
+        A non-finite loss stops the run here, before anything is logged or checkpointed,
+        so every checkpoint on disk holds finite weights.
+        """
+        tokens, loss, nll = distributed.all_sum_(self._pending, self.world).tolist()
+        self._pending.zero_()
+        first, last = self._pending_from, self.state.step
+        self._pending_from = last + 1
+        if not math.isfinite(loss):
+            self.optimizer.zero_grad(set_to_none=True)
+            when = f"at step {last}" if first >= last else f"between steps {first} and {last}"
+            raise TrainingDiverged(
+                f"the training loss became {loss} {when}; nothing was written since, the "
+                f"last good checkpoint is in {self.paths.checkpoints}. Lower train.lr_scale, "
+                "raise train.warmup_steps or set train.clip_norm, then run again (it resumes "
+                "from that checkpoint)")
+        self.state.tokens_seen += int(tokens)
+        return tokens, loss, nll
 
     # -- validation ---------------------------------------------------------------------
 
@@ -319,13 +384,9 @@ class Trainer:
             batch = self.valid_data.batch(index)
             if batch.is_empty:
                 continue
-            batch = batch.to(self.device)
-            with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
-                                enabled=self.amp_dtype is not None):
-                logits = self.model(batch.src, batch.tgt_in)
-            loss, nll, n = label_smoothed_loss(logits, batch.tgt_out,
-                                               self.p.train.label_smoothing, self.cfg.pad_id)
-            loss_sum, nll_sum, tokens = loss_sum + loss.item(), nll_sum + nll.item(), tokens + n
+            loss, nll, n = self._loss(self.model, batch.to(self.device))
+            loss_sum, nll_sum = loss_sum + loss.item(), nll_sum + nll.item()
+            tokens += int(n)
         loss_sum, nll_sum, tokens = distributed.all_sum([loss_sum, nll_sum, tokens],
                                                         self.device, self.world)
         self.model.train()
@@ -345,6 +406,7 @@ class Trainer:
         return gathered
 
     def checkpoint(self) -> Path | None:
+        self._flush()  # collective; refuses to write after a non-finite loss
         rngs = self._gather_rng()  # collective: every rank calls it
         if not self.world.is_main:
             return None
@@ -384,11 +446,22 @@ class Trainer:
 
     def fit(self, should_stop: Callable[[], bool] = lambda: False) -> dict:
         p, s = self.p.train, self.state
+        budget_s = 60 * p.max_minutes if p.max_minutes else math.inf
         if self.world.is_main:
-            log.info("train: %s parameters, %d process(es) on %s, %s, accumulation %d "
-                     "(<= %d tokens per batch, %d per step)", f"{count_parameters(self.model):,}",
-                     self.world.size, self.device, "bf16 autocast" if self.amp_dtype else "fp32",
-                     self.accum, int(self.train_data.meta["max_tokens"]), p.tokens_per_step)
+            log.info("train: %s parameters, %d process(es) on %s, %s, %s kernels%s, "
+                     "accumulation %d (<= %d tokens per batch, %d per step)%s",
+                     f"{count_parameters(self.model):,}", self.world.size, self.device,
+                     "bf16 autocast" if self.amp_dtype else "fp32", p.kernels,
+                     ", compiled" if p.compile else "", self.accum,
+                     int(self.train_data.meta["max_tokens"]), p.tokens_per_step,
+                     f", time budget {p.max_minutes:g} min" if p.max_minutes else "")
+        if s.step < p.steps and s.elapsed_s >= budget_s:
+            s.stopped_by = "time budget"
+            if self.world.is_main:
+                log.info("train: the time budget (train.max_minutes: %g) was spent at step %d; "
+                         "nothing to train. Raise train.max_minutes to continue the run.",
+                         p.max_minutes, s.step)
+            return self.summary()
         bar = None
         if self.progress:
             from tqdm import tqdm
@@ -398,62 +471,54 @@ class Trainer:
         it = iter(self.loader)
         session_start = time.perf_counter()
         elapsed_at_start = s.elapsed_s
-        last_ckpt_time, window_tokens, window_start = time.monotonic(), 0, time.perf_counter()
-        window_loss = window_nll = 0.0
-        window_steps = 0
+        last_ckpt_time, window_start = time.monotonic(), time.perf_counter()
+        window = [0.0, 0.0, 0.0]  # target tokens, loss sum, NLL sum since the last log row
         self.model.train()
         try:
             while s.step < p.steps:
-                stats = self.train_step(self._micro_batches(it))
+                self.train_step(self._micro_batches(it))
                 self.heap.after_step(s.step)
                 s.elapsed_s = elapsed_at_start + time.perf_counter() - session_start
-                window_tokens += stats["tokens"]
-                window_loss += stats["loss"] * stats["tokens"]
-                window_nll += stats["nll"] * stats["tokens"]
-                window_steps += 1
-                if s.step % p.log_every == 0 or s.step == p.steps:
-                    now = time.perf_counter()
-                    tps = window_tokens / max(now - window_start, 1e-9)
-                    row = [s.step, window_loss / window_tokens, window_nll / window_tokens,
-                           stats["lr"], stats["grad_norm"], s.tokens_seen, tps, s.elapsed_s]
-                    s.train_rows.append(row)
-                    self._track({"train/loss": row[1], "train/nll": row[2], "train/lr": row[3],
-                                 "train/grad_norm": row[4], "train/tokens_per_s": tps}, s.step)
-                    if bar is not None:
-                        bar.set_postfix(loss=f"{row[1]:.3f}", lr=f"{row[3]:.2e}",
-                                        tok_s=f"{tps:,.0f}", refresh=False)
-                    window_tokens = window_steps = 0
-                    window_loss = window_nll = 0.0
-                    window_start = now
-                if s.step % p.valid_every == 0 or s.step == p.steps:
-                    v = self.validate()
-                    s.valid_rows.append([s.step, v["valid_loss"], v["valid_nll"], v["valid_ppl"],
-                                         v["tokens"]])
-                    self._track({"valid/loss": v["valid_loss"], "valid/nll": v["valid_nll"],
-                                 "valid/ppl": v["valid_ppl"]}, s.step)
-                    if self.world.is_main:
-                        log.info("step %d: valid loss %.4f, nll %.4f, ppl %.2f", s.step,
-                                 v["valid_loss"], v["valid_nll"], v["valid_ppl"])
-                if bar is not None:
-                    bar.update(1)
-                due_steps = p.checkpoint_every_steps and s.step % p.checkpoint_every_steps == 0
+                # Rank 0 decides (its clock), every rank follows: one collective per step.
                 due_time = (p.checkpoint_every_minutes
                             and time.monotonic() - last_ckpt_time
                             >= 60 * p.checkpoint_every_minutes)
-                due = distributed.broadcast_flag(bool(due_steps or due_time), self.device,
-                                                 self.world)
-                if due or s.step == p.steps:
+                due_steps = p.checkpoint_every_steps and s.step % p.checkpoint_every_steps == 0
+                due, out_of_time, stop = distributed.broadcast_flags(
+                    [bool(due_steps or due_time), s.elapsed_s >= budget_s, should_stop()],
+                    self.device, self.world)
+                finished = s.step == p.steps or out_of_time
+                if self._logs_at(s.step) or out_of_time:
+                    window = [a + b for a, b in zip(window, self._flush(), strict=True)]
+                    now = time.perf_counter()
+                    self._log_row(window, now - window_start, bar)
+                    window, window_start = [0.0, 0.0, 0.0], now
+                if s.step % p.valid_every == 0 or finished:
+                    self._validate_row()
+                if bar is not None:
+                    bar.update(1)
+                if due or finished:
                     self.write_logs()
                     self.checkpoint()
                     last_ckpt_time = time.monotonic()
-                if distributed.broadcast_flag(should_stop(), self.device, self.world):
-                    if s.step < p.steps:  # interrupted: keep every finished step
+                if out_of_time:
+                    s.stopped_by = "time budget"
+                    if self.world.is_main:
+                        log.info("train: time budget of %g min spent at step %d (%.1f min over "
+                                 "all sessions); checkpoint written", p.max_minutes, s.step,
+                                 s.elapsed_s / 60)
+                    break
+                if stop:
+                    if not finished:  # interrupted: keep every finished step
                         self.write_logs()
                         self.checkpoint()
+                        s.stopped_by = "interrupted"
                         if self.world.is_main:
                             log.info("stopped at step %d; checkpoint written, run the same "
                                      "command again to resume", s.step)
                     break
+            if s.step >= p.steps:
+                s.stopped_by = "steps"
         except torch.OutOfMemoryError as exc:
             raise OutOfMemory(
                 f"out of memory at step {s.step + 1} with batches of up to "
@@ -463,7 +528,33 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.close()
+            self.loader.close()
         return self.summary()
+
+    def _log_row(self, window: list[float], seconds: float, bar) -> None:
+        s = self.state
+        tokens, loss, nll = window
+        tps = tokens / max(seconds, 1e-9)
+        grad_norm = float(self._grad_norm) if self._grad_norm is not None else float("nan")
+        row = [s.step, loss / max(tokens, 1), nll / max(tokens, 1), self._lr, grad_norm,
+               s.tokens_seen, tps, s.elapsed_s]
+        s.train_rows.append(row)
+        self._track({"train/loss": row[1], "train/nll": row[2], "train/lr": row[3],
+                     "train/grad_norm": row[4], "train/tokens_per_s": tps}, s.step)
+        if bar is not None:
+            bar.set_postfix(loss=f"{row[1]:.3f}", lr=f"{row[3]:.2e}", tok_s=f"{tps:,.0f}",
+                            refresh=False)
+
+    def _validate_row(self) -> None:
+        s = self.state
+        v = self.validate()
+        s.valid_rows.append([s.step, v["valid_loss"], v["valid_nll"], v["valid_ppl"],
+                             v["tokens"]])
+        self._track({"valid/loss": v["valid_loss"], "valid/nll": v["valid_nll"],
+                     "valid/ppl": v["valid_ppl"]}, s.step)
+        if self.world.is_main:
+            log.info("step %d: valid loss %.4f, nll %.4f, ppl %.2f", s.step, v["valid_loss"],
+                     v["valid_nll"], v["valid_ppl"])
 
     def summary(self) -> dict:
         s = self.state
@@ -484,6 +575,10 @@ class Trainer:
             "accumulation": self.accum,
             "device": self.device.type,
             "precision": "bf16" if self.amp_dtype else "fp32",
+            "kernels": self.p.train.kernels,
+            "compile": self.p.train.compile,
+            "max_minutes": self.p.train.max_minutes,
+            "stopped_by": s.stopped_by,
         }
 
     def write_summary(self, summary: dict) -> None:

@@ -50,7 +50,9 @@ def train(
     Reads: params `seed`, `model.*`, `train.*` (not `average_last`); SHARDS/{train,valid},
     TOKENIZER. Writes: CHECKPOINTS/step-*.pt (model, optimizer, schedule, RNG states, data
     cursor; every `train.checkpoint_every_steps` steps and/or `checkpoint_every_minutes`,
-    the last `train.keep_checkpoints` kept), METRICS, TRAIN_LOG, VALID_LOG, CURVES, and an
+    the last `train.keep_checkpoints` kept), METRICS (with the precision `auto` resolved to,
+    the kernels, the steps reached and why training stopped: steps, `train.max_minutes`
+    or an interruption), TRAIN_LOG, VALID_LOG, CURVES, and an
     MLflow run (sqlite:///mlflow.db unless MLFLOW_TRACKING_URI says otherwise) with every
     param, the step curves, the tokenizer and CURVES; its id goes to
     CHECKPOINTS/mlflow_run.json so that the later stages log into the same run.
@@ -85,7 +87,10 @@ def train(
         run_file = checkpoints / "mlflow_run.json"
         run_id = tracker.start(
             default_run_name(), p.model_dump(mode="json"),
-            tags={"stage": "train", "world_size": str(world.size)},
+            tags={"stage": "train", "world_size": str(world.size),
+                  # what auto resolved to on this machine, beside the params as written
+                  "precision": "bf16" if trainer.amp_dtype else "fp32",
+                  "kernels": p.train.kernels, "compile": str(p.train.compile).lower()},
             run_id=trainer.state.mlflow_run_id or load_run_id(run_file))
         if world.is_main:
             trainer.state.mlflow_run_id = run_id
@@ -101,6 +106,7 @@ def train(
             plot_training_curves(train_log, valid_log, curves)
             tracker.log_metrics({f"final/{k}": float(v) for k, v in summary.items()
                                  if isinstance(v, int | float) and v is not None})
+            tracker.set_tags({"stopped_by": str(summary["stopped_by"])})
             for path in (metrics, train_log, valid_log):
                 tracker.log_artifact(path, "metrics")
             tracker.log_artifact(curves, "plots")
@@ -108,7 +114,8 @@ def train(
             log.info("train: %d steps, valid loss %s, ppl %s, %.0f tokens/s", summary["steps"],
                      _round(summary["valid_loss"]), _round(summary["valid_ppl"]),
                      summary["tokens_per_s"])
-        tracker.end("FINISHED" if summary["steps"] >= p.train.steps else "KILLED")
+        done = summary["steps"] >= p.train.steps or summary["stopped_by"] == "time budget"
+        tracker.end("FINISHED" if done else "KILLED")
     except AiaynError:
         tracker.end("FAILED")
         raise

@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from aiayn.errors import DataError
-from aiayn.sampler import EMPTY, Batch, BatchLoader, ShardDataset, TokenBudgetSampler
+from aiayn.sampler import (
+    EMPTY,
+    Batch,
+    BatchLoader,
+    PrefetchLoader,
+    ShardDataset,
+    TokenBudgetSampler,
+)
 from aiayn.shards import FORMAT, FORMAT_VERSION
 
 # --------------------------------------------------------------------------- a hand-made split
@@ -83,12 +90,15 @@ def test_labels_are_pad_exactly_where_padding_is(dataset):
         assert torch.equal(b.tgt_in != 0, b.tgt_out != 0)
         assert int((b.tgt_out != 0).sum()) == b.tgt_tokens
         assert int((b.src != 0).sum()) == b.src_tokens
+        # the loader's own list of the real target positions (flat, row-major)
+        assert b.tgt_positions.tolist() == torch.nonzero(b.tgt_out.reshape(-1)).squeeze(1).tolist()
 
 
 def test_empty_batch(dataset):
     b = dataset.batch(EMPTY)
     assert len(b) == 0 and b.is_empty and b.src_tokens == b.tgt_tokens == 0
     assert b.src.shape[0] == b.tgt_in.shape[0] == b.tgt_out.shape[0] == b.rows.numel() == 0
+    assert b.tgt_positions.numel() == 0
     assert Batch.empty().src.dtype == torch.long
 
 
@@ -107,6 +117,7 @@ def test_out_of_range_batch(dataset):
 def test_batch_to_device_keeps_fields(dataset):
     b = dataset.batch(0).to("cpu")
     assert b.rows.tolist() == [40, 41] and b.tgt_tokens == 6 and b.index == 0
+    assert b.tgt_positions.tolist() == [0, 1, 4, 5, 6, 7]
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -250,3 +261,52 @@ def test_loader_epoch_covers_all_rows_across_ranks(dataset):
 def test_loader_rejects_a_mismatched_sampler(dataset):
     with pytest.raises(ValueError, match="batches"):
         BatchLoader(dataset, TokenBudgetSampler(dataset.num_batches + 1))
+
+
+def batch_key(b: Batch) -> tuple:
+    return (b.index, b.src.tolist(), b.tgt_in.tolist(), b.tgt_out.tolist(), b.rows.tolist(),
+            b.tgt_positions.tolist())
+
+
+@pytest.mark.parametrize("rank,world", [(0, 1), (1, 2)])
+def test_prefetching_yields_the_plain_loaders_batches_and_resumes_at_the_same_cursor(
+        dataset, rank, world):
+    def plain() -> BatchLoader:
+        return BatchLoader(dataset, TokenBudgetSampler(dataset.num_batches, rank, world, seed=3))
+
+    expected = [batch_key(b) for b in itertools.islice(plain(), 11)]  # several epochs
+    ahead = PrefetchLoader(plain(), depth=3)
+    it = iter(ahead)
+    got = [batch_key(next(it)) for _ in range(4)]
+    # The thread has read ahead by now, yet the cursor is that of the 4 batches handed out.
+    reference = plain()
+    list(itertools.islice(reference, 4))
+    assert ahead.state_dict() == reference.state_dict()
+    state = ahead.state_dict()
+    ahead.close()
+    resumed = PrefetchLoader(plain())
+    resumed.load_state_dict(state)
+    got += [batch_key(b) for b in itertools.islice(resumed, 7)]
+    resumed.close()
+    assert got == expected
+
+
+def test_prefetching_reports_the_errors_of_its_thread(dataset, monkeypatch):
+    loader = PrefetchLoader(BatchLoader(dataset, TokenBudgetSampler(dataset.num_batches)))
+    calls = {"n": 0}
+    real = dataset.batch
+
+    def failing(index):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise DataError("shard-00000.src.npy: truncated")
+        return real(index)
+
+    monkeypatch.setattr(dataset, "batch", failing)
+    it = iter(loader)
+    next(it), next(it)
+    with pytest.raises(DataError, match="truncated"):
+        next(it)
+    with pytest.raises(RuntimeError, match="after iteration has started"):
+        loader.load_state_dict({"epoch": 0, "position": 0})
+    loader.close()

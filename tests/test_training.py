@@ -22,7 +22,7 @@ from aiayn.objective import label_smoothed_loss, noam_lr
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, decode, load_tokenizer
 from aiayn.toy import generate_pairs
 from aiayn.trainer import Trainer, TrainingDiverged, TrainPaths, accumulation_steps
-from tests.conftest import REPO, write_params
+from tests.conftest import REPO, merge, write_params
 
 
 def paths(ws: Path, run: Path) -> TrainPaths:
@@ -41,6 +41,22 @@ def make_trainer(ws: Path, run: Path, changes: dict | None = None) -> Trainer:
 
 def model_tensors(path: Path) -> dict[str, torch.Tensor]:
     return load_checkpoint(path)["model"]
+
+
+def without_key_biases(state: dict) -> dict:
+    """The state dict without the key part of each attention bias. Its true gradient is 0
+    (softmax ignores a constant added to all of a query's scores), so Adam turns float
+    rounding there into full-size steps: two computations that round differently end with
+    different key biases and the same function."""
+    out = {}
+    for name, t in state.items():
+        if name.endswith("qkv_proj.bias"):  # [q | k | v]
+            d = t.shape[0] // 3
+            t = torch.cat([t[:d], t[2 * d:]])
+        elif name.endswith("kv_proj.bias"):  # [k | v]
+            t = t[t.shape[0] // 2:]
+        out[name] = t
+    return out
 
 
 def assert_bitwise_equal(a: dict, b: dict) -> None:
@@ -154,20 +170,25 @@ def test_more_steps_or_other_logging_continue_the_same_run(toy_workspace, tmp_pa
     assert not (tmp_path / "checkpoints.replaced").exists()
 
 
-def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(
-        toy_workspace, tmp_path, monkeypatch):
+@pytest.mark.parametrize("kernels", ["fast", "plain"])
+def test_nan_loss_stops_with_the_steps_and_keeps_the_last_good_checkpoint(
+        toy_workspace, tmp_path, monkeypatch, kernels):
     import aiayn.trainer as trainer_module
 
-    trainer = make_trainer(toy_workspace, tmp_path)
+    trainer = make_trainer(toy_workspace, tmp_path, {"train": {"kernels": kernels}})
+    name = "projected_label_smoothed_loss" if kernels == "fast" else "label_smoothed_loss"
+    loss_fn = getattr(trainer_module, name)
 
-    def poisoned(logits, labels, eps, pad):
-        loss, nll, n = label_smoothed_loss(logits, labels, eps, pad)
+    def poisoned(*args, **kwargs):
+        loss, nll, n = loss_fn(*args, **kwargs)
         if trainer.state.step >= 4:
             loss = loss * float("nan")
         return loss, nll, n
 
-    monkeypatch.setattr(trainer_module, "label_smoothed_loss", poisoned)
-    with pytest.raises(TrainingDiverged, match="became nan at step 5"):
+    monkeypatch.setattr(trainer_module, name, poisoned)
+    # The loss is read at logging steps (every 2): step 5 goes bad, step 6 finds it, before
+    # the checkpoint of step 6 could be written.
+    with pytest.raises(TrainingDiverged, match="became nan between steps 5 and 6"):
         trainer.fit()
     assert [c.name for c in list_checkpoints(tmp_path / "checkpoints")] == ["step-00000003.pt"]
 
@@ -233,9 +254,12 @@ def test_sigkill_at_an_arbitrary_step_then_resume_ends_bitwise_equal(toy_workspa
 
 
 @pytest.mark.slow
-def test_two_processes_equal_one_process_with_two_accumulation_steps(toy_workspace, tmp_path):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_two_processes_equal_one_process_with_two_accumulation_steps(toy_workspace, tmp_path,
+                                                                     compiled):
     # tokens_per_step = 2 x max_tokens: 1 process accumulates 2 batches, 2 processes take 1
-    # each; no dropout, so both compute the same update on the same batches.
+    # each; no dropout, so both compute the same update on the same batches. Compiled: the
+    # two processes run torch.compile(DDP(model)), the one process stays eager.
     changes = {"model": {"dropout": 0.0}, "train": {"steps": 2, "tokens_per_step": 320,
                                                     "checkpoint_every_steps": 1}}
     params = write_params(tmp_path / "params.yaml", changes)
@@ -244,18 +268,21 @@ def test_two_processes_equal_one_process_with_two_accumulation_steps(toy_workspa
     two = tmp_path / "two"
     subprocess.run([sys.executable, "-m", "stages.train", *train_cmd(params, one, toy_workspace)],
                    env=env, check=True, capture_output=True, timeout=300)
+    params_two = write_params(tmp_path / "params2.yaml",
+                              merge(changes, {"train": {"compile": compiled}}))
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         "-m", "stages.train", *train_cmd(params, two, toy_workspace)],
-        env=env, capture_output=True, text=True, timeout=300)
+         "-m", "stages.train", *train_cmd(params_two, two, toy_workspace)],
+        env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     for step in (1, 2):
         a = load_checkpoint(one / f"checkpoints/step-{step:08d}.pt")
         b = load_checkpoint(two / f"checkpoints/step-{step:08d}.pt")
         assert a["meta"]["world_size"] == 1 and b["meta"]["world_size"] == 2
         assert a["meta"]["tokens_seen"] == b["meta"]["tokens_seen"]
-        for k in a["model"]:
-            torch.testing.assert_close(a["model"][k], b["model"][k], rtol=1e-5, atol=1e-6)
+        ma, mb = without_key_biases(a["model"]), without_key_biases(b["model"])
+        for k in ma:
+            torch.testing.assert_close(ma[k], mb[k], rtol=1e-5, atol=1e-6)
     # The steps did change the weights (the comparison above is not between two no-ops).
     a1 = load_checkpoint(one / "checkpoints/step-00000001.pt")["model"]["embedding.weight"]
     a2 = load_checkpoint(one / "checkpoints/step-00000002.pt")["model"]["embedding.weight"]
@@ -310,3 +337,128 @@ def test_out_of_memory_names_the_batch_budget_and_the_param(toy_workspace, tmp_p
     msg = str(err.value)
     assert "out of memory at step 3" in msg and "up to 160 tokens" in msg
     assert "lower shard.max_tokens" in msg and "resumes from the last checkpoint" in msg
+
+
+# --------------------------------------------------------------------------- fast path
+
+
+def test_fast_and_plain_kernels_learn_the_same_without_dropout(toy_workspace, tmp_path):
+    """Without dropout (the only random difference) the two paths compute one function:
+    the same losses and the same outputs after training, up to float rounding."""
+    runs = {}
+    for kernels in ("fast", "plain"):
+        trainer = make_trainer(toy_workspace, tmp_path / kernels,
+                               {"model": {"dropout": 0.0}, "train": {"kernels": kernels}})
+        runs[kernels] = (trainer, trainer.fit())
+    (fast, a), (plain, b) = runs["fast"], runs["plain"]
+    assert a["kernels"] == "fast" and b["kernels"] == "plain"
+    for ra, rb in zip(fast.state.train_rows, plain.state.train_rows, strict=True):
+        assert ra[0] == rb[0] and ra[5] == rb[5]  # step, tokens seen
+        assert ra[1] == pytest.approx(rb[1], rel=1e-5)  # loss
+    assert a["valid_loss"] == pytest.approx(b["valid_loss"], rel=1e-5)
+    # Outputs, not weights: the key part of each attention bias has a true gradient of 0
+    # (softmax ignores a constant added to all scores), so Adam turns rounding noise there
+    # into full steps that differ between the paths, without changing the function.
+    batch = fast.valid_data.batch(0)
+    fast.model.eval()
+    plain.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(fast.model(batch.src, batch.tgt_in),
+                                   plain.model(batch.src, batch.tgt_in), rtol=1e-3, atol=1e-3)
+    # The same checkpoint format: a plain run's checkpoint loads into a fast trainer.
+    ck_a = load_checkpoint(list_checkpoints(tmp_path / "fast/checkpoints")[-1])
+    ck_b = load_checkpoint(list_checkpoints(tmp_path / "plain/checkpoints")[-1])
+    assert ck_a["model"].keys() == ck_b["model"].keys()
+    assert ck_a["optimizer"]["state"].keys() == ck_b["optimizer"]["state"].keys()
+    for sa, sb in zip(ck_a["optimizer"]["state"].values(), ck_b["optimizer"]["state"].values(),
+                      strict=True):
+        assert sa.keys() == sb.keys()
+    fast.model.load_state_dict(ck_b["model"])
+    fast.optimizer.load_state_dict(ck_b["optimizer"])
+
+
+def test_switching_kernels_starts_a_new_run(toy_workspace, tmp_path, caplog):
+    make_trainer(toy_workspace, tmp_path, {"train": {"steps": 3, "kernels": "plain"}}).fit()
+    fresh = make_trainer(toy_workspace, tmp_path, {"train": {"steps": 3, "kernels": "fast"}})
+    assert fresh.state.step == 0 and "train.kernels: 'plain' -> 'fast'" in caplog.text
+
+
+def test_a_train_step_never_reads_a_tensor_back(toy_workspace, tmp_path, monkeypatch):
+    """No host synchronisation inside a step (per micro-batch or per step): on a GPU the
+    host queues work and runs ahead. Reading a tensor's value is what would wait."""
+    trainer = make_trainer(toy_workspace, tmp_path, {"train": {"steps": 4}})
+    it = iter(trainer.loader)
+    batches = [trainer._micro_batches(it) for _ in range(3)]
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a tensor was read back inside train_step")
+
+    with monkeypatch.context() as m:
+        # Python-level reads, and nonzero, whose output size a GPU would have to report.
+        for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__",
+                     "nonzero"):
+            m.setattr(torch.Tensor, name, forbidden)
+        m.setattr(torch, "nonzero", forbidden)
+        for micro in batches[:2]:
+            trainer.train_step(micro)  # steps 1 and 2; step 2 logs, the norm stays a tensor
+    trainer.train_step(batches[2])
+    tokens, loss, _ = trainer._flush()  # the one read, at logging / checkpoint steps
+    assert tokens == sum(b.tgt_tokens for micro in batches for b in micro) and loss > 0
+    trainer.loader.close()
+
+
+def test_the_time_budget_stops_at_a_checkpoint_and_a_larger_one_resumes(toy_workspace,
+                                                                       tmp_path):
+    # A budget of 60 microseconds is spent by the first step.
+    first = make_trainer(toy_workspace, tmp_path, {"train": {"max_minutes": 1e-6}})
+    summary = first.fit()
+    assert summary["steps"] == 1 and summary["stopped_by"] == "time budget"
+    assert summary["max_minutes"] == 1e-6
+    assert [c.name for c in list_checkpoints(tmp_path / "checkpoints")] == ["step-00000001.pt"]
+    assert first.state.valid_rows[-1][0] == 1 and first.state.train_rows[-1][0] == 1
+    spent = summary["wall_time_s"]
+    again = make_trainer(toy_workspace, tmp_path, {"train": {"max_minutes": 1e-6}})
+    assert again.fit()["steps"] == 1  # still spent: nothing to train, nothing lost
+    longer = make_trainer(toy_workspace, tmp_path, {"train": {"max_minutes": 60}})
+    assert longer.state.step == 1  # the budget is not part of the run's identity
+    done = longer.fit()
+    assert done["steps"] == 12 and done["stopped_by"] == "steps"
+    assert done["wall_time_s"] > spent  # the time of both sessions
+
+
+def test_a_run_records_its_kernels_precision_and_end(toy_workspace, tmp_path):
+    trainer = make_trainer(toy_workspace, tmp_path, {"train": {"steps": 2}})
+    summary = trainer.fit()
+    trainer.write_summary(summary)
+    metrics = json.loads((tmp_path / "train.json").read_text())
+    assert metrics["kernels"] == "fast" and metrics["precision"] in ("fp32", "bf16")
+    assert metrics["stopped_by"] == "steps" and metrics["compile"] is False
+
+
+@pytest.mark.slow
+def test_compiled_training_matches_eager_with_two_graphs_whatever_the_shapes(toy_workspace,
+                                                                            tmp_path):
+    from torch._dynamo.utils import counters
+
+    changes = {"model": {"dropout": 0.0}}  # Inductor draws its own dropout masks
+    eager = make_trainer(toy_workspace, tmp_path / "eager", changes)
+    eager.fit()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = make_trainer(toy_workspace, tmp_path / "compiled",
+                            merge(changes, {"train": {"compile": True}}))
+    shapes = set()
+    forward = compiled.model.forward
+
+    def seen(src, tgt_in, **kw):
+        shapes.add((tuple(src.shape), tuple(tgt_in.shape)))
+        return forward(src, tgt_in, **kw)
+
+    compiled.model.forward = seen
+    summary = compiled.fit()
+    assert summary["compile"] is True and summary["steps"] == 12
+    assert len(shapes) >= 6  # many batch shapes went through the compiled model...
+    assert counters["stats"]["unique_graphs"] <= 2  # ...yet one static and one dynamic graph
+    assert sum(counters["graph_break"].values()) == 0
+    for a, b in zip(eager.state.train_rows, compiled.state.train_rows, strict=True):
+        assert a[1] == pytest.approx(b[1], rel=1e-4)

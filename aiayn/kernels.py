@@ -1,0 +1,252 @@
+"""The fast training step's kernels: the plain path's math with fewer passes over memory.
+
+``train.kernels: fast`` (the default) swaps three pieces of the training step; ``plain``
+keeps torch's own operators, readable against the paper (``aiayn/model.py``,
+``aiayn/objective.py``). Measured by ``bench/train_throughput.py``.
+
+1. **The output projection and the label-smoothed loss in one pass over the vocabulary**
+   (:func:`projected_label_smoothed_loss`). The plain path multiplies every target position,
+   padding included, by the shared embedding matrix, materialises the (positions x vocab)
+   logits, then fp32 log-probabilities, then in backward as many tensors again for the
+   gradients of ``log_softmax``, ``gather`` and ``mean``: about 0.5 s of a 3 s step of the
+   ``multi30k`` model on a 2-core CPU, much of it the page faults of freshly allocated
+   130 MB tensors. Here only the non-padding rows are projected, ``chunk_rows`` rows at a
+   time into one reused buffer, and each chunk's gradient with respect to the logits,
+   ``softmax - (1 - eps) onehot - eps / V``, is formed in place and multiplied straight
+   into the gradients of the hidden states and of the embedding matrix. The logits never
+   exist whole; the loss is the same sum (up to float rounding), as tested against the plain
+   path.
+
+2. **Dropout masks from 16 random bits per element** (:func:`dropout`). ``F.dropout`` on CPU
+   draws a float per element (``bernoulli_``): about 10 ms per million elements here, a
+   sixth of the step. Filling int64 words with random bits and reading them as four int16
+   values is about 5x cheaper; an element is kept when its int16 is at least a threshold,
+   with probability ``1 - k / 65536`` for ``k = round(p * 65536)`` (0.100006 for p = 0.1),
+   and scaled by the exact inverse of that probability, so the expectation is unchanged.
+   The masks come from torch's generator (CPU or CUDA), so a run is as reproducible, and
+   resumes as exactly, as with ``F.dropout``; they are other masks than ``F.dropout``
+   draws, so fast and plain runs agree in distribution, not bit for bit.
+
+3. **fp32 linear layers on CPU through oneDNN** (:func:`linear`). torch multiplies fp32
+   matrices on CPU with MKL; oneDNN's GEMM (``torch.ops.mkldnn._linear_pointwise``, what
+   torch itself uses for bf16) runs the forward products of this model's layers 10-25%
+   faster on an AVX2 AMD EPYC (124-129 against 101-115 GFLOP/s at 4000 rows), while MKL
+   stays faster for the weight gradient. So the forward product goes through oneDNN and
+   backward stays with MKL; the FFN's ReLU rides on its first product as oneDNN's post-op
+   (:func:`linear_relu`). Elsewhere (a GPU, autocast, a torch without oneDNN) it is
+   ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# Rows of logits formed at once: chunk x vocab floats stay at about 32 MiB, so the buffer is
+# reused from glibc's heap instead of being mapped afresh (see aiayn.memory).
+CHUNK_BYTES = 32 << 20
+
+
+# --------------------------------------------------------------------------- the loss
+
+
+def _compute_dtype(device: torch.device) -> torch.dtype:
+    """The dtype autocast would multiply in here (float32 when autocast is off)."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return torch.float32
+
+
+class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
+    """Sum over rows of the label-smoothed loss of ``rows @ weight.T``, and of the NLL.
+
+    Gradients are computed during the forward pass, chunk by chunk, and scaled by the
+    incoming gradient in backward: the loss is the last operation of the graph, so nothing
+    is wasted, and the chunks' logits can be dropped as soon as they are used.
+    """
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, weight: Tensor, labels: Tensor, epsilon: float,
+                chunk_rows: int, dtype: torch.dtype, need_grad: bool):
+        n, vocab = rows.shape[0], weight.shape[0]
+        with torch.autocast(rows.device.type, enabled=False):
+            a = rows.to(dtype)
+            w = weight.to(dtype)
+            loss = torch.empty(n, dtype=torch.float32, device=rows.device)
+            nll = torch.empty_like(loss)
+            grad_rows = torch.empty_like(rows) if need_grad else None
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32,
+                                      device=weight.device) if need_grad else None
+            buf = torch.empty(min(chunk_rows, n), vocab, dtype=dtype, device=rows.device)
+            # The mean logit of a row is its dot product with the mean embedding row.
+            mean_all = rows.float() @ weight.float().mean(dim=0)  # (N,)
+            off = torch.tensor(-epsilon / vocab, dtype=torch.float32, device=rows.device)
+            for start in range(0, n, chunk_rows):
+                end = min(start + chunk_rows, n)
+                a_c, y = a[start:end], labels[start:end, None]
+                z = torch.mm(a_c, w.t(), out=buf[:end - start]).float()  # (c, V) logits
+                target = z.gather(1, y).squeeze(1)
+                mean = mean_all[start:end]
+                top = z.amax(dim=1, keepdim=True)
+                z.sub_(top).exp_()
+                total = z.sum(dim=1)
+                lse = top.squeeze(1) + total.log()
+                nll[start:end] = lse - target
+                # -sum_v q_v log p_v with q = (1 - eps) onehot + eps / V
+                loss[start:end] = lse - (1.0 - epsilon) * target - epsilon * mean
+                if need_grad:
+                    # d loss / d logits = softmax - (1 - eps) onehot - eps / V, in place.
+                    torch.addcmul(off, z, total.reciprocal().unsqueeze(1), out=z)
+                    z.scatter_add_(1, y, torch.full_like(y, -(1.0 - epsilon), dtype=z.dtype))
+                    g = z.to(dtype)
+                    grad_rows[start:end] = torch.mm(g, w)
+                    if dtype == torch.float32:
+                        grad_weight.addmm_(g.t(), a_c)
+                    else:
+                        grad_weight += torch.mm(g.t(), a_c).float()
+        ctx.save_for_backward(grad_rows, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        ctx.mark_non_differentiable(nll)
+        return loss.sum(), nll.sum()
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor, _grad_nll: Tensor):
+        grad_rows, grad_weight = ctx.saved_tensors
+        if grad_rows is None:
+            raise RuntimeError("projected_label_smoothed_loss was computed without gradients "
+                               "(under torch.no_grad) and cannot be backpropagated")
+        return (grad_rows * grad_loss.to(grad_rows.dtype),
+                (grad_weight * grad_loss).to(ctx.weight_dtype), None, None, None, None, None)
+
+
+def projected_label_smoothed_loss(hidden: Tensor, weight: Tensor, labels: Tensor,
+                                  epsilon: float, pad_id: int, chunk_rows: int | None = None,
+                                  positions: Tensor | None = None
+                                  ) -> tuple[Tensor, Tensor, int]:
+    """:func:`aiayn.objective.label_smoothed_loss` of the logits ``hidden @ weight.T``.
+
+    ``hidden`` (B, T, d) are the decoder's outputs before the tied projection (``weight``
+    (V, d), the shared embedding matrix, Section 3.4), or already only those at the
+    non-pad labels, as (N, d) rows in row-major order (``Transformer(..., packed=...)``);
+    ``labels`` (B, T); ``positions`` the flat positions of its non-pad labels if known
+    (``Batch.tgt_positions``: then nothing waits for a GPU). Returns the same
+    (smoothed loss sum, NLL sum, number of non-pad labels), the log-probabilities in fp32,
+    the products in autocast's dtype when autocast is on; padding positions are never
+    projected. ``chunk_rows`` defaults to what keeps one chunk's logits at
+    :data:`CHUNK_BYTES`.
+    """
+    flat = labels.reshape(-1)
+    keep = (flat != pad_id).nonzero().squeeze(1) if positions is None else positions
+    if hidden.dim() == 2:  # packed rows
+        if hidden.shape[0] != keep.numel():
+            raise ValueError(f"{hidden.shape[0]} packed rows for {keep.numel()} non-pad labels")
+        rows = hidden
+    else:
+        rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep)  # (N, d)
+    dtype = _compute_dtype(hidden.device)
+    if chunk_rows is None:
+        chunk_rows = max(64, CHUNK_BYTES // (4 * weight.shape[0]))
+    need_grad = torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad)
+    loss, nll = _ProjectedLabelSmoothedLoss.apply(rows, weight, flat.index_select(0, keep),
+                                                  float(epsilon), int(chunk_rows), dtype,
+                                                  need_grad)
+    return loss, nll, keep.numel()
+
+
+# --------------------------------------------------------------------------- dropout
+
+
+def keep_threshold(p: float) -> tuple[int, float]:
+    """(int16 threshold, scale): keep an element when its int16 >= threshold, whose
+    probability is 1 - k / 65536 for k = round(p * 65536); scale = its inverse."""
+    k = round(p * 65536)
+    if not 0 <= k < 65536:
+        raise ValueError(f"dropout probability {p} must lie in [0, 1)")
+    return k - 32768, 65536 / (65536 - k)
+
+
+def random_int16(shape: torch.Size, device: torch.device) -> Tensor:
+    """Uniform int16 values from torch's generator, four per 64 random bits."""
+    n = 1
+    for s in shape:
+        n *= s
+    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=device)
+    words.random_(-2 ** 63, 2 ** 63 - 1)  # every bit random; the default range leaves the top bit 0
+    return words.view(torch.int16)[:n].view(shape)
+
+
+class _Dropout(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, p: float) -> Tensor:
+        threshold, scale = keep_threshold(p)
+        keep = random_int16(x.shape, x.device) >= threshold
+        mask = keep.to(x.dtype).mul_(scale)
+        ctx.save_for_backward(mask)
+        return x * mask
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (mask,) = ctx.saved_tensors
+        return grad * mask, None
+
+
+def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
+    """``F.dropout(x, p, training)`` with masks from :func:`random_int16` (see above)."""
+    if not training or p == 0.0:
+        return x
+    return _Dropout.apply(x, p)
+
+
+# --------------------------------------------------------------------------- linear
+
+
+def _onednn_linear_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
+                                                            "_linear_pointwise")
+
+
+ONEDNN_LINEAR = _onednn_linear_available()
+
+
+class _Linear(torch.autograd.Function):
+    """y = x W^T + b [then ReLU]: oneDNN forward, MKL backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, relu: bool) -> Tensor:
+        y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "relu" if relu else "none",
+                                               [], "")
+        ctx.save_for_backward(x, weight, y if relu else None)
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight, y = ctx.saved_tensors
+        if y is not None:  # ReLU: no gradient where the output was clipped to 0
+            grad = torch.ops.aten.threshold_backward(grad, y, 0)
+        g = grad.reshape(-1, grad.shape[-1])
+        grad_x = torch.mm(g, weight).view(x.shape) if ctx.needs_input_grad[0] else None
+        grad_w = torch.mm(g.t(), x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+        grad_b = g.sum(dim=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None
+
+
+def _use_onednn(x: Tensor, weight: Tensor) -> bool:
+    return (ONEDNN_LINEAR and x.device.type == "cpu" and x.dtype == torch.float32
+            and weight.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+            and not torch.compiler.is_compiling())
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear``, with the forward product by oneDNN for fp32 on CPU (see above)."""
+    if _use_onednn(x, weight):
+        return _Linear.apply(x, weight, bias, False)
+    return F.linear(x, weight, bias)
+
+
+def linear_relu(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.relu(F.linear(x, weight, bias))``, fused for fp32 on CPU (see above)."""
+    if _use_onednn(x, weight):
+        return _Linear.apply(x, weight, bias, True)
+    return F.relu(F.linear(x, weight, bias))

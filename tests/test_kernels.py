@@ -1,0 +1,191 @@
+"""The fast kernels compute what the plain operators compute (aiayn/kernels.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from aiayn import kernels
+from aiayn.model import Packing, Transformer, TransformerConfig
+from aiayn.objective import label_smoothed_loss
+
+PAD = 0
+
+
+def padded_labels(batch: int, length: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    """Labels with padding at the end of most rows (one row full, one a single token)."""
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(1, vocab, (batch, length), generator=g)
+    for row in range(batch):
+        real = int(torch.randint(1, length, (1,), generator=g))
+        labels[row, {0: length, 1: 1}.get(row, real):] = PAD
+    return labels
+
+
+# --------------------------------------------------------------------------- the loss
+
+
+@pytest.mark.parametrize("epsilon", [0.0, 0.1, 0.3])
+@pytest.mark.parametrize("chunk_rows", [3, 7, 1000])
+def test_projected_loss_equals_the_plain_loss_of_the_logits(epsilon, chunk_rows):
+    torch.manual_seed(0)
+    hidden = torch.randn(5, 9, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(40, 16, dtype=torch.float64, requires_grad=True)
+    labels = padded_labels(5, 9, 40)
+    # The reference: full logits, then the plain path's loss (log_softmax, gather, mean).
+    ref_loss, ref_nll, ref_n = label_smoothed_loss(hidden @ weight.t(), labels, epsilon, PAD)
+    ref_grads = torch.autograd.grad(ref_loss, (hidden, weight))
+    loss, nll, n = kernels.projected_label_smoothed_loss(hidden, weight, labels, epsilon, PAD,
+                                                         chunk_rows=chunk_rows)
+    grads = torch.autograd.grad(loss, (hidden, weight))
+    assert n == int(ref_n) == int((labels != PAD).sum())
+    # Both keep their log-probabilities in fp32, hence float32-level agreement.
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-4)
+    torch.testing.assert_close(nll, ref_nll, rtol=1e-6, atol=1e-4)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+    assert grads[0][labels == PAD].abs().max() == 0  # padding gets no gradient
+
+
+def test_projected_loss_takes_packed_rows_and_known_positions():
+    torch.manual_seed(1)
+    hidden = torch.randn(4, 6, 8, requires_grad=True)
+    weight = torch.randn(30, 8, requires_grad=True)
+    labels = padded_labels(4, 6, 30, seed=3)
+    positions = Packing.positions(labels, PAD)
+    rows = hidden.reshape(-1, 8)[positions]
+    full = kernels.projected_label_smoothed_loss(hidden, weight, labels, 0.1, PAD)
+    packed = kernels.projected_label_smoothed_loss(rows, weight, labels, 0.1, PAD,
+                                                   positions=positions)
+    torch.testing.assert_close(packed[0], full[0])
+    assert packed[2] == full[2] == positions.numel()
+    with pytest.raises(ValueError, match="packed rows"):
+        kernels.projected_label_smoothed_loss(rows[:-1], weight, labels, 0.1, PAD)
+
+
+def test_projected_loss_scales_with_the_incoming_gradient_and_handles_no_grad():
+    torch.manual_seed(2)
+    hidden = torch.randn(3, 5, 8, requires_grad=True)
+    weight = torch.randn(20, 8, requires_grad=True)
+    labels = padded_labels(3, 5, 20)
+    loss, _, _ = kernels.projected_label_smoothed_loss(hidden, weight, labels, 0.1, PAD)
+    (g1,) = torch.autograd.grad(loss, hidden, retain_graph=True)
+    (g3,) = torch.autograd.grad(3.0 * loss, hidden)
+    torch.testing.assert_close(g3, 3.0 * g1)
+    with torch.no_grad():  # validation: the same numbers, no gradient work
+        again, _, _ = kernels.projected_label_smoothed_loss(hidden, weight, labels, 0.1, PAD)
+    torch.testing.assert_close(again, loss.detach())
+
+
+def test_projected_loss_under_bf16_autocast_stays_close_to_fp32():
+    torch.manual_seed(3)
+    hidden = torch.randn(4, 7, 32, requires_grad=True)
+    weight = (0.2 * torch.randn(50, 32)).requires_grad_()
+    labels = padded_labels(4, 7, 50)
+    ref, _, _ = label_smoothed_loss(hidden @ weight.t(), labels, 0.1, PAD)
+    ref_grad = torch.autograd.grad(ref, weight)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _, _ = kernels.projected_label_smoothed_loss(hidden, weight, labels, 0.1, PAD)
+    assert loss.dtype == torch.float32
+    (grad,) = torch.autograd.grad(loss, weight)
+    assert grad.dtype == weight.dtype
+    torch.testing.assert_close(loss, ref, rtol=2e-2, atol=0)
+    torch.testing.assert_close(grad, ref_grad, rtol=5e-2, atol=5e-2)
+
+
+# --------------------------------------------------------------------------- dropout
+
+
+def test_keep_threshold_gives_the_probability_it_claims():
+    for p in (0.1, 0.3, 0.5, 0.0):
+        threshold, scale = kernels.keep_threshold(p)
+        kept = 32767 - threshold + 1  # int16 values >= threshold
+        assert kept / 65536 == pytest.approx(1 - p, abs=1 / 65536)
+        assert scale == pytest.approx(65536 / kept)
+    with pytest.raises(ValueError):
+        kernels.keep_threshold(1.0)
+
+
+def test_random_int16_is_uniform_in_every_lane():
+    torch.manual_seed(0)
+    bits = kernels.random_int16(torch.Size([1 << 20]), torch.device("cpu")).view(-1, 4)
+    negative = (bits < 0).double().mean(0)
+    # Each of the four int16 lanes of a 64-bit word: half negative (the top bit is random).
+    assert torch.all((negative - 0.5).abs() < 0.005), negative
+    assert bits.min() == -32768 and bits.max() == 32767
+
+
+@pytest.mark.parametrize("p", [0.1, 0.3])
+def test_dropout_keeps_the_right_fraction_scaled_and_is_reproducible(p):
+    x = torch.ones(400_000, requires_grad=True)
+    torch.manual_seed(7)
+    y = kernels.dropout(x, p)
+    kept = (y != 0).double().mean().item()
+    # Binomial: 5 standard deviations of the kept fraction.
+    assert abs(kept - (1 - p)) < 5 * math.sqrt(p * (1 - p) / x.numel())
+    assert torch.allclose(y[y != 0], torch.tensor(1 / (1 - p)), rtol=1e-4)
+    assert abs(y.mean().item() - 1.0) < 0.01  # unbiased
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    assert torch.equal(grad, y.detach())  # d(x * mask)/dx = mask
+    torch.manual_seed(7)
+    assert torch.equal(kernels.dropout(x, p), y)  # torch's generator drives it
+    assert kernels.dropout(x, p, training=False) is x and kernels.dropout(x, 0.0) is x
+
+
+# --------------------------------------------------------------------------- linear
+
+
+@pytest.mark.parametrize("fn,ref", [
+    (kernels.linear, F.linear),
+    (kernels.linear_relu, lambda x, w, b: F.relu(F.linear(x, w, b))),
+])
+def test_fast_linear_equals_f_linear_with_gradients(fn, ref):
+    torch.manual_seed(4)
+    x = torch.randn(6, 11, 32, requires_grad=True)
+    w = torch.randn(48, 32, requires_grad=True)
+    b = torch.randn(48, requires_grad=True)
+    y, y_ref = fn(x, w, b), ref(x, w, b)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(y)
+    for a, r in zip(torch.autograd.grad(y, (x, w, b), g), torch.autograd.grad(y_ref, (x, w, b), g),
+                    strict=True):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-4)
+
+
+# --------------------------------------------------------------------------- the model
+
+
+def tiny_model(fast: bool, dropout: float = 0.0) -> Transformer:
+    torch.manual_seed(5)
+    return Transformer(TransformerConfig(vocab_size=60, d_model=32, heads=4, encoder_layers=2,
+                                         decoder_layers=2, d_ff=64, dropout=dropout,
+                                         max_positions=64), fast=fast)
+
+
+def test_packed_decoder_equals_the_padded_one_at_real_positions():
+    model = tiny_model(fast=False).double()
+    src = padded_labels(5, 9, 60, seed=8)
+    tgt = padded_labels(5, 11, 60, seed=9)
+    hidden = model(src, tgt, hidden=True)
+    positions = Packing.positions(tgt, PAD)
+    rows = model(src, tgt, packed=positions)
+    torch.testing.assert_close(rows, hidden.reshape(-1, 32)[positions], rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(rows)
+    params = [p for p in model.parameters()]
+    ga = torch.autograd.grad((hidden.reshape(-1, 32)[positions] * g).sum(), params)
+    gb = torch.autograd.grad((rows * g).sum(), params)
+    for a, b in zip(ga, gb, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_fast_and_plain_models_share_parameters_and_outputs():
+    plain, fast = tiny_model(fast=False), tiny_model(fast=True)
+    assert plain.state_dict().keys() == fast.state_dict().keys()
+    for k, v in plain.state_dict().items():
+        assert torch.equal(v, fast.state_dict()[k])
+    src, tgt = padded_labels(4, 8, 60, seed=10), padded_labels(4, 9, 60, seed=11)
+    torch.testing.assert_close(fast(src, tgt), plain(src, tgt), rtol=1e-4, atol=1e-4)
+    fast.load_state_dict(plain.state_dict())  # the same checkpoint format either way
