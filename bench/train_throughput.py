@@ -1,481 +1,617 @@
-"""Training throughput on CPU: ``aiayn.model.Transformer`` against ``torch.nn.Transformer``.
+"""Training-step throughput on CPU: the trainer's own step, side by side with its rivals.
 
 Usage (from the repository root)::
 
-    .venv/bin/python bench/train_throughput.py                       # 5 rounds x 3 steps
-    .venv/bin/python bench/train_throughput.py --threads 1,2 --json out.json
-    .venv/bin/python bench/train_throughput.py --baseline old_model.py --models ours,base
-    .venv/bin/python bench/train_throughput.py --profile --rounds 1  # + torch.profiler tables
+    .venv/bin/python bench/train_throughput.py --baseline 9852772        # fast, plain, main
+    .venv/bin/python bench/train_throughput.py --contenders fast,fast+compile --rounds 3
+    .venv/bin/python bench/train_throughput.py --contenders fast+drop,nn+drop
+    .venv/bin/python bench/train_throughput.py --profile fast                # where time goes
     .venv/bin/python bench/train_throughput.py --help
 
-Models
-------
-Same sizes for all (d_model 256, 3+3 layers, d_ff 1024, 4 heads, vocabulary 8000, dropout
-0.1, post-LN) and the same input and output code: one shared embedding matrix scaled by
-sqrt(d), sinusoidal positions, embedding dropout, tied pre-softmax projection. For
-``torch.nn.Transformer(norm_first=False, batch_first=True)`` that code is literally ours
-(``Transformer.embed`` and ``Transformer.logits`` bound to the wrapper), so only the
-encoder-decoder stack differs. ``nn.Transformer`` always appends a LayerNorm to each stack,
-which post-LN does not have (its stacks already end in a sub-layer's LayerNorm); the wrapper
-drops those two so that both stacks compute the same network. Initialisation is ours for
-both (N(0, d^-1/2) embedding, Xavier-uniform matrices, zero biases).
+What runs
+---------
+Every contender but ``nn``/``nn+drop``/``matmul`` is the real ``aiayn.trainer.Trainer`` of
+a source tree, built from one params file (the ``--preset``, ``multi30k`` by default:
+d_model 256, 3+3 layers, d_ff 1024, 4 heads, 8k BPE, batches of <= 4096 tokens, dropout
+0.1, post-LN) on one set of shards, and timed through ``Trainer.train_step`` as ``fit``
+calls it: forward, loss, backward, (clipping,) Adam, with the loop's per-step heap trim and,
+in trees that defer it, the read-back of the loss sums at logging steps. Validation,
+checkpoints and logs are not timed.
 
-Masks: ``nn.Transformer`` gets the three key-padding masks (source, target, memory) and a
-causal mask. Ours masks source keys in encoder and cross-attention and uses the causal mask
-in decoder self-attention; target padding follows every real token, so the causal mask
-already hides it from real queries (pad queries carry no loss).
-
-Dropout: ``nn.Transformer(dropout=0.1)`` applies 0.1 to every residual branch, to the
-attention probabilities and to the FFN activation. Our config separates these; its defaults
-follow the paper (residual and embedding dropout only, ``attention_dropout =
-activation_dropout = 0``). Hence two rows for our model:
-
-* ``ours``       - our defaults (the paper's dropout), what ``aiayn`` trains;
-* ``ours+drop``  - ``attention_dropout = activation_dropout = 0.1``: nn.Transformer's dropout
-  placement, the same work as ``nn`` (the like-for-like comparison);
-* ``nn``         - torch.nn.Transformer in the wrapper above;
-* ``base``, ``base+drop`` - ``Transformer`` of another model file (``--baseline
-  path/to/model.py``), to measure a change of ``aiayn/model.py`` side by side.
-
-The step
---------
-Timed from ``zero_grad`` to the end of ``optimizer.step()``: forward (inside
-``torch.autocast("cpu", dtype=torch.bfloat16)`` for bf16; weights and Adam state stay
-fp32), the loss ``F.cross_entropy(logits.float().view(-1, V), labels.view(-1),
-ignore_index=0, label_smoothing=0.1, reduction="sum") / ntokens``, backward, Adam
-(betas 0.9/0.98, eps 1e-9).
-
-Batches: variable-length pairs in token buckets, as the shard stage makes them. Source
-lengths are lognormal (median 20 tokens, long tail, 2..100) + EOS, target length = source x
-N(1, 0.1) + BOS/EOS; a pool of 40k pairs is sorted by length and cut into batches of at
-most ``--max-tokens`` (4096) positions per side including padding (rows x longest row);
-``--steps`` of those batches, drawn at random once, are what every configuration runs in
-every round (with the defaults: 71 x 48/57, 67 x 50/61 and 341 x 11/12 pairs x source/
-target positions; 3.5k source and 4.1k target positions, 3.4k non-pad target tokens per
-batch on average). Words are Zipf-distributed; the target is a fixed permutation
-of the source words, so the loss check has something to learn.
+* ``fast``  - this tree, ``train.kernels: fast`` (the default: aiayn/kernels.py);
+* ``plain`` - this tree, ``train.kernels: plain`` (torch's own operators);
+* ``fast+compile`` - ``fast`` with ``train.compile: true``; the script counts Dynamo's
+  compiled graphs (one static and one dynamic-shape graph is the minimum after a second
+  batch shape) and graph breaks;
+* ``main``  - the tree of ``--baseline REF`` (a git commit, extracted with ``git archive``
+  into a temporary folder; params its schema does not know are dropped), the code before
+  a change: measures the change side by side;
+* ``fast+drop`` - ``fast`` with attention and activation dropout 0.1, the dropout
+  placement of ``torch.nn.Transformer(dropout=0.1)``;
+* ``nn``, ``nn+drop`` - ``torch.nn.Transformer(batch_first=True, norm_first=False)`` of the
+  same sizes inside our embedding, positions and tied projection (the very same methods),
+  with its two extra stack LayerNorms removed so that both compute one network, key-padding
+  masks and a causal mask; the loss ``F.cross_entropy(label_smoothing=0.1, ignore_index=pad,
+  reduction="sum")`` on full logits, Adam with torch's defaults; ``nn`` has the paper's
+  dropout placement (residual and embedding only: its attention and activation dropout set
+  to 0, as ``fast``), ``nn+drop`` torch's (0.1 on attention probabilities and FFN
+  activations too, as ``fast+drop``). Same batches, in the same order, as the trainers;
+* ``matmul`` - the machine's fp32 matmul rate in the same run: products of 2048x2048x2048
+  and 4096x256x1024 into preallocated outputs; reported as GFLOP/s, the mean of the two is
+  the denominator of "fraction of the matmul rate".
 
 Protocol
 --------
-Each configuration (model x precision x thread count) runs ``--warmup`` steps; then
-``--rounds`` rounds, in each of which every configuration runs the same ``--steps``
-batches, in an order rotated by one configuration per round. The machine may be shared:
-only configurations measured side by side mean anything, so every ratio is the median over
-rounds of the per-round ratio; absolute figures are medians over rounds. CPU seconds per step
-(``time.process_time``, all threads) are reported next to wall seconds: their gap shows time
-lost to other processes (or spent spinning in OpenMP barriers).
+Each contender lives in its own worker process (its own allocator, thread pool and
+imports: a setting one tree makes cannot help or hurt another), all started before timing,
+each warmed up for ``--warmup`` steps. Then ``--rounds`` rounds: in each, every contender in
+turn runs ``--steps`` steps (the order rotates by one per round) while the others wait
+idle; all trainers take the same batches in a round (one sampler seed). The machine may be
+shared: only figures taken side by side mean anything, so each ratio is the median over
+rounds of the per-round ratio, and absolute figures are medians over rounds. CPU seconds
+per step (all threads) are reported beside wall seconds: their gap is time lost to other
+processes.
 
-FLOPs (analytic, the same formula for every model; model FLOPs of non-pad tokens only)::
+FLOPs: counted analytically by ``bench/flops.py`` (weight matmuls, attention, the tied
+projection; real tokens only), the same for every contender; achieved GFLOP/s = the FLOPs of
+the round's batches / its wall time.
 
-    a matmul (n x k) @ (k x m) is 2 n k m FLOPs; forward + backward = 3 x forward.
-    P_enc = L_enc (4 d^2 + 2 d d_ff)  weight-matrix parameters of the encoder and of the
-    P_dec = L_dec (8 d^2 + 2 d d_ff)  decoder (no biases, LayerNorms or embeddings)
-    per pair with s source and t target non-pad tokens (EOS/BOS included):
-        6 P_enc s + 6 P_dec t                                        weight matmuls
-      + 12 d (L_enc s^2 + L_dec t (t + 1) / 2 + L_dec t s)           QK^T and AV (causal:
-                                                                     lower triangle only)
-      + 6 d V t                                                      tied output projection
-    achieved FLOP/s = sum over the batch / step time.
-
-Loss check: from the same initial weights, on the same ``--loss-steps`` batches (fresh ones,
-not the timing batches), with the same dropout seed, each model trains ``--loss-steps``
-steps in fp32 and in bf16 (Adam at a constant 1e-3, about the paper schedule's peak at
-d=256, so that the loss moves within a few steps); reported: the loss of step 1 (same
-weights: the pure precision effect) and the mean of the last 5 steps.
+Data: ``--shards`` (and ``--tokenizer``) if given; otherwise the preset's data stages are run
+once into ``--workdir`` (``aiayn download/vocab/survey/shard``; the ``multi30k`` preset reads
+``../shared/data/multi30k`` beside the repository, ``--corpus`` points elsewhere; ``demo``
+needs nothing) and reused by later runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import math
 import os
 import platform
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
-
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script: make `aiayn` importable without installing
+if str(REPO) not in sys.path:  # run as a script: make `bench` importable
     sys.path.insert(0, str(REPO))
 
-from aiayn.model import Transformer, TransformerConfig, sinusoidal_positions  # noqa: E402
-from aiayn.precision import cpu_has_native_bf16  # noqa: E402
-from bench.machine import cpu_model  # noqa: E402
-
-PAD, BOS, EOS = 0, 1, 2
-FIRST_WORD = 4  # ids below are special tokens
-KINDS = ("ours", "ours+drop", "nn", "base", "base+drop")
-
-
-# --------------------------------------------------------------------------- models
-
-
-class TorchTransformer(nn.Module):
-    """torch.nn.Transformer inside our embedding, positions and tied output projection."""
-
-    # The very same code as our model's: only the encoder-decoder stack differs.
-    embed = Transformer.embed
-    logits = Transformer.logits
-
-    def __init__(self, cfg: TransformerConfig):
-        super().__init__()
-        assert cfg.norm == "post"
-        self.cfg = cfg
-        self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_id)
-        self.register_buffer("positions", sinusoidal_positions(cfg.max_positions, cfg.d_model),
-                             persistent=False)
-        self.stack = nn.Transformer(
-            d_model=cfg.d_model, nhead=cfg.heads, num_encoder_layers=cfg.encoder_layers,
-            num_decoder_layers=cfg.decoder_layers, dim_feedforward=cfg.d_ff,
-            dropout=cfg.dropout, batch_first=True, norm_first=False)
-        # Post-LN stacks end in a sub-layer LayerNorm; nn.Transformer adds one more per stack.
-        self.stack.encoder.norm = None
-        self.stack.decoder.norm = None
-        nn.init.normal_(self.embedding.weight, mean=0.0, std=cfg.d_model ** -0.5)
-        with torch.no_grad():
-            self.embedding.weight[cfg.pad_id].zero_()
-        for name, p in self.stack.named_parameters():
-            if p.dim() > 1:
-                nn.init.xavier_uniform_(p)
-            elif "norm" not in name:
-                nn.init.zeros_(p)
-
-    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
-        src_pad, tgt_pad = src == self.cfg.pad_id, tgt_in == self.cfg.pad_id
-        t = tgt_in.shape[1]
-        causal = torch.ones(t, t, dtype=torch.bool, device=src.device).triu(1)  # True: masked
-        y = self.stack(self.embed(src), self.embed(tgt_in), tgt_mask=causal,
-                       src_key_padding_mask=src_pad, tgt_key_padding_mask=tgt_pad,
-                       memory_key_padding_mask=src_pad, tgt_is_causal=True)
-        return self.logits(y)
+TRAINERS = {  # contender -> train.* overrides on top of the preset
+    "fast": {"kernels": "fast"},
+    "plain": {"kernels": "plain"},
+    "fast+compile": {"kernels": "fast", "compile": True},
+    "fast+drop": {"kernels": "fast", "attention_dropout": 0.1, "activation_dropout": 0.1},
+    "main": {},
+}
+OTHERS = ("nn", "nn+drop", "matmul")
+DEFAULT = "fast,plain,nn,matmul"
+MATMULS = ((2048, 2048, 2048), (4096, 256, 1024))
 
 
-def load_module(path: Path):
-    """Import a model file under its own name (a baseline copy of aiayn/model.py)."""
-    name = f"baseline_{path.stem}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
+# =========================================================================== workers
 
 
-def make_model(kind: str, cfg: TransformerConfig, baseline=None) -> nn.Module:
-    if kind == "nn":
-        return TorchTransformer(cfg)
-    d = cfg.to_dict()
-    if kind.endswith("+drop"):  # nn.Transformer's dropout placement
-        d.update(attention_dropout=cfg.dropout, activation_dropout=cfg.dropout)
-    if kind.startswith("ours"):
-        return Transformer(TransformerConfig(**d))
-    if kind.startswith("base"):
-        if baseline is None:
-            raise SystemExit(f"--models {kind} needs --baseline path/to/model.py")
-        return baseline.Transformer(baseline.TransformerConfig(**d))
-    raise SystemExit(f"unknown model {kind!r}; choose from {', '.join(KINDS)}")
-
-
-# --------------------------------------------------------------------------- FLOPs
-
-
-def matmul_params(cfg: TransformerConfig) -> tuple[int, int]:
-    d, f = cfg.d_model, cfg.d_ff
-    return (cfg.encoder_layers * (4 * d * d + 2 * d * f),
-            cfg.decoder_layers * (8 * d * d + 2 * d * f))
-
-
-def train_flops(cfg: TransformerConfig, src_len: np.ndarray, tgt_len: np.ndarray) -> float:
-    """Model FLOPs of one training step (forward + backward) over pairs of these lengths."""
-    p_enc, p_dec = matmul_params(cfg)
-    d, V = cfg.d_model, cfg.vocab_size
-    s, t = src_len.astype(np.float64), tgt_len.astype(np.float64)
-    weights = 6 * p_enc * s.sum() + 6 * p_dec * t.sum()
-    attention = 12 * d * (cfg.encoder_layers * (s * s).sum()
-                          + cfg.decoder_layers * (t * (t + 1) / 2).sum()
-                          + cfg.decoder_layers * (t * s).sum())
-    output = 6 * d * V * t.sum()
-    return float(weights + attention + output)
-
-
-# --------------------------------------------------------------------------- data
-
-
-def make_batches(cfg: TransformerConfig, n: int, max_tokens: int, seed: int) -> list[dict]:
-    """``n`` token-bucket batches drawn from a length-sorted pool of variable-length pairs."""
-    rng = np.random.default_rng(seed)
-    pairs = 40_000
-    src_len = np.clip(np.round(rng.lognormal(math.log(20), 0.55, pairs)), 2, 100).astype(int)
-    tgt_len = np.clip(np.round(src_len * rng.normal(1.0, 0.1, pairs)), 2, 100).astype(int)
-    buckets, rows, longest = [], [], 0
-    for i in np.lexsort((tgt_len, src_len)):  # by source length, then target length
-        length = max(src_len[i], tgt_len[i]) + 1  # + EOS (source, labels) / BOS (input)
-        if rows and max(longest, length) * (len(rows) + 1) > max_tokens:
-            buckets.append(rows)
-            rows, longest = [], 0
-        rows.append(i)
-        longest = max(longest, length)
-    buckets.append(rows)
-    # Zipf-like words, and a fixed source -> target word mapping.
-    words = np.arange(FIRST_WORD, cfg.vocab_size)
-    p = 1.0 / (np.arange(len(words)) + 10.0)
-    p /= p.sum()
-    mapping = np.arange(cfg.vocab_size)
-    mapping[FIRST_WORD:] = rng.permutation(words)
-    out = []
-    for b in rng.choice(len(buckets), size=n, replace=False):
-        idx = buckets[b]
-        s, t = src_len[idx], tgt_len[idx]
-        src = np.full((len(idx), s.max() + 1), PAD)
-        tgt_in = np.full((len(idx), t.max() + 1), PAD)
-        tgt_out = np.full_like(tgt_in, PAD)
-        for r, (si, ti) in enumerate(zip(s, t, strict=True)):
-            sent = rng.choice(words, size=si, p=p)
-            trans = mapping[sent[np.arange(ti) % si]]
-            src[r, :si], src[r, si] = sent, EOS
-            tgt_in[r, 0], tgt_in[r, 1:ti + 1] = BOS, trans
-            tgt_out[r, :ti], tgt_out[r, ti] = trans, EOS
-        out.append({"src": torch.from_numpy(src), "tgt_in": torch.from_numpy(tgt_in),
-                    "tgt_out": torch.from_numpy(tgt_out), "ntokens": int((tgt_out != PAD).sum()),
-                    "flops": train_flops(cfg, s + 1, t + 1)})
+def _known_params(raw: dict, model) -> dict:
+    """``raw`` without the keys a (possibly older) pydantic params schema does not know."""
+    out = {}
+    for key, value in raw.items():
+        field = model.model_fields.get(key)
+        if field is None:
+            continue
+        sub = field.annotation
+        if isinstance(value, dict) and isinstance(sub, type) and hasattr(sub, "model_fields"):
+            out[key] = _known_params(value, sub)
+        else:
+            out[key] = value
     return out
 
 
-# --------------------------------------------------------------------------- training step
+class TrainerWorker:
+    """The Trainer of the tree on sys.path, stepping through its own loader."""
+
+    def __init__(self, spec: dict):
+        import torch
+        import yaml
+
+        from aiayn.checkpoint import file_sha256
+        from aiayn.config import Params, parse_params
+        from aiayn.distributed import World
+        from aiayn.tokenizer import load_tokenizer
+        from aiayn.trainer import Trainer, TrainPaths
+
+        raw = yaml.safe_load(Path(spec["params"]).read_text())
+        raw.setdefault("train", {}).update(spec["train"])
+        known = _known_params(raw, Params)
+        dropped = sorted(set(raw["train"]) - set(known["train"]))
+        if set(spec["train"]) & set(dropped):
+            raise SystemExit(f"{spec['name']}: this tree has no train.{dropped[0]}")
+        p = parse_params(known, spec["params"])
+        run = Path(spec["scratch"]) / spec["name"].replace("+", "_")
+        paths = TrainPaths(shards=Path(spec["shards"]), checkpoints=run / "checkpoints",
+                           metrics=run / "train.json", train_log=run / "train_log.tsv",
+                           valid_log=run / "valid_log.tsv")
+        tok = Path(spec["tokenizer"])
+        self.trainer = Trainer(p, load_tokenizer(tok).get_vocab_size(), file_sha256(tok),
+                               paths, World(), progress=False)
+        self.trainer.model.train()
+        self.it = iter(self.trainer.loader)
+        self.log_every = p.train.log_every
+        self.flush = getattr(self.trainer, "_flush", None)  # trees that defer the loss read
+        self.heap = getattr(self.trainer, "heap", None)
+        self.torch = torch
+        self.info = {"aiayn": str(Path(sys.modules["aiayn"].__file__).parent),
+                     "dropped_params": dropped, "precision": p.train.precision}
+
+    def step(self) -> None:
+        t = self.trainer
+        t.train_step(t._micro_batches(self.it))
+        if self.heap is not None:
+            self.heap.after_step(t.state.step)
+        if self.flush is not None and t.state.step % self.log_every == 0:
+            self.flush()
+
+    def extra(self) -> dict:
+        try:
+            from torch._dynamo.utils import counters
+        except ImportError:
+            return {}
+        return {"graphs": int(counters["stats"].get("unique_graphs", 0)),
+                "graph_breaks": int(sum(counters["graph_break"].values()))}
 
 
-class Runner:
-    """One model, its Adam, and a training step in fp32 or under bf16 autocast."""
+class TorchNNWorker:
+    """torch.nn.Transformer of the preset's sizes, on the trainer's batches in its order."""
 
-    def __init__(self, model: nn.Module, lr: float = 1e-4):
-        self.model = model.train()
-        self.opt = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.98), eps=1e-9)
-        self.V = model.cfg.vocab_size
+    def __init__(self, spec: dict):
+        import torch
+        import torch.nn.functional as F
+        import yaml
+        from torch import nn
 
-    def step(self, batch: dict, bf16: bool) -> float:
+        from aiayn.config import parse_params
+        from aiayn.model import Transformer, sinusoidal_positions
+        from aiayn.precision import autocast_dtype
+        from aiayn.sampler import BatchLoader, ShardDataset, TokenBudgetSampler
+        from aiayn.tokenizer import load_tokenizer
+        from aiayn.trainer import model_config
+
+        p = parse_params(yaml.safe_load(Path(spec["params"]).read_text()), spec["params"])
+        cfg = model_config(p, load_tokenizer(Path(spec["tokenizer"])).get_vocab_size())
+        drop_everywhere = spec["name"] == "nn+drop"
+
+        class TorchTransformer(nn.Module):
+            embed = Transformer.embed  # the very same input and output code as ours
+            logits = Transformer.logits
+
+            def __init__(self):
+                super().__init__()
+                self.cfg = cfg
+                self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model,
+                                              padding_idx=cfg.pad_id)
+                self.embed_dropout = nn.Dropout(cfg.dropout)
+                self.register_buffer("positions", sinusoidal_positions(
+                    cfg.max_positions, cfg.d_model), persistent=False)
+                self.stack = nn.Transformer(
+                    d_model=cfg.d_model, nhead=cfg.heads, num_encoder_layers=cfg.encoder_layers,
+                    num_decoder_layers=cfg.decoder_layers, dim_feedforward=cfg.d_ff,
+                    dropout=cfg.dropout, batch_first=True, norm_first=False)
+                # Post-LN stacks end in a sub-layer LayerNorm; nn.Transformer adds one more.
+                self.stack.encoder.norm = None
+                self.stack.decoder.norm = None
+                if not drop_everywhere:  # the paper's placement: residual + embedding only
+                    for layer in [*self.stack.encoder.layers, *self.stack.decoder.layers]:
+                        layer.dropout = nn.Identity()  # the FFN activation's dropout
+                        for attn in (layer.self_attn, getattr(layer, "multihead_attn", None)):
+                            if attn is not None:
+                                attn.dropout = 0.0
+                nn.init.normal_(self.embedding.weight, mean=0.0, std=cfg.d_model ** -0.5)
+                with torch.no_grad():
+                    self.embedding.weight[cfg.pad_id].zero_()
+                for name, q in self.stack.named_parameters():
+                    if q.dim() > 1:
+                        nn.init.xavier_uniform_(q)
+                    elif "norm" not in name:
+                        nn.init.zeros_(q)
+
+            def forward(self, src, tgt_in):
+                src_pad, tgt_pad = src == cfg.pad_id, tgt_in == cfg.pad_id
+                t = tgt_in.shape[1]
+                causal = torch.ones(t, t, dtype=torch.bool).triu(1)  # True: masked
+                y = self.stack(self.embed(src), self.embed(tgt_in), tgt_mask=causal,
+                               src_key_padding_mask=src_pad, tgt_key_padding_mask=tgt_pad,
+                               memory_key_padding_mask=src_pad, tgt_is_causal=True)
+                return self.logits(y)
+
+        torch.manual_seed(p.seed)
+        self.model = TorchTransformer().train()
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4,
+                                    betas=tuple(p.train.adam_betas), eps=p.train.adam_eps)
+        data = ShardDataset(Path(spec["shards"]) / "train")
+        self.it = iter(BatchLoader(data, TokenBudgetSampler(data.num_batches, seed=p.seed)))
+        self.amp = autocast_dtype(p.train.precision, torch.device("cpu"))
+        self.eps, self.pad, self.V = p.train.label_smoothing, cfg.pad_id, cfg.vocab_size
+        self.torch, self.F = torch, F
+        self.info = {"precision": p.train.precision}
+
+    def step(self) -> None:
+        torch, F = self.torch, self.F
+        b = next(self.it)
         self.opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            logits = self.model(batch["src"], batch["tgt_in"])
-        loss = F.cross_entropy(logits.float().view(-1, self.V), batch["tgt_out"].view(-1),
-                               ignore_index=PAD, label_smoothing=0.1,
-                               reduction="sum") / batch["ntokens"]
+        with torch.autocast("cpu", dtype=self.amp or torch.float32, enabled=self.amp is not None):
+            logits = self.model(b.src, b.tgt_in)
+        loss = F.cross_entropy(logits.float().view(-1, self.V), b.tgt_out.view(-1),
+                               ignore_index=self.pad, label_smoothing=self.eps,
+                               reduction="sum") / b.tgt_tokens
         loss.backward()
         self.opt.step()
-        return loss.item()
+        loss.item()
+
+    def extra(self) -> dict:
+        return {}
 
 
-def timed_steps(runner: Runner, batches: list[dict], bf16: bool) -> dict:
-    cpu, wall = time.process_time(), time.perf_counter()
-    for b in batches:
-        runner.step(b, bf16)
-    return {"wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu,
-            "tokens": sum(b["ntokens"] for b in batches),
-            "flops": sum(b["flops"] for b in batches)}
+class MatmulWorker:
+    """Each 'step' is one product of each shape in MATMULS; reports GFLOP/s per shape."""
+
+    def __init__(self, spec: dict):
+        import torch
+
+        self.torch = torch
+        self.ops = []
+        for m, k, n in MATMULS:
+            a, b, out = torch.randn(m, k), torch.randn(k, n), torch.empty(m, n)
+            self.ops.append((f"{m}x{k}x{n}", a, b, out, 2.0 * m * k * n))
+        self.seconds = {name: 0.0 for name, *_ in self.ops}
+        self.products = 0
+        self.info = {}
+
+    def step(self) -> None:
+        for name, a, b, out, _ in self.ops:
+            t = time.perf_counter()
+            for _ in range(4):
+                self.torch.mm(a, b, out=out)
+            self.seconds[name] += time.perf_counter() - t
+        self.products += 4
+
+    def extra(self) -> dict:
+        rates = {name: self.products * flops / self.seconds[name] / 1e9
+                 for name, *_, flops in self.ops}
+        self.seconds = {name: 0.0 for name in self.seconds}
+        self.products = 0
+        return {"gflops": rates}
 
 
-def loss_check(cfg: TransformerConfig, kinds: list[str], batches: list[dict], seed: int,
-               baseline=None) -> dict:
-    """Same init, same data, same dropout seed: the loss curve in fp32 and in bf16."""
-    out = {}
-    for kind in kinds:
-        torch.manual_seed(seed)
-        init = make_model(kind, cfg, baseline).state_dict()
-        curves = {}
-        for prec in ("fp32", "bf16"):
-            model = make_model(kind, cfg, baseline)
-            model.load_state_dict(init)
-            runner = Runner(model, lr=1e-3)
-            torch.manual_seed(seed + 1)  # the same dropout masks in both precisions
-            curves[prec] = [runner.step(b, prec == "bf16") for b in batches]
-        tail = min(5, len(batches))
-        out[kind] = {p: {"step1": c[0], "last": c[-1], "mean_last5": statistics.fmean(c[-tail:]),
-                         "curve": c} for p, c in curves.items()}
+def worker_main(spec: dict) -> None:
+    """Serve 'run N' requests on stdin with one JSON line each on stdout."""
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    if spec["tree"] != str(REPO):
+        sys.path.insert(0, spec["tree"])
+    name = spec["name"]
+    cls = (MatmulWorker if name == "matmul" else TorchNNWorker if name.startswith("nn")
+           else TrainerWorker)
+    worker = cls(spec)
+    out = sys.stdout
+    sys.stdout = sys.stderr  # whatever the code prints must not reach the protocol stream
+    print(json.dumps({"ready": True, **worker.info}), file=out, flush=True)
+    for line in sys.stdin:
+        cmd, _, arg = line.strip().partition(" ")
+        if cmd == "quit":
+            break
+        n = int(arg)
+        if cmd == "profile":
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
+
+            with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                for _ in range(n):
+                    worker.step()
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30,
+                                              max_name_column_width=55)
+            print(json.dumps({"profile": table}), file=out, flush=True)
+            continue
+        cpu, wall = time.process_time(), time.perf_counter()
+        for _ in range(n):
+            worker.step()
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        print(json.dumps({"wall": wall, "cpu": cpu, **worker.extra()}), file=out, flush=True)
+
+
+class Worker:
+    """The coordinator's handle on one worker process."""
+
+    def __init__(self, spec: dict, env: dict):
+        self.name = spec["name"]
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--worker", json.dumps(spec)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True, env=env, cwd=spec["scratch"])
+        self.info = self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"error: contender {self.name} died (see its messages above)")
+        return json.loads(line)
+
+    def ask(self, cmd: str) -> dict:
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+
+
+# =========================================================================== data and FLOPs
+
+
+def prepare_data(args) -> tuple[Path, Path, Path]:
+    """(params file, shards, tokenizer): given, or made once in the work folder."""
+    import yaml
+
+    from stages.params import compose
+
+    work = args.workdir / args.preset
+    params = work / "params.yaml"
+    raw = yaml.safe_load(compose(REPO / "conf", args.preset, []))
+    if raw["data"]["source"] == "local":
+        corpus = args.corpus or (REPO / raw["data"]["local"]["dir"]).resolve()
+        if not Path(corpus).is_dir():
+            raise SystemExit(f"error: the {args.preset} preset reads {corpus}, which is missing; "
+                             "pass --corpus DIR (its files), --shards DIR, or --preset demo")
+        raw["data"]["local"]["dir"] = str(Path(corpus).resolve())
+    work.mkdir(parents=True, exist_ok=True)
+    text = yaml.safe_dump(raw, sort_keys=False)
+    if args.shards:
+        params.write_text(text)
+        return params, args.shards, args.tokenizer or args.shards.parent / "vocab/tokenizer.json"
+    shards, tokenizer = work / "data/shards", work / "data/vocab/tokenizer.json"
+    if not (params.is_file() and params.read_text() == text and (shards / "train").is_dir()):
+        params.write_text(text)
+        (work / "metrics").mkdir(exist_ok=True)
+        exe = Path(sys.executable).with_name("aiayn")
+        for stage in ("download", "vocab", "survey", "shard"):
+            print(f"data: aiayn {stage} (into {work})", flush=True)
+            subprocess.run([str(exe) if exe.exists() else "aiayn", stage, "--params",
+                            str(params)], cwd=work, check=True)
+    return params, shards, tokenizer
+
+
+def round_batches(params: Path, shards: Path, steps: int, skip: int) -> list[tuple]:
+    """(source lengths, target lengths) of the batches of each step in [skip, skip+steps),
+    in the trainers' order (one process; accumulation from the params)."""
+    import numpy as np
+    import yaml
+
+    from aiayn.config import parse_params
+    from aiayn.sampler import ShardDataset, TokenBudgetSampler
+    from aiayn.trainer import accumulation_steps
+
+    p = parse_params(yaml.safe_load(params.read_text()))
+    data = ShardDataset(shards / "train")
+    accum = accumulation_steps(p.train.tokens_per_step, 1, int(data.meta["max_tokens"]))
+    sampler = TokenBudgetSampler(data.num_batches, seed=p.seed)
+    out = []
+    for i in range((skip + steps) * accum):
+        index = next(sampler)
+        if i >= skip * accum:
+            b = data.batch(index)
+            out.append((np.asarray((b.src != data.pad_id).sum(1)),
+                        np.asarray((b.tgt_out != data.pad_id).sum(1)), b.tgt_tokens))
     return out
 
 
-def profile(runners: dict, configs: list, batches: list[dict], steps: int = 2) -> None:
-    """torch.profiler over ``steps`` steps per configuration, sorted by self CPU time."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    for kind, prec, threads in configs:
-        torch.set_num_threads(threads)
-        with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-            for b in batches[:steps]:
-                runners[kind].step(b, prec == "bf16")
-        print(f"\n=== profile: {kind} {prec}, {threads} threads, {steps} steps ===")
-        averages = prof.key_averages()
-        print(averages.table(sort_by="self_cpu_time_total", row_limit=25,
-                             max_name_column_width=50))
-        print(prof.key_averages(group_by_input_shape=True).table(
-            sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=40,
-            max_shapes_column_width=70))
+# =========================================================================== coordinator
 
 
-# --------------------------------------------------------------------------- main
+def extract_tree(ref: str, dest: Path) -> Path:
+    """The aiayn package of git commit ``ref``, unpacked under ``dest``."""
+    dest.mkdir(parents=True, exist_ok=True)
+    try:
+        archive = subprocess.run(["git", "archive", ref, "aiayn"], cwd=REPO, check=True,
+                                 capture_output=True).stdout
+    except subprocess.CalledProcessError as exc:
+        raise SystemExit(f"error: --baseline {ref}: git archive failed: "
+                         f"{exc.stderr.decode().strip()}") from None
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return dest
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contenders", default=None,
+                    help=f"comma-separated from {', '.join([*TRAINERS, *OTHERS])} (default "
+                         f"{DEFAULT}, plus main with --baseline)")
+    ap.add_argument("--baseline", default=None, metavar="REF",
+                    help="git commit whose trainer runs as contender 'main' (e.g. 9852772)")
+    ap.add_argument("--preset", default="multi30k", help="conf/experiment preset (multi30k)")
+    ap.add_argument("--precision", default=None, choices=("auto", "fp32", "bf16"),
+                    help="train.precision for every contender (default: the preset's, auto)")
+    ap.add_argument("--corpus", type=Path, default=None, help="the local preset's text folder")
+    ap.add_argument("--shards", type=Path, default=None, help="use these shards (train/valid)")
+    ap.add_argument("--tokenizer", type=Path, default=None, help="their tokenizer.json")
+    ap.add_argument("--workdir", type=Path,
+                    default=Path(tempfile.gettempdir()) / "aiayn-bench-train",
+                    help="where the data stages write and workers keep scratch files")
+    ap.add_argument("--rounds", type=int, default=12, help="measured rounds (default 12)")
+    ap.add_argument("--steps", type=int, default=2,
+                    help="steps per contender per round (default 2: short turns, so that "
+                         "the machine's drift hits every contender alike)")
+    ap.add_argument("--warmup", type=int, default=4,
+                    help="warm-up steps per contender (default 4; compile adds its own)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch.set_num_threads in every worker (default: torch's default)")
+    ap.add_argument("--profile", default=None, metavar="CONTENDER",
+                    help="also print a torch.profiler table of 3 steps of this contender")
+    ap.add_argument("--json", type=Path, default=None, help="write all results here")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=5, help="measured rounds (default 5)")
-    ap.add_argument("--steps", type=int, default=3,
-                    help="steps (distinct batches) per configuration per round (default 3)")
-    ap.add_argument("--warmup", type=int, default=2, help="warm-up steps per configuration")
-    ap.add_argument("--threads", default=None,
-                    help="torch.set_num_threads; a comma-separated list (e.g. 1,2) alternates "
-                         "thread counts as further configurations (default: torch's default)")
-    ap.add_argument("--max-tokens", type=int, default=4096, help="positions per batch side")
-    ap.add_argument("--models", default="ours,ours+drop,nn",
-                    help=f"comma-separated, from {', '.join(KINDS)} (default ours,ours+drop,nn)")
-    ap.add_argument("--precisions", default=None,
-                    help="fp32, bf16 or both (default: both on a CPU with native bf16, else "
-                         "fp32: emulated bf16 is ~100x slower)")
-    ap.add_argument("--baseline", type=Path, default=None,
-                    help="another model.py, run as models base / base+drop")
-    ap.add_argument("--loss-steps", type=int, default=20, help="0 skips the loss check")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--profile", action="store_true",
-                    help="before timing, profile 2 steps per configuration (torch.profiler)")
-    ap.add_argument("--json", type=Path, default=None, help="write all results here")
-    args = ap.parse_args(argv)
+    args = parse_args(argv)
+    if args.worker:
+        worker_main(json.loads(args.worker))
+        return {}
+    import torch
+    import yaml
 
-    thread_counts = ([int(t) for t in args.threads.split(",")] if args.threads
-                     else [torch.get_num_threads()])
-    if args.precisions is None:
-        args.precisions = "fp32,bf16" if cpu_has_native_bf16() else "fp32"
-        if args.precisions == "fp32":
-            print("this CPU has no native bf16 (see aiayn/precision.py): fp32 only; "
-                  "--precisions fp32,bf16 measures bf16 anyway", flush=True)
-    kinds, precs = args.models.split(","), args.precisions.split(",")
-    baseline = load_module(args.baseline) if args.baseline else None
-    cfg = TransformerConfig(vocab_size=8000, d_model=256, heads=4, encoder_layers=3,
-                            decoder_layers=3, d_ff=1024, dropout=0.1, norm="post")
-    configs = [(k, p, t) for t in thread_counts for p in precs for k in kinds]
-    multi = len(thread_counts) > 1
+    from aiayn.config import parse_params
+    from aiayn.precision import cpu_has_native_bf16
+    from aiayn.tokenizer import load_tokenizer
+    from aiayn.trainer import model_config
+    from bench.flops import train_flops
+    from bench.machine import cpu_model
 
-    def name(k: str, p: str, t: int) -> str:
-        return f"{k} {p}" + (f" t{t}" if multi else "")
+    names = (args.contenders or DEFAULT + (",main" if args.baseline else "")).split(",")
+    unknown = [n for n in names if n not in TRAINERS and n not in OTHERS]
+    if unknown:
+        raise SystemExit(f"error: unknown contender(s) {', '.join(unknown)}; choose from "
+                         f"{', '.join([*TRAINERS, *OTHERS])}")
+    if "main" in names and not args.baseline:
+        raise SystemExit("error: contender main needs --baseline REF")
+    if args.profile and args.profile not in names:
+        names.append(args.profile)
+    threads = args.threads or torch.get_num_threads()
+    params, shards, tokenizer = prepare_data(args)
+    if args.precision:
+        raw = yaml.safe_load(params.read_text())
+        raw["train"]["precision"] = args.precision
+        params = params.with_name(f"params-{args.precision}.yaml")
+        params.write_text(yaml.safe_dump(raw, sort_keys=False))
+    p = parse_params(yaml.safe_load(params.read_text()))
+    cfg = model_config(p, load_tokenizer(tokenizer).get_vocab_size())
+    bf16 = cpu_has_native_bf16()
+    info = {"cpu": cpu_model(), "native_bf16": bf16, "logical_cpus": os.cpu_count(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": threads,
+            "torch": torch.__version__, "python": platform.python_version(),
+            "preset": args.preset, "precision": p.train.precision, "model": cfg.to_dict(),
+            "contenders": names, "baseline": args.baseline, "rounds": args.rounds,
+            "steps": args.steps, "warmup": args.warmup, "command": " ".join(sys.argv),
+            "load_average": os.getloadavg()}
+    print(f"CPU {info['cpu']} ({info['logical_cpus']} logical CPUs, {info['cpu_capability']}, "
+          f"{'native bf16' if bf16 else 'no native bf16: AVX2-class, bf16 emulated'}); "
+          f"torch {torch.__version__}, {threads} threads; load average "
+          + " ".join(f"{x:.1f}" for x in info["load_average"]))
+    print(f"preset {args.preset}: d_model {cfg.d_model}, {cfg.encoder_layers}+"
+          f"{cfg.decoder_layers} layers, d_ff {cfg.d_ff}, {cfg.heads} heads, vocabulary "
+          f"{cfg.vocab_size}, dropout {cfg.dropout}, batches <= {p.shard.max_tokens} tokens, "
+          f"precision {p.train.precision}")
 
-    info = {"torch": torch.__version__, "default_threads": torch.get_num_threads(),
-            "threads": thread_counts, "cpu": cpu_model(), "logical_cpus": os.cpu_count(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "python": platform.python_version(), "config": cfg.to_dict(),
-            "models": kinds, "baseline": str(args.baseline) if args.baseline else None,
-            "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
-            "command": " ".join(sys.argv)}
-    print(f"torch {info['torch']}  torch.get_num_threads() {info['default_threads']}  "
-          f"measured with threads {thread_counts}  CPU {info['cpu']} "
-          f"({info['logical_cpus']} logical CPUs, {info['cpu_capability']})")
-    info["load_average"] = os.getloadavg()
-    print("load average (1, 5, 15 min): " + " ".join(f"{x:.1f}" for x in info["load_average"]))
-
-    batches = make_batches(cfg, args.steps, args.max_tokens, args.seed)
-    info["batches"] = [f"{tuple(b['src'].shape)}/{tuple(b['tgt_in'].shape)}" for b in batches]
-    mean = statistics.fmean
-    print(f"batches (src/tgt shapes): {' '.join(info['batches'])}")
-    print(f"per batch on average: {mean(b['src'].numel() for b in batches):.0f} source / "
-          f"{mean(b['tgt_in'].numel() for b in batches):.0f} target positions with padding, "
-          f"{mean(b['ntokens'] for b in batches):.0f} non-pad target tokens, "
-          f"{mean(b['flops'] for b in batches) / 1e9:.1f} GFLOP per training step")
-    p_enc, p_dec = matmul_params(cfg)
-    print(f"FLOPs = 6 (P_enc s + P_dec t) + 12 d (L_enc s^2 + L_dec t(t+1)/2 + L_dec t s) "
-          f"+ 6 d V t per pair; P_enc {p_enc:,}, P_dec {p_dec:,}, d V {cfg.d_model * 8000:,}")
-
-    runners = {}
-    for k in kinds:
-        torch.manual_seed(args.seed)
-        runners[k] = Runner(make_model(k, cfg, baseline))
-
-    t0 = time.perf_counter()
-    for k, p, t in configs:  # warm-up: allocator, oneDNN kernels, Adam state
-        torch.set_num_threads(t)
-        for i in range(args.warmup):
-            runners[k].step(batches[i % len(batches)], p == "bf16")
-    print(f"warm-up {time.perf_counter() - t0:.0f} s", flush=True)
-
-    if args.profile:
-        profile(runners, configs, batches)
-
-    names = [name(*c) for c in configs]
-    runs = {n: [] for n in names}
-    for r in range(args.rounds):
-        order = configs[r % len(configs):] + configs[:r % len(configs)]
-        for k, p, t in order:
-            torch.set_num_threads(t)
-            runs[name(k, p, t)].append(timed_steps(runners[k], batches, p == "bf16"))
-        line = "  ".join(f"{n} {runs[n][-1]['tokens'] / runs[n][-1]['wall']:.0f}" for n in names)
-        print(f"round {r + 1}/{args.rounds} tok/s: {line}", flush=True)
+    scratch = Path(tempfile.mkdtemp(prefix="run-", dir=args.workdir))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    trees = {n: str(REPO) for n in names}
+    if "main" in names:
+        trees["main"] = str(extract_tree(args.baseline, scratch / "baseline"))
+    workers: dict[str, Worker] = {}
+    try:
+        t0 = time.perf_counter()
+        for n in names:
+            spec = {"name": n, "tree": trees[n], "params": str(params), "shards": str(shards),
+                    "tokenizer": str(tokenizer), "scratch": str(scratch), "threads": threads,
+                    "train": TRAINERS.get(n, {})}
+            workers[n] = Worker(spec, env)
+            if n == "main":
+                print(f"main: {workers[n].info['aiayn']} (git {args.baseline}); params it does "
+                      f"not know, dropped: {', '.join(workers[n].info['dropped_params']) or '-'}")
+        for n, w in workers.items():  # warm-up: allocator, kernels, Adam state, compilation
+            t = time.perf_counter()
+            w.ask(f"run {args.warmup}")
+            print(f"warm-up {n}: {time.perf_counter() - t:.0f} s", flush=True)
+        runs: dict[str, list[dict]] = {n: [] for n in names}
+        flops, tokens = [], []
+        for r in range(args.rounds):
+            batches = round_batches(params, shards, args.steps, args.warmup + r * args.steps)
+            flops.append(sum(train_flops(cfg, s, t) for s, t, _ in batches))
+            tokens.append(sum(n for *_, n in batches))
+            order = names[r % len(names):] + names[:r % len(names)]
+            for n in order:
+                runs[n].append(workers[n].ask(f"run {args.steps}"))
+            line = "  ".join(f"{n} {tokens[r] / runs[n][-1]['wall']:.0f}" for n in names
+                             if n != "matmul")
+            if "matmul" in names:
+                line += "  matmul " + "/".join(f"{v:.0f}" for v in
+                                               runs["matmul"][-1]["gflops"].values()) + " GFLOP/s"
+            print(f"round {r + 1}/{args.rounds} target tok/s: {line}", flush=True)
+        total = time.perf_counter() - t0
+        if args.profile:  # after the timed rounds, so that every contender saw the same batches
+            print(f"\n=== profile: {args.profile}, 3 steps ===")
+            print(workers[args.profile].ask("profile 3")["profile"])
+    finally:
+        for w in workers.values():
+            w.close()
+        shutil.rmtree(scratch, ignore_errors=True)
 
     med = statistics.median
-    tps = {n: [x["tokens"] / x["wall"] for x in v] for n, v in runs.items()}
-    results = {n: {"tokens_per_s": med(tps[n]),
-                   "gflop_per_s": med(x["flops"] / x["wall"] for x in v) / 1e9,
-                   "wall_s_per_step": med(x["wall"] for x in v) / args.steps,
-                   "cpu_s_per_step": med(x["cpu"] for x in v) / args.steps,
-                   "tokens_per_s_rounds": tps[n], "rounds": v}
-               for n, v in runs.items()}
+    results, tps = {}, {}
+    for n in names:
+        if n == "matmul":
+            continue
+        tps[n] = [tokens[r] / x["wall"] for r, x in enumerate(runs[n])]
+        results[n] = {"tokens_per_s": med(tps[n]),
+                      "gflop_per_s": med(flops[r] / x["wall"] / 1e9 for r, x in enumerate(runs[n])),
+                      "wall_s_per_step": med(x["wall"] for x in runs[n]) / args.steps,
+                      "cpu_s_per_step": med(x["cpu"] for x in runs[n]) / args.steps,
+                      "tokens_per_s_rounds": tps[n],
+                      **{k: runs[n][-1][k] for k in ("graphs", "graph_breaks")
+                         if k in runs[n][-1]}}
+    matmul = None
+    if "matmul" in names:
+        per_round = [statistics.fmean(x["gflops"].values()) for x in runs["matmul"]]
+        matmul = {"gflop_per_s": med(per_round), "rounds": per_round,
+                  "shapes": {k: med(x["gflops"][k] for x in runs["matmul"])
+                             for k in runs["matmul"][0]["gflops"]}}
+        for n, res in results.items():
+            res["matmul_fraction"] = med(flops[r] / x["wall"] / 1e9 / per_round[r]
+                                         for r, x in enumerate(runs[n]))
 
     def ratio(a: str, b: str) -> float:
         return med(x / y for x, y in zip(tps[a], tps[b], strict=True))
 
-    ratios = {}
-    for t in thread_counts:
-        for k in kinds:
-            if k != "nn" and "nn" in kinds:
-                for p in precs:
-                    ratios[f"{name(k, p, t)} / {name('nn', p, t)}"] = \
-                        ratio(name(k, p, t), name("nn", p, t))
-            if k.startswith("ours") and k.replace("ours", "base") in kinds:
-                b = k.replace("ours", "base")
-                for p in precs:
-                    ratios[f"{name(k, p, t)} / {name(b, p, t)}"] = \
-                        ratio(name(k, p, t), name(b, p, t))
-        if len(precs) == 2:
-            for k in kinds:
-                ratios[f"{name(k, 'bf16', t)} / {name(k, 'fp32', t)}"] = \
-                    ratio(name(k, "bf16", t), name(k, "fp32", t))
-    if multi:
-        for k, p in ((k, p) for p in precs for k in kinds):
-            hi, lo = max(thread_counts), min(thread_counts)
-            ratios[f"{name(k, p, hi)} / {name(k, p, lo)}"] = \
-                ratio(name(k, p, hi), name(k, p, lo))
+    pairs = [(a, b) for a, b in (("fast", "main"), ("fast", "plain"), ("plain", "main"),
+                                 ("fast", "nn"), ("fast+drop", "nn+drop"),
+                                 ("fast+compile", "fast"), ("fast+compile", "main"),
+                                 ("fast+drop", "fast"), ("nn+drop", "nn"))
+             if a in tps and b in tps]
+    ratios = {f"{a} / {b}": ratio(a, b) for a, b in pairs}
 
     width = max(len(n) for n in names) + 2
-    print(f"\n{'configuration':<{width}}{'target tok/s':>13}{'GFLOP/s':>9}{'wall s/step':>13}"
-          f"{'CPU s/step':>12}{'tok/s over rounds':>26}")
-    for n in names:
-        r = results[n]
-        print(f"{n:<{width}}{r['tokens_per_s']:>13.0f}{r['gflop_per_s']:>9.1f}"
-              f"{r['wall_s_per_step']:>13.2f}{r['cpu_s_per_step']:>12.2f}"
-              f"{min(tps[n]):>17.0f} .. {max(tps[n]):.0f}")
-    print("\nratios of target tokens/s (median over rounds of the per-round ratio):")
-    for n, v in ratios.items():
-        print(f"  {n:<{2 * width + 3}}{v:6.2f}x")
-
-    loss = {}
-    if args.loss_steps:
-        torch.set_num_threads(thread_counts[0])
-        loss_kinds = [k for k in kinds if not k.startswith("base")]
-        loss_batches = make_batches(cfg, args.loss_steps, args.max_tokens, args.seed + 1)
-        print(f"\nloss, fp32 vs bf16 autocast: same init, same {args.loss_steps} batches, same "
-              f"dropout seed, Adam lr 1e-3, threads {thread_counts[0]}):")
-        loss = loss_check(cfg, loss_kinds, loss_batches, args.seed, baseline)
-        for k, v in loss.items():
-            f, b = v["fp32"], v["bf16"]
-            print(f"  {k:<10} step 1: fp32 {f['step1']:.4f} bf16 {b['step1']:.4f} "
-                  f"({b['step1'] - f['step1']:+.4f}) | mean of the last "
-                  f"{min(5, args.loss_steps)}: fp32 {f['mean_last5']:.4f} bf16 "
-                  f"{b['mean_last5']:.4f} ({b['mean_last5'] - f['mean_last5']:+.4f})")
-
-    out = {"info": info, "results": results, "ratios": ratios, "loss": loss}
+    per_step = statistics.fmean(tokens) / args.steps
+    print(f"\n{total / 60:.1f} min; {per_step:.0f} non-pad target tokens and "
+          f"{statistics.fmean(flops) / args.steps / 1e9:.1f} GFLOP (model FLOPs) per step")
+    head = f"{'contender':<{width}}{'target tok/s':>13}{'GFLOP/s':>9}"
+    head += f"{'of matmul':>11}" if matmul else ""
+    print(head + f"{'wall s/step':>13}{'CPU s/step':>12}{'tok/s over rounds':>22}")
+    for n, res in results.items():
+        line = f"{n:<{width}}{res['tokens_per_s']:>13.0f}{res['gflop_per_s']:>9.1f}"
+        line += f"{res['matmul_fraction']:>10.0%} " if matmul else ""
+        line += (f"{res['wall_s_per_step']:>13.2f}{res['cpu_s_per_step']:>12.2f}"
+                 f"{min(tps[n]):>13.0f} .. {max(tps[n]):.0f}")
+        if res.get("graphs"):
+            line += f"   compiled graphs {res['graphs']}, graph breaks {res['graph_breaks']}"
+        print(line)
+    if matmul:
+        shapes = ", ".join(f"{k} {v:.0f}" for k, v in matmul["shapes"].items())
+        print(f"{'matmul':<{width}}{'':>13}{matmul['gflop_per_s']:>9.1f}   (fp32 products: "
+              f"{shapes} GFLOP/s)")
+    if ratios:
+        print("\nratios of target tokens/s (median over rounds of the per-round ratio):")
+        for k, v in ratios.items():
+            print(f"  {k:<{2 * width + 3}}{v:6.2f}x")
+    out = {"info": info, "results": results, "matmul": matmul, "ratios": ratios,
+           "round_tokens": tokens, "round_flops": flops, "runs": runs}
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
         print(f"\nwrote {args.json}")

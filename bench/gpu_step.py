@@ -1,0 +1,267 @@
+"""The training step on a GPU: tokens/s, where the time goes, and model FLOPs utilisation.
+
+Usage (from the repository root)::
+
+    .venv/bin/python bench/gpu_step.py                      # base and big, bf16, if a GPU is there
+    .venv/bin/python bench/gpu_step.py --configs base --steps 30 --compile
+    .venv/bin/python bench/gpu_step.py --estimate           # the table only, no measuring
+    .venv/bin/python bench/gpu_step.py --device cpu --configs tiny --steps 3   # smoke test
+
+With a CUDA device it measures, for the paper's base and big configurations (Table 3, shared
+37k BPE vocabulary), the step the trainer takes with the defaults: ``train.kernels: fast``
+(a decoder without padding, the fused output-projection loss; ``aiayn/kernels.py``), bf16
+autocast where the GPU has it natively, fused Adam, gradient accumulation over batches of
+``--max-tokens`` (6250) up to ``--tokens-per-step`` (25000: the paper's), optionally
+``torch.compile``. Batches are token buckets of WMT-like lengths (lognormal, median 26 BPE
+tokens, 2..256, target = source x N(1, 0.1)), made once, random ids. It prints target
+tokens/s, the step's time split into forward + loss (the fused loss also forms its own
+gradients there), backward and optimizer (CUDA events, read once per step),
+peak memory, and MFU: model FLOPs (``bench/flops.py``: weight matmuls, attention and the
+tied projection of the real tokens, x3 for forward + backward) per second over the GPU's
+dense bf16 peak (H100 SXM/H200 989, H100 PCIe 756, A100 312, L4 121, A10 125 TFLOP/s;
+``--peak-tflops`` for others).
+
+Without a GPU (or with ``--estimate``) it measures nothing and says so, and prints an
+estimate from the counted FLOPs: the time the paper's schedules (100k base steps and 300k
+big steps of ~25k target tokens) take on 1 x H100 and 8 x A100 at 30, 40 and 50% MFU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from aiayn.model import Transformer, TransformerConfig  # noqa: E402
+from aiayn.objective import make_optimizer  # noqa: E402
+from aiayn.precision import autocast_dtype  # noqa: E402
+from aiayn.sampler import Batch  # noqa: E402
+from aiayn.trainer import batch_loss  # noqa: E402
+from bench.flops import train_flops  # noqa: E402
+
+VOCAB = 37000
+CONFIGS = {
+    "base": dict(d_model=512, heads=8, encoder_layers=6, decoder_layers=6, d_ff=2048,
+                 dropout=0.1),
+    "big": dict(d_model=1024, heads=16, encoder_layers=6, decoder_layers=6, d_ff=4096,
+                dropout=0.3),
+    "tiny": dict(d_model=64, heads=4, encoder_layers=2, decoder_layers=2, d_ff=128,
+                 dropout=0.1),  # a smoke test of this script, on any device
+}
+PAPER_STEPS = {"base": 100_000, "big": 300_000, "tiny": 1000}
+PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.4, "H200": 989.4, "GH200": 989.4,
+                    "A100": 312.0, "A800": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
+MEAN_LENGTH = 30.0  # BPE tokens per WMT14 sentence incl. EOS (~27 words, 37k BPE)
+
+
+def config(name: str) -> TransformerConfig:
+    return TransformerConfig(vocab_size=VOCAB, max_positions=258, **CONFIGS[name])
+
+
+def flops_per_target_token(cfg: TransformerConfig, length: float = MEAN_LENGTH) -> float:
+    return train_flops(cfg, [length], [length]) / length
+
+
+def estimate_table(tokens_per_step: int) -> list[dict]:
+    """Hours for the paper's schedules at given MFUs on 1 x H100 and 8 x A100."""
+    rows = []
+    for name in ("base", "big"):
+        step = flops_per_target_token(config(name)) * tokens_per_step
+        for hardware, peak in (("1 x H100 SXM", PEAK_BF16_TFLOPS["H100"]),
+                               ("8 x A100", 8 * PEAK_BF16_TFLOPS["A100"])):
+            for mfu in (0.3, 0.4, 0.5):
+                seconds = PAPER_STEPS[name] * step / (mfu * peak * 1e12)
+                rows.append({"config": name, "steps": PAPER_STEPS[name], "hardware": hardware,
+                             "mfu": mfu, "tflop_per_step": step / 1e12, "hours": seconds / 3600})
+    return rows
+
+
+def print_estimate(tokens_per_step: int) -> list[dict]:
+    rows = estimate_table(tokens_per_step)
+    print(f"\nESTIMATE, not a measurement: model FLOPs counted for sentences of {MEAN_LENGTH:.0f} "
+          f"BPE tokens and {tokens_per_step:,} target tokens per step (bench/flops.py)")
+    print(f"{'config':<7}{'steps':>9}{'TFLOP/step':>12}  {'hardware':<14}"
+          + "".join(f"{f'{m:.0%} MFU':>10}" for m in (0.3, 0.4, 0.5)))
+    for i in range(0, len(rows), 3):
+        r = rows[i]
+        print(f"{r['config']:<7}{r['steps']:>9,}{r['tflop_per_step']:>12.1f}  {r['hardware']:<14}"
+              + "".join(f"{x['hours']:>9.1f}h" for x in rows[i:i + 3]))
+    return rows
+
+
+def make_batches(n: int, max_tokens: int, seed: int, device: torch.device) -> list[Batch]:
+    """Token-bucket batches of WMT-like lengths, as the shard stage cuts them."""
+    rng = np.random.default_rng(seed)
+    pairs = 200_000
+    src = np.clip(np.round(rng.lognormal(np.log(26), 0.55, pairs)), 2, 254).astype(int)
+    tgt = np.clip(np.round(src * rng.normal(1.0, 0.1, pairs)), 2, 254).astype(int)
+    order = np.lexsort((tgt, src))
+    buckets, rows, longest = [], [], 0
+    for i in order:
+        length = max(src[i], tgt[i]) + 1
+        if rows and max(longest, length) * (len(rows) + 1) > max_tokens:
+            buckets.append(rows)
+            rows, longest = [], 0
+        rows.append(i)
+        longest = max(longest, length)
+    out = []
+    for b in rng.choice(len(buckets), size=n, replace=False):
+        idx = np.array(buckets[b])
+        s, t = src[idx] + 1, tgt[idx] + 1  # + EOS / + BOS
+        src_t = np.zeros((len(idx), s.max()), np.int64)
+        tgt_in = np.zeros((len(idx), t.max()), np.int64)
+        for r, (si, ti) in enumerate(zip(s, t, strict=True)):
+            src_t[r, :si] = rng.integers(4, VOCAB, si)
+            tgt_in[r, :ti] = rng.integers(4, VOCAB, ti)
+        tgt_out = np.where(tgt_in != 0, (tgt_in + 1) % VOCAB + (tgt_in == VOCAB - 1) * 4, 0)
+        batch = Batch(torch.from_numpy(src_t), torch.from_numpy(tgt_in),
+                      torch.from_numpy(tgt_out), torch.from_numpy(idx), int(s.sum()),
+                      int(t.sum()), tgt_positions=torch.from_numpy(np.flatnonzero(tgt_out)))
+        if device.type == "cuda":
+            batch = batch.pin_memory()
+        out.append(batch)
+    return out
+
+
+class Timer:
+    """CUDA events on a GPU (no host sync until read), perf_counter elsewhere."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def seconds(self, a, b) -> float:
+        if self.cuda:
+            b.synchronize()
+            return a.elapsed_time(b) / 1000
+        return b - a
+
+
+def measure(name: str, args, device: torch.device) -> dict:
+    cfg = config(name)
+    torch.manual_seed(0)
+    model = Transformer(cfg, fast=True).to(device).train()
+    optimizer, scheduler = make_optimizer(model, (0.9, 0.98), 1e-9, cfg.d_model, 4000, 1.0,
+                                          fused=True)
+    net = torch.compile(model) if args.compile else model
+    amp = autocast_dtype(args.precision, device)
+    accum = max(1, -(-args.tokens_per_step // args.max_tokens))
+    batches = make_batches((args.warmup + args.steps) * accum, args.max_tokens, 1, device)
+    timer = Timer(device)
+    parts = {"forward+loss": [], "backward": [], "optimizer": [], "step": []}
+    tokens, flops = [], []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for step in range(args.warmup + args.steps):
+        group = batches[step * accum:(step + 1) * accum]
+        total = sum(b.tgt_tokens for b in group)
+        t0 = timer.mark()
+        marks = []  # (before forward, after forward + loss, after backward) per micro-batch
+        for b in group:
+            b = b.to(device, non_blocking=True)
+            a = timer.mark()
+            loss, _, _ = batch_loss(net, model.embedding.weight, b, 0.1, 0, True, amp)
+            m = timer.mark()
+            (loss / total).backward()
+            marks.append((a, m, timer.mark()))
+        o = timer.mark()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        t1 = timer.mark()
+        if step >= args.warmup:  # read the events once per step, after it was queued
+            parts["step"].append(timer.seconds(t0, t1))
+            parts["forward+loss"].append(sum(timer.seconds(a, m) for a, m, _ in marks))
+            parts["backward"].append(sum(timer.seconds(m, e) for _, m, e in marks))
+            parts["optimizer"].append(timer.seconds(o, t1))
+            tokens.append(total)
+            flops.append(sum(train_flops(cfg, (b.src != 0).sum(1).numpy(),
+                                         (b.tgt_out != 0).sum(1).numpy()) for b in group))
+    step_s = statistics.median(parts["step"])
+    achieved = statistics.fmean(f / s for f, s in zip(flops, parts["step"], strict=True))
+    result = {"config": name, "accumulation": accum, "precision": "bf16" if amp else "fp32",
+              "compile": args.compile, "step_s": step_s,
+              "tokens_per_s": statistics.fmean(t / s for t, s in zip(tokens, parts["step"],
+                                                                      strict=True)),
+              "tflops": achieved / 1e12,
+              "split_s": {k: statistics.median(v) for k, v in parts.items()}}
+    if device.type == "cuda":
+        result["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
+        peak = args.peak_tflops or peak_tflops(torch.cuda.get_device_name(device))
+        result["mfu"] = achieved / (peak * 1e12) if peak else None
+        result["hours_for_paper_steps"] = PAPER_STEPS[name] * step_s / 3600
+    return result
+
+
+def peak_tflops(device_name: str) -> float | None:
+    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):  # "H100 PCIe" before "H100"
+        if key in device_name:
+            return PEAK_BF16_TFLOPS[key]
+    return None
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default="base,big", help="base, big and/or tiny")
+    ap.add_argument("--device", default=None, help="cuda (default when there is one) or cpu")
+    ap.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"))
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model")
+    ap.add_argument("--steps", type=int, default=20, help="measured optimizer steps")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--tokens-per-step", type=int, default=25_000)
+    ap.add_argument("--max-tokens", type=int, default=6250, help="tokens per batch and side")
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="the GPU's dense bf16 peak, if not in the built-in table")
+    ap.add_argument("--estimate", action="store_true", help="only print the estimate table")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    out: dict = {"estimate": None, "measured": []}
+    if args.estimate or (device.type != "cuda" and args.device is None):
+        print("No GPU here (torch.cuda.is_available() is False): nothing was measured on a GPU."
+              if device.type != "cuda" else "--estimate: nothing was measured.")
+        out["estimate"] = print_estimate(args.tokens_per_step)
+    else:
+        where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+        print(f"measuring on {where}; torch {torch.__version__}; "
+              f"{args.tokens_per_step:,} target tokens per step in batches of "
+              f"<= {args.max_tokens} tokens; kernels fast; fused Adam"
+              + ("; torch.compile" if args.compile else ""))
+        for name in args.configs.split(","):
+            r = measure(name, args, device)
+            out["measured"].append(r)
+            split = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in r["split_s"].items())
+            line = (f"{name}: {r['precision']}, accumulation {r['accumulation']}, "
+                    f"{r['tokens_per_s']:,.0f} target tokens/s, {r['tflops']:.1f} TFLOP/s; "
+                    f"{split}")
+            if "peak_memory_gib" in r:
+                mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "unknown peak"
+                line += (f"; peak memory {r['peak_memory_gib']:.1f} GiB; MFU {mfu}; "
+                         f"{PAPER_STEPS[name]:,} steps in {r['hours_for_paper_steps']:.1f} h")
+            print(line, flush=True)
+        if device.type == "cuda":
+            out["estimate"] = print_estimate(args.tokens_per_step)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+    return out
+
+
+if __name__ == "__main__":
+    main()
