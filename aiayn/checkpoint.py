@@ -84,13 +84,15 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(folder: Path, step: int, state: dict, keep: int) -> Path:
+def save_checkpoint(folder: Path, step: int, state: dict, keep: int,
+                    protect: set[int] | frozenset[int] = frozenset()) -> Path:
     """Write ``state`` as the checkpoint of ``step``, atomically; keep the newest ``keep``.
 
     The file appears complete under its final name or not at all. Afterwards the
     checkpoints with the lowest step numbers are deleted until at most ``keep`` remain
     (the one just written always stays), together with temporary files that a killed
-    writer left behind (one trainer process writes a folder at a time).
+    writer left behind (one trainer process writes a folder at a time). The steps in
+    ``protect`` (say, the best by validation BLEU) are kept beyond those.
     """
     if keep < 1:
         raise ValueError(f"keep must be at least 1, not {keep}")
@@ -107,6 +109,8 @@ def save_checkpoint(folder: Path, step: int, state: dict, keep: int) -> Path:
         stale.unlink(missing_ok=True)
     others = [p for p in list_checkpoints(folder) if p.name != final.name]
     for old in others[:max(len(others) - (keep - 1), 0)]:
+        if checkpoint_step(old) in protect:
+            continue
         old.unlink(missing_ok=True)
         log.debug("removed old checkpoint %s", old)
     return final

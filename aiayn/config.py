@@ -229,6 +229,18 @@ class TrainConfig(Strict):
     checkpoint_every_minutes: float = Field(10.0, ge=0, description="0: by steps only")
     keep_checkpoints: int = Field(10, gt=0)
     average_last: int = Field(5, gt=0, description="checkpoints averaged by the average stage")
+    average: Literal["last", "best"] = Field(
+        "last", description="last: the last train.average_last checkpoints (the paper); best: "
+        "the train.average_last with the best validation BLEU (needs train.valid_bleu_every)")
+    valid_bleu_every: int = Field(
+        0, ge=0, description="steps between validation-BLEU passes: the valid set translated "
+        "with the current weights and scored with sacreBLEU; 0: off")
+    valid_bleu_sentences: int = Field(
+        0, ge=0, description="translate only the first N valid sentences; 0: all")
+    valid_bleu_beam: int = Field(
+        4, gt=0, description="beam size of validation BLEU (1: greedy); its own, so that "
+        "changing decode.* re-runs decoding, not training")
+    valid_bleu_alpha: float = Field(0.6, ge=0.0, description="its GNMT length penalty")
     # Not in the paper; left at 0 they are off. See aiayn/model.py.
     attention_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     activation_dropout: float = Field(0.0, ge=0.0, lt=1.0)
@@ -239,6 +251,17 @@ class TrainConfig(Strict):
             raise ValueError(
                 f"average_last ({self.average_last}) exceeds keep_checkpoints "
                 f"({self.keep_checkpoints}); keep at least as many checkpoints as you average")
+        if self.average == "best":
+            if not self.valid_bleu_every:
+                raise ValueError("average is 'best' but valid_bleu_every is 0: the best "
+                                 "checkpoints are those with the best validation BLEU; set "
+                                 "valid_bleu_every (e.g. to checkpoint_every_steps)")
+            if not self.checkpoint_every_steps or \
+                    self.checkpoint_every_steps % self.valid_bleu_every:
+                raise ValueError(
+                    f"average is 'best', so every checkpoint needs a validation BLEU: "
+                    f"checkpoint_every_steps ({self.checkpoint_every_steps}) must be a multiple "
+                    f"of valid_bleu_every ({self.valid_bleu_every})")
         if not all(0.0 <= b < 1.0 for b in self.adam_betas):
             raise ValueError(f"adam_betas {self.adam_betas} must lie in [0, 1)")
         return self

@@ -64,7 +64,8 @@ def plot_attention_maps(maps: dict[str, list], src_tokens: list[str], tgt_tokens
 
 def plot_training_curves(train_log: Path, valid_log: Path, path: Path) -> None:
     """The train stage's TSV logs → one PNG: loss (train and valid, label-smoothed and NLL),
-    learning rate, and target tokens per second, each against the optimizer step."""
+    validation sacreBLEU (when measured), learning rate, and target tokens per second, each
+    against the optimizer step."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -73,7 +74,18 @@ def plot_training_curves(train_log: Path, valid_log: Path, path: Path) -> None:
 
     train = pd.read_csv(train_log, sep="\t")
     valid = pd.read_csv(valid_log, sep="\t")
-    fig, (loss_ax, lr_ax, speed_ax) = plt.subplots(1, 3, figsize=(14, 3.8), dpi=100)
+    bleu = valid.dropna(subset=["valid_bleu"]) if "valid_bleu" in valid else valid.iloc[:0]
+    panels = 4 if len(bleu) else 3
+    fig, axes = plt.subplots(1, panels, figsize=(4.7 * panels, 3.8), dpi=100)
+    loss_ax, *_, lr_ax, speed_ax = axes
+    if len(bleu):
+        bleu_ax = axes[1]
+        bleu_ax.plot(bleu["step"], bleu["valid_bleu"], "o-", color="tab:red")
+        best = bleu.loc[bleu["valid_bleu"].idxmax()]
+        bleu_ax.annotate(f"best {best['valid_bleu']:.2f}", (best["step"], best["valid_bleu"]),
+                         textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+        bleu_ax.set(title="validation sacreBLEU", xlabel="step")
+        bleu_ax.grid(alpha=0.3)
     if len(train):
         loss_ax.plot(train["step"], train["loss"], label="train loss", color="tab:blue")
         loss_ax.plot(train["step"], train["nll"], label="train NLL", color="tab:blue", ls="--")

@@ -342,7 +342,8 @@ class Tracker:
 
 
 def log_into_run(run_file: Path, stage: str, metrics: Mapping[str, float] | None = None,
-                 artifacts: Iterable[tuple[Path, str]] = ()) -> str | None:
+                 artifacts: Iterable[tuple[Path, str]] = (),
+                 tags: Mapping[str, str] | None = None) -> str | None:
     """Log a later stage's numbers and files into the training run named in ``run_file``.
 
     One pipeline execution is one MLflow run: ``aiayn train`` creates it and saves its id
@@ -363,6 +364,7 @@ def log_into_run(run_file: Path, stage: str, metrics: Mapping[str, float] | None
             log.warning("%s: MLflow run %s is gone; logged into a new run %s", stage, run_id,
                         tracker.run_id)
         tracker.log_metrics(metrics or {})
+        tracker.set_tags(tags or {})
         for path, artifact_path in artifacts:
             tracker.log_artifact(path, artifact_path)
     log.info("%s: logged to MLflow run %s", stage, tracker.run_id)

@@ -16,6 +16,8 @@
 * the next batches are read by a background thread (pinned for a GPU), and loss sums and
   token counts stay on the device: the host waits for the device only at logging,
   checkpoint and stop steps, never per micro-batch;
+* every ``train.valid_bleu_every`` steps rank 0 translates the valid set through a hook
+  (aiayn.translation.ValidationBleu) and scores sacreBLEU, while the other ranks wait;
 * metrics go to metrics/ (git, DVC plots) and, from rank 0, to MLflow (aiayn.tracking).
 """
 
@@ -53,7 +55,7 @@ log = logging.getLogger("aiayn")
 
 TRAIN_LOG_COLUMNS = ("step", "loss", "nll", "lr", "grad_norm", "tokens", "tokens_per_s",
                      "elapsed_s")
-VALID_LOG_COLUMNS = ("step", "valid_loss", "valid_nll", "valid_ppl", "tokens")
+VALID_LOG_COLUMNS = ("step", "valid_loss", "valid_nll", "valid_ppl", "tokens", "valid_bleu")
 
 
 class TrainingDiverged(AiaynError):
@@ -81,8 +83,9 @@ class RunState:
     tokens_seen: int = 0
     elapsed_s: float = 0.0  # training wall time summed over all sessions of this run
     train_rows: list[list[float]] = field(default_factory=list)
-    valid_rows: list[list[float]] = field(default_factory=list)
+    valid_rows: list[list[float | None]] = field(default_factory=list)  # BLEU None: not run
     mlflow_run_id: str | None = None
+    bleu_seconds: float = 0.0  # time spent in validation BLEU (inside elapsed_s)
     stopped_by: str | None = None  # "steps", "time budget" or "interrupted"
 
 
@@ -159,8 +162,12 @@ def _as_tuple(x):
 
 class Trainer:
     def __init__(self, p: Params, vocab_size: int, tokenizer_sha256: str, paths: TrainPaths,
-                 world: World, tracker=None, progress: bool = True):
+                 world: World, tracker=None, progress: bool = True,
+                 valid_bleu: Callable[..., float] | None = None):
+        """``valid_bleu(model, device, amp_dtype) -> score`` is called by rank 0 every
+        ``train.valid_bleu_every`` steps (aiayn.translation.ValidationBleu)."""
         self.p, self.paths, self.world, self.tracker = p, paths, world, tracker
+        self.valid_bleu = valid_bleu
         self.progress = progress and world.is_main
         self.device = pick_device(p.train.device, world)
         distributed.init(world, self.device)
@@ -230,7 +237,9 @@ class Trainer:
         and the process count (a resumed run may move to more GPUs; see _resume).
         """
         ignored = {"steps", "max_minutes", "log_every", "valid_every", "checkpoint_every_steps",
-                   "checkpoint_every_minutes", "keep_checkpoints", "average_last",
+                   "checkpoint_every_minutes", "keep_checkpoints", "average_last", "average",
+                   "valid_bleu_every", "valid_bleu_sentences", "valid_bleu_beam",
+                   "valid_bleu_alpha",
                    "nproc_per_node", "device", "compile"}
         identity = {"seed": self.p.seed, "vocab_size": self.fingerprint["vocab_size"],
                     "tokenizer_sha256": self.fingerprint["tokenizer_sha256"]}
@@ -279,10 +288,13 @@ class Trainer:
         if ckpt["data"] is not None:
             self.loader.load_state_dict(ckpt["data"])
         run = ckpt["run"]
+        width = len(VALID_LOG_COLUMNS)  # rows of runs from before a column was added
         self.state = RunState(step=run["step"], tokens_seen=run["tokens_seen"],
                               elapsed_s=run["elapsed_s"], train_rows=run["train_rows"],
-                              valid_rows=run["valid_rows"],
-                              mlflow_run_id=ckpt["meta"].get("mlflow_run_id"))
+                              valid_rows=[r + [None] * (width - len(r))
+                                          for r in run["valid_rows"]],
+                              mlflow_run_id=ckpt["meta"].get("mlflow_run_id"),
+                              bleu_seconds=run.get("bleu_seconds", 0.0))
         rngs = ckpt["rng"]
         set_rng_state(rngs[self.world.rank] if self.world.rank < len(rngs) else rngs[0])
         log.info("resumed from %s (step %d, %d target tokens seen)", path, self.state.step,
@@ -418,14 +430,32 @@ class Trainer:
             "data": self.loader.state_dict(),
             "rng": rngs,
             "run": {"step": s.step, "tokens_seen": s.tokens_seen, "elapsed_s": s.elapsed_s,
-                    "train_rows": s.train_rows, "valid_rows": s.valid_rows},
+                    "train_rows": s.train_rows, "valid_rows": s.valid_rows,
+                    "bleu_seconds": s.bleu_seconds},
             "meta": {**self.fingerprint, "identity": self.identity,
                      "mlflow_run_id": s.mlflow_run_id, "step": s.step,
-                     "tokens_seen": s.tokens_seen, "world_size": self.world.size},
+                     "tokens_seen": s.tokens_seen, "world_size": self.world.size,
+                     "valid_bleu": self._bleu_at(s.step)},
         }
         path = save_checkpoint(self.paths.checkpoints, s.step, state,
-                               keep=self.p.train.keep_checkpoints)
+                               keep=self.p.train.keep_checkpoints, protect=self._best_steps())
         return path
+
+    def _bleu_at(self, step: int) -> float | None:
+        """The validation BLEU of ``step``, if it was measured."""
+        for row in reversed(self.state.valid_rows):
+            if row[0] == step:
+                return row[5]
+        return None
+
+    def _best_steps(self) -> set[int]:
+        """With ``train.average: best``, the steps of the best-BLEU checkpoints, which the
+        rotation of old checkpoints must not delete."""
+        t = self.p.train
+        if t.average != "best":
+            return set()
+        scored = [(r[5], r[0]) for r in self.state.valid_rows if r[5] is not None]
+        return {step for _, step in sorted(scored, reverse=True)[:t.average_last]}
 
     def write_logs(self) -> None:
         if not self.world.is_main:
@@ -493,8 +523,9 @@ class Trainer:
                     now = time.perf_counter()
                     self._log_row(window, now - window_start, bar)
                     window, window_start = [0.0, 0.0, 0.0], now
-                if s.step % p.valid_every == 0 or finished:
-                    self._validate_row()
+                bleu = bool(p.valid_bleu_every) and (s.step % p.valid_bleu_every == 0 or finished)
+                if s.step % p.valid_every == 0 or finished or bleu:
+                    self._validate_row(bleu)
                 if bar is not None:
                     bar.update(1)
                 if due or finished:
@@ -545,16 +576,31 @@ class Trainer:
             bar.set_postfix(loss=f"{row[1]:.3f}", lr=f"{row[3]:.2e}", tok_s=f"{tps:,.0f}",
                             refresh=False)
 
-    def _validate_row(self) -> None:
+    def _validate_row(self, bleu: bool = False) -> None:
         s = self.state
         v = self.validate()
+        score = self._valid_bleu() if bleu else None
         s.valid_rows.append([s.step, v["valid_loss"], v["valid_nll"], v["valid_ppl"],
-                             v["tokens"]])
+                             v["tokens"], score])
         self._track({"valid/loss": v["valid_loss"], "valid/nll": v["valid_nll"],
                      "valid/ppl": v["valid_ppl"]}, s.step)
+        if score is not None:
+            self._track({"valid/sacrebleu": score}, s.step)
         if self.world.is_main:
-            log.info("step %d: valid loss %.4f, nll %.4f, ppl %.2f", s.step, v["valid_loss"],
-                     v["valid_nll"], v["valid_ppl"])
+            log.info("step %d: valid loss %.4f, nll %.4f, ppl %.2f%s", s.step, v["valid_loss"],
+                     v["valid_nll"], v["valid_ppl"],
+                     "" if score is None else f", sacreBLEU {score:.2f}")
+
+    def _valid_bleu(self) -> float | None:
+        """Rank 0 translates and scores; the other ranks wait for it."""
+        score = None
+        if self.world.is_main and self.valid_bleu is not None:
+            start = time.perf_counter()
+            score = float(self.valid_bleu(self.model, self.device, self.amp_dtype))
+            self.state.bleu_seconds += time.perf_counter() - start
+        if self.world.distributed:
+            torch.distributed.barrier()
+        return score
 
     def summary(self) -> dict:
         s = self.state
@@ -579,7 +625,19 @@ class Trainer:
             "compile": self.p.train.compile,
             "max_minutes": self.p.train.max_minutes,
             "stopped_by": s.stopped_by,
+            **self._bleu_summary(),
         }
+
+    def _bleu_summary(self) -> dict:
+        s = self.state
+        scored = [(r[5], r[0]) for r in s.valid_rows if r[5] is not None]
+        if not scored:
+            return {}
+        best, best_step = max(scored, key=lambda x: (x[0], -x[1]))  # earliest of equals
+        return {"valid_bleu": scored[-1][0], "best_valid_bleu": best,
+                "best_valid_bleu_step": best_step,
+                "valid_bleu_seconds": round(s.bleu_seconds, 3),
+                "valid_bleu_share": s.bleu_seconds / s.elapsed_s if s.elapsed_s else 0.0}
 
     def write_summary(self, summary: dict) -> None:
         if self.world.is_main:
@@ -587,6 +645,8 @@ class Trainer:
 
 
 def _fmt(v) -> str:
+    if v is None:  # not measured at this step (e.g. BLEU between its passes)
+        return ""
     if isinstance(v, float):
         return f"{v:.6g}"
     return str(v)

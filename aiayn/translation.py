@@ -69,6 +69,37 @@ class Translator:
         return out
 
 
+@dataclass
+class ValidationBleu:
+    """The trainer's hook for BLEU while training: translate ``sources`` with the weights of
+    the moment and score sacreBLEU against the raw ``references``, as ``aiayn score`` does.
+
+    The model is switched to eval mode and back; decoding never touches the random number
+    generators, so a run's training is the same with and without the hook.
+    """
+
+    sources: list[str]
+    references: list[str]
+    tokenizer: Tokenizer
+    beam: BeamConfig
+    target_lang: str
+    batch_size: int = 64
+
+    def __call__(self, model: Transformer, device: torch.device,
+                 amp_dtype: torch.dtype | None = None) -> float:
+        from aiayn.scoring import sacre_scores
+
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                hypotheses = Translator(model, self.tokenizer, device, amp_dtype).translate(
+                    self.sources, self.beam, self.batch_size, truncate=True)
+        finally:
+            model.train(was_training)
+        return sacre_scores(hypotheses, self.references, self.target_lang)["bleu"]["score"]
+
+
 def load_translator(model_dir: Path, device: str = "auto", precision: str = "fp32"
                     ) -> Translator:
     """The averaged model in ``model_dir`` (safetensors + config.json + tokenizer.json)."""

@@ -26,7 +26,8 @@ def results(
 ) -> None:
     """Print the last run's results and where everything is (not a DVC stage; reads only).
 
-    Reads: METRICS/bleu.json, METRICS/train.json, CHECKPOINTS/mlflow_run.json. Writes:
+    Reads: METRICS/bleu.json, METRICS/bleu_valid.json, METRICS/train.json,
+    CHECKPOINTS/mlflow_run.json. Writes:
     nothing (standard output only). Exits non-zero when there are no scores yet (run
     `dvc repro` first).
     """
@@ -44,11 +45,22 @@ def results(
     echo(f"  chrF2           {bleu['chrf']['score']:6.2f}  {bleu['chrf']['signature']}")
     echo(f"  tokenized BLEU  {bleu['tokenized_bleu']['score']:6.2f}  (the paper's procedure; "
          "compare only with its 27.3/28.4)")
+    valid = _read(metrics / "bleu_valid.json")
+    if valid:
+        echo(f"  valid sacreBLEU {valid['sacrebleu']['score']:6.2f}  the same model on the "
+             f"{valid['sentences']} valid sentences (choose recipes by this, not by test)")
     if train:
         echo(f"  training        {train['steps']} steps, valid perplexity "
              f"{train['valid_ppl']:.2f}, {train['wall_time_s'] / 60:.1f} min, "
              f"{train['tokens_per_s']:,.0f} target tokens/s ({train['precision']}, "
-             f"{train['device']})")
+             f"{train['device']}, {train.get('kernels', 'plain')} kernels)")
+        if train.get("stopped_by") == "time budget":
+            echo(f"                  stopped by the time budget (train.max_minutes "
+                 f"{train['max_minutes']:g})")
+        if train.get("best_valid_bleu") is not None:
+            echo(f"  valid BLEU      {train['best_valid_bleu']:6.2f}  best while training, at "
+                 f"step {train['best_valid_bleu_step']} (last {train['valid_bleu']:.2f}; "
+                 f"{train['valid_bleu_share']:.1%} of the training time)")
     echo("Where things are:")
     echo(f"  numbers         {metrics}/*.json   (dvc metrics show; dvc exp show)")
     echo(f"  curves          {metrics}/training_curves.png, {metrics}/survey_hist.png   "

@@ -26,20 +26,21 @@ NOTE = (
 )
 
 
-def resolve_template(path: Path, src: str, tgt: str) -> Path:
-    """``{tgt}`` and ``{src}`` in PATH → the target and source language codes."""
-    return Path(str(path).replace("{tgt}", tgt).replace("{src}", src))
+def resolve_template(path: Path, src: str, tgt: str, split: str = "test") -> Path:
+    """``{tgt}``, ``{src}`` and ``{split}`` in PATH → the language codes and the split."""
+    return Path(str(path).replace("{tgt}", tgt).replace("{src}", src).replace("{split}", split))
 
 
 @stage
 def score(
     params: ParamsPath = Path("params.yaml"),
-    hypotheses: Annotated[Path, typer.Option(help="Detokenized translations from `aiayn translate`, one line per sentence of SPLIT; {tgt} and {src} become data.tgt_lang and data.src_lang.")] = Path("data/translations/test.{tgt}"),
+    hypotheses: Annotated[Path, typer.Option(help="Detokenized translations from `aiayn translate`, one line per sentence of SPLIT; {split}, {tgt} and {src} become SPLIT, data.tgt_lang and data.src_lang.")] = Path("data/translations/{split}.{tgt}"),
     raw: Annotated[Path, typer.Option(help="Raw splits from `aiayn download`; the references are the data.tgt_lang column of RAW/SPLIT.parquet, as the corpus gives them.")] = Path("data/raw"),
     split: Annotated[str, typer.Option(help="The split whose references are scored against (train, valid or test).")] = "test",
     metrics: Annotated[Path, typer.Option(help="Scores written (JSON): sacreBLEU BLEU and chrF with signatures, tokenized BLEU, sentences.")] = Path("metrics/bleu.json"),
     run_file: Annotated[Path, typer.Option(help="The MLflow run id saved by `aiayn train`; the scores are logged into that run.")] = Path("data/checkpoints/mlflow_run.json"),
     mlflow: Annotated[bool, typer.Option(help="Log the scores into the training run in MLflow (MLFLOW_TRACKING_URI, default sqlite:///mlflow.db).")] = True,
+    mlflow_prefix: Annotated[str | None, typer.Option(help="Prefix of the MLflow metric names (default: 'SPLIT/'; the pipeline scores the final model on valid as 'final_valid/', apart from training's valid/sacrebleu curve).")] = None,
 ) -> None:
     """Score translations with sacreBLEU (BLEU, chrF) and the paper's tokenized BLEU.
 
@@ -50,9 +51,9 @@ def score(
     tokenized BLEU as tensor2tensor's get_ende_bleu.sh computes it (Moses tokenization,
     compound splitting, multi-bleu.perl; comparable with the paper's 27.3/28.4, not with
     sacreBLEU); the direction, split, sentence count and a note on the two BLEUs. Logs
-    SPLIT/sacrebleu, SPLIT/chrf and SPLIT/tokenized_bleu, METRICS and HYPOTHESES into the
-    training run's MLflow run (the id in RUN_FILE); skipped when there is none or with
-    --no-mlflow.
+    PREFIX+sacrebleu, PREFIX+chrf and PREFIX+tokenized_bleu (PREFIX: --mlflow-prefix),
+    METRICS and HYPOTHESES into the training run's MLflow run (the id in RUN_FILE); skipped
+    when there is none or with --no-mlflow.
     """
     from aiayn.scoring import score_files
 
@@ -60,7 +61,7 @@ def score(
     if split not in SPLITS:
         raise AiaynError(f"--split {split!r}: choose one of {', '.join(SPLITS)}")
     src, tgt = p.data.src_lang, p.data.tgt_lang
-    hyp_path = resolve_template(hypotheses, src, tgt)
+    hyp_path = resolve_template(hypotheses, src, tgt, split)
     references = _references(raw, split, tgt)
     result = score_files(hyp_path, references, tgt,
                          reference_source=f"{raw_path(raw, split)} (column {tgt!r})")
@@ -77,10 +78,11 @@ def score(
     if mlflow:
         from aiayn.tracking import log_into_run
 
+        prefix = f"{split}/" if mlflow_prefix is None else mlflow_prefix
         log_into_run(run_file, "score", {
-            f"{split}/sacrebleu": report["sacrebleu"]["score"],
-            f"{split}/chrf": report["chrf"]["score"],
-            f"{split}/tokenized_bleu": report["tokenized_bleu"]["score"],
+            f"{prefix}sacrebleu": report["sacrebleu"]["score"],
+            f"{prefix}chrf": report["chrf"]["score"],
+            f"{prefix}tokenized_bleu": report["tokenized_bleu"]["score"],
         }, [(metrics, "metrics"), (hyp_path, "translations")])
     else:
         log.info("score: --no-mlflow; scores only in %s", metrics)

@@ -37,6 +37,7 @@ def train(
     params: ParamsPath = Path("params.yaml"),
     shards: Annotated[Path, typer.Option(help="Shards from `aiayn shard` (train/ and valid/).")] = Path("data/shards"),
     tokenizer: Annotated[Path, typer.Option(help="Tokenizer from `aiayn vocab`; its hash is recorded in every checkpoint.")] = Path("data/vocab/tokenizer.json"),
+    raw: Annotated[Path, typer.Option(help="Raw splits from `aiayn download`: the valid source and references of validation BLEU (train.valid_bleu_every).")] = Path("data/raw"),
     checkpoints: Annotated[Path, typer.Option(help="Checkpoint folder; an existing run there is resumed.")] = Path("data/checkpoints"),
     metrics: Annotated[Path, typer.Option(help="Final figures (loss, perplexity, steps, tokens, time).")] = Path("metrics/train.json"),
     train_log: Annotated[Path, typer.Option(help="Step-wise train loss, lr, grad norm, tokens/s (TSV, for dvc plots).")] = Path("metrics/train_log.tsv"),
@@ -47,8 +48,9 @@ def train(
 ) -> None:
     """Train the Transformer on the token-budget shards (Section 5 of the paper).
 
-    Reads: params `seed`, `model.*`, `train.*` (not `average_last`); SHARDS/{train,valid},
-    TOKENIZER. Writes: CHECKPOINTS/step-*.pt (model, optimizer, schedule, RNG states, data
+    Reads: params `seed`, `model.*`, `train.*` (not `average_last`/`average`), and
+    `data.src_lang`/`tgt_lang` for validation BLEU; SHARDS/{train,valid}, TOKENIZER, and
+    RAW/valid.parquet when `train.valid_bleu_every` is on. Writes: CHECKPOINTS/step-*.pt (model, optimizer, schedule, RNG states, data
     cursor; every `train.checkpoint_every_steps` steps and/or `checkpoint_every_minutes`,
     the last `train.keep_checkpoints` kept), METRICS (with the precision `auto` resolved to,
     the kernels, the steps reached and why training stopped: steps, `train.max_minutes`
@@ -82,8 +84,10 @@ def train(
     tracker = Tracker(enabled=mlflow and world.is_main)
     trainer = None
     try:
+        hook = validation_bleu(p, raw, tok) if p.train.valid_bleu_every and world.is_main \
+            else None
         trainer = Trainer(p, tok.get_vocab_size(), file_sha256(tokenizer), paths, world,
-                          tracker=tracker, progress=progress)
+                          tracker=tracker, progress=progress, valid_bleu=hook)
         run_file = checkpoints / "mlflow_run.json"
         run_id = tracker.start(
             default_run_name(), p.model_dump(mode="json"),
@@ -121,6 +125,26 @@ def train(
         raise
     finally:
         distributed.shutdown()
+
+
+def validation_bleu(p, raw: Path, tok):
+    """The hook that translates the valid split (or its first sentences) and scores it."""
+    from aiayn.beam import BeamConfig
+    from aiayn.corpus import iter_raw
+    from aiayn.translation import ValidationBleu
+
+    src, tgt = p.data.src_lang, p.data.tgt_lang
+    sources, references = [], []
+    for batch in iter_raw(raw, "valid", columns=[src, tgt]):
+        sources += batch[src]
+        references += batch[tgt]
+    if p.train.valid_bleu_sentences:
+        sources = sources[:p.train.valid_bleu_sentences]
+        references = references[:p.train.valid_bleu_sentences]
+    beam = BeamConfig(beam=p.train.valid_bleu_beam, alpha=p.train.valid_bleu_alpha)
+    log.info("train: validation BLEU every %d steps on %d valid sentences, beam %d",
+             p.train.valid_bleu_every, len(sources), beam.beam)
+    return ValidationBleu(sources, references, tok, beam, tgt, p.decode.batch_size)
 
 
 def _round(x):

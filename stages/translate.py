@@ -39,8 +39,8 @@ def translate(
     """Translate with beam search (paper Section 6.1: beam 4, alpha 0.6, max length input + 50).
 
     Text comes from the arguments, `--input FILE`, standard input, or, for the DVC stage,
-    `--split test` (the source column of RAW/test.parquet, written to
-    data/translations/test.{tgt}). Output is detokenized text, one line per input line, in
+    `--split valid` and `--split test` (the source column of RAW/SPLIT.parquet, written to
+    data/translations/SPLIT.{tgt}). Output is detokenized text, one line per input line, in
     the input's order; an empty line gives an empty line. Reads: params `decode.*` (options
     override them) and `data.src_lang`/`tgt_lang` (for --split); MODEL. Writes: OUT
     (atomically), or standard output.

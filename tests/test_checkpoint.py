@@ -397,7 +397,9 @@ def test_average_stage_exports_the_mean_of_the_last_checkpoints(trained):
     assert config == {"model": trained["models"][300].cfg.to_dict(),
                       "vocab_size": trained["vocab"], "tokenizer_sha256": trained["sha"],
                       "mlflow_run_id": "run-abc", "averaged_steps": [200, 300],
-                      "tokens_seen": 300_000}
+                      "tokens_seen": 300_000, "average": "last",
+                      # the fixture's checkpoints were saved without validation BLEU
+                      "averaged_valid_bleu": [None, None]}
     model = Transformer(TransformerConfig(**config["model"]))
     model.load_state_dict(tensors, strict=True)
 

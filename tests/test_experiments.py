@@ -64,6 +64,21 @@ def test_the_demo_learns_the_toy_task_and_fills_one_mlflow_run(tmp_path, cli_env
     history = client.get_metric_history(mlrun.info.run_id, "train/loss")
     assert [m.step for m in history] == log_steps
     assert len(client.get_metric_history(mlrun.info.run_id, "valid/loss")) >= 2
+    # Validation BLEU while training: it rises, and the same numbers are in the TSV (for
+    # `dvc plots`), train.json and MLflow.
+    rows = [line.split("\t") for line in
+            (root / "metrics/valid_log.tsv").read_text().splitlines()]
+    col = rows[0].index("valid_bleu")
+    valid_bleu = [(int(r[0]), float(r[col])) for r in rows[1:] if r[col]]
+    assert len(valid_bleu) >= 3 and valid_bleu[-1][1] > valid_bleu[0][1] + 20, valid_bleu
+    assert train["best_valid_bleu"] == pytest.approx(max(score for _, score in valid_bleu),
+                                                     abs=1e-4)  # the TSV has more digits
+    history = client.get_metric_history(mlrun.info.run_id, "valid/sacrebleu")
+    assert [(m.step, m.value) for m in history] == pytest.approx(valid_bleu)
+    plots = json.loads(run(["dvc", "plots", "show", "--json"], root, env).stdout)["data"]
+    plotted = [(int(v["step"]), float(v["valid_bleu"]))
+               for v in plots["valid_bleu"][0]["content"]["data"]["values"] if v["valid_bleu"]]
+    assert plotted == valid_bleu
     assert mlrun.data.metrics["test/sacrebleu"] == pytest.approx(bleu["sacrebleu"]["score"])
     assert mlrun.data.metrics["test/chrf"] == pytest.approx(bleu["chrf"]["score"])
     # Tags: the commit the pipeline ran from.

@@ -204,7 +204,7 @@ def test_shards_from_another_vocabulary_are_refused(toy_workspace, tmp_path):
 
 def train_cmd(params: Path, run: Path, ws: Path) -> list[str]:
     return ["--params", str(params), "--shards", str(ws / "data/shards"),
-            "--tokenizer", str(ws / "data/vocab/tokenizer.json"),
+            "--tokenizer", str(ws / "data/vocab/tokenizer.json"), "--raw", str(ws / "data/raw"),
             "--checkpoints", str(run / "checkpoints"), "--metrics", str(run / "train.json"),
             "--train-log", str(run / "train_log.tsv"), "--valid-log", str(run / "valid_log.tsv"),
             "--curves", str(run / "curves.png"),
@@ -296,13 +296,15 @@ def test_train_stage_logs_one_mlflow_run_and_a_resume_continues_it(toy_workspace
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     env = {**env_for_subprocess(), "MLFLOW_TRACKING_URI": uri, "DVC_EXP_NAME": "my-exp"}
     run = tmp_path / "run"
+    bleu = {"valid_bleu_every": 2, "valid_bleu_beam": 1, "valid_bleu_sentences": 10}
     cmd = [sys.executable, "-m", "stages.train",
-           *[a for a in train_cmd(write_params(tmp_path / "p.yaml", {"train": {"steps": 4}}),
+           *[a for a in train_cmd(write_params(tmp_path / "p.yaml",
+                                               {"train": {"steps": 4, **bleu}}),
                                   run, toy_workspace) if a != "--no-mlflow"]]
     subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=300, cwd=tmp_path)
     run_id = json.loads((run / "checkpoints/mlflow_run.json").read_text())["run_id"]
     cmd[cmd.index("--params") + 1] = str(write_params(tmp_path / "p.yaml",
-                                                      {"train": {"steps": 6}}))
+                                                      {"train": {"steps": 6, **bleu}}))
     subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=300, cwd=tmp_path)
     assert json.loads((run / "checkpoints/mlflow_run.json").read_text())["run_id"] == run_id
     client = MlflowClient(uri)
@@ -313,8 +315,13 @@ def test_train_stage_logs_one_mlflow_run_and_a_resume_continues_it(toy_workspace
     assert logged.info.status == "FINISHED"
     history = client.get_metric_history(run_id, "train/loss")
     assert [m.step for m in history] == [2, 4, 6]   # the resumed steps in the same run
-    assert [m.step for m in client.get_metric_history(run_id, "valid/loss")] == [4, 6]
+    assert [m.step for m in client.get_metric_history(run_id, "valid/loss")] == [2, 4, 6]
+    bleu_history = client.get_metric_history(run_id, "valid/sacrebleu")
+    assert [m.step for m in bleu_history] == [2, 4, 6]
     assert logged.data.metrics["final/steps"] == 6
+    assert logged.data.metrics["final/best_valid_bleu"] == max(m.value for m in bleu_history)
+    assert logged.data.tags["kernels"] == "fast" and logged.data.tags["stopped_by"] == "steps"
+    assert logged.data.tags["precision"] in ("fp32", "bf16")
 
 
 def test_out_of_memory_names_the_batch_budget_and_the_param(toy_workspace, tmp_path,
@@ -448,13 +455,14 @@ def test_compiled_training_matches_eager_with_two_graphs_whatever_the_shapes(toy
     compiled = make_trainer(toy_workspace, tmp_path / "compiled",
                             merge(changes, {"train": {"compile": True}}))
     shapes = set()
-    forward = compiled.model.forward
+    micro_batches = compiled._micro_batches
 
-    def seen(src, tgt_in, **kw):
-        shapes.add((tuple(src.shape), tuple(tgt_in.shape)))
-        return forward(src, tgt_in, **kw)
+    def seen(it):  # outside the compiled region, so that watching adds no guards
+        batches = micro_batches(it)
+        shapes.update((tuple(b.src.shape), tuple(b.tgt_in.shape)) for b in batches)
+        return batches
 
-    compiled.model.forward = seen
+    compiled._micro_batches = seen
     summary = compiled.fit()
     assert summary["compile"] is True and summary["steps"] == 12
     assert len(shapes) >= 6  # many batch shapes went through the compiled model...
@@ -462,3 +470,97 @@ def test_compiled_training_matches_eager_with_two_graphs_whatever_the_shapes(toy
     assert sum(counters["graph_break"].values()) == 0
     for a, b in zip(eager.state.train_rows, compiled.state.train_rows, strict=True):
         assert a[1] == pytest.approx(b[1], rel=1e-4)
+
+
+# --------------------------------------------------------------------------- validation BLEU
+
+
+def bleu_trainer(ws: Path, run: Path, changes: dict | None = None) -> Trainer:
+    """A trainer with the train stage's own validation-BLEU hook (greedy, the toy valid set)."""
+    from stages.train import validation_bleu
+
+    base = {"train": {"valid_bleu_every": 6, "valid_bleu_beam": 1}}
+    trainer = make_trainer(ws, run, merge(base, changes or {}))
+    trainer.valid_bleu = validation_bleu(trainer.p, ws / "data/raw",
+                                         load_tokenizer(ws / "data/vocab/tokenizer.json"))
+    return trainer
+
+
+def test_validation_bleu_is_measured_logged_and_the_same_after_a_resume(toy_workspace,
+                                                                        tmp_path):
+    full = bleu_trainer(toy_workspace, tmp_path / "full")
+    summary = full.fit()
+    full.write_logs()
+    bleu_rows = [(r[0], r[5]) for r in full.state.valid_rows if r[5] is not None]
+    assert [step for step, _ in bleu_rows] == [6, 12]
+    assert all(0 <= score <= 100 for _, score in bleu_rows)
+    assert summary["valid_bleu"] == bleu_rows[-1][1]
+    assert summary["best_valid_bleu"] == max(score for _, score in bleu_rows)
+    assert summary["valid_bleu_seconds"] > 0 and 0 < summary["valid_bleu_share"] < 1
+    lines = [line.split("\t") for line in (tmp_path / "full/valid_log.tsv").read_text()
+             .splitlines()]
+    assert lines[0][-1] == "valid_bleu" and float(lines[-1][-1]) == bleu_rows[-1][1]
+    metas = {int(c.stem.split("-")[1]): load_checkpoint(c)["meta"]
+             for c in list_checkpoints(tmp_path / "full/checkpoints")}
+    assert metas[12]["valid_bleu"] == bleu_rows[-1][1] and metas[9]["valid_bleu"] is None
+
+    part = bleu_trainer(toy_workspace, tmp_path / "part")
+    part.fit(should_stop=lambda: part.state.step == 5)
+    resumed = bleu_trainer(toy_workspace, tmp_path / "part")
+    resumed.fit()
+    assert resumed.state.valid_rows == full.state.valid_rows  # BLEU included
+
+
+def test_validation_bleu_is_off_at_zero(toy_workspace, tmp_path):
+    calls = []
+    trainer = make_trainer(toy_workspace, tmp_path, {"train": {"valid_bleu_every": 0}})
+    trainer.valid_bleu = lambda *a: calls.append(a) or 50.0
+    summary = trainer.fit()
+    assert calls == [] and "best_valid_bleu" not in summary
+    assert all(row[5] is None for row in trainer.state.valid_rows)
+    trainer.write_logs()
+    last = (tmp_path / "valid_log.tsv").read_text().splitlines()[-1].split("\t")
+    assert last[-1] == ""  # an empty cell, which DVC's plots skip
+
+
+def test_average_best_takes_the_best_bleu_checkpoints_and_training_keeps_them(
+        toy_workspace, tmp_path):
+    from typer.testing import CliRunner
+
+    from aiayn.checkpoint import load_model_files
+    from stages.average import app
+
+    scores = {3: 10.0, 6: 30.0, 9: 20.0, 12: 5.0}  # by step: a scripted hook
+    changes = {"train": {"valid_bleu_every": 3, "average": "best", "average_last": 2,
+                         "keep_checkpoints": 2}}
+    trainer = make_trainer(toy_workspace, tmp_path, changes)
+    trainer.valid_bleu = lambda model, device, amp: scores[trainer.state.step]
+    trainer.fit()
+    # keep_checkpoints 2 keeps 9 and 12 (the newest); 6, the best, is kept beyond those.
+    kept = [int(c.stem.split("-")[1]) for c in list_checkpoints(tmp_path / "checkpoints")]
+    assert kept == [6, 9, 12]
+    result = CliRunner().invoke(app, [
+        "--params", str(tmp_path / "params.yaml"), "--checkpoints", str(tmp_path / "checkpoints"),
+        "--tokenizer", str(toy_workspace / "data/vocab/tokenizer.json"),
+        "--out", str(tmp_path / "model"), "--no-mlflow"])
+    assert result.exit_code == 0, result.output
+    weights, config = load_model_files(tmp_path / "model")
+    assert config["average"] == "best" and config["averaged_steps"] == [6, 9]
+    assert config["averaged_valid_bleu"] == [30.0, 20.0]
+    six, nine = (load_checkpoint(tmp_path / f"checkpoints/step-0000000{s}.pt")["model"]
+                 for s in (6, 9))
+    for name, w in weights.items():
+        if w.is_floating_point():
+            torch.testing.assert_close(w, (six[name].double() + nine[name].double()).div(2)
+                                       .to(w.dtype))
+
+
+def test_average_best_needs_scored_checkpoints(toy_workspace, tmp_path):
+    from aiayn.errors import ParamsError
+
+    with pytest.raises(ParamsError, match="valid_bleu_every is 0"):
+        load_params(write_params(tmp_path / "a.yaml", {"train": {"average": "best",
+                                                                 "valid_bleu_every": 0}}))
+    with pytest.raises(ParamsError, match=r"checkpoint_every_steps \(3\) must be a multiple"):
+        load_params(write_params(tmp_path / "b.yaml", {"train": {"average": "best",
+                                                                 "valid_bleu_every": 2}}))
