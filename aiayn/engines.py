@@ -78,12 +78,18 @@ class CTranslate2Translator(BatchTranslator):
         ct2 = require("ctranslate2", "--engine ctranslate2")
         directory = Path(directory)
         _need(directory, ("model.bin", "tokenizer.json", METADATA_FILE), "ctranslate2")
-        model = read_json(directory / METADATA_FILE)["source"]["model"]
+        try:
+            model = read_json(directory / METADATA_FILE)["source"]["model"]
+            vocab_size, max_positions = int(model["vocab_size"]), int(model["max_positions"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise DataError(f"{directory / METADATA_FILE}: unreadable or without source.model "
+                            f"({type(exc).__name__}: {exc}); re-run `aiayn export --format "
+                            "ctranslate2`") from None
         tokenizer = load_tokenizer(directory / "tokenizer.json")
         translator = ct2.Translator(str(directory), device=device, compute_type=compute_type,
                                     inter_threads=1, intra_threads=threads)
-        return cls(translator, token_strings(tokenizer, int(model["vocab_size"])),
-                   int(model["max_positions"]), tokenizer, patience)
+        return cls(translator, token_strings(tokenizer, vocab_size), max_positions, tokenizer,
+                   patience)
 
     @property
     def max_source_tokens(self) -> int:

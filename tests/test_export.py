@@ -162,15 +162,21 @@ def our_log_p(model: Transformer, sources, outputs) -> list[float]:
 
 @pytest.mark.parametrize("d_model", [8, 32, 512])
 def test_the_permutation_turns_our_sinusoid_into_marians(d_model):
-    from transformers.models.marian.modeling_marian import MarianSinusoidalPositionalEmbedding
-
     from aiayn.model import sinusoidal_positions
 
-    marian = MarianSinusoidalPositionalEmbedding(64, d_model).create_weight()
+    config = transformers.MarianConfig(vocab_size=8, d_model=d_model, encoder_layers=1,
+                                       decoder_layers=1, encoder_attention_heads=1,
+                                       decoder_attention_heads=1, encoder_ffn_dim=4,
+                                       decoder_ffn_dim=4, max_position_embeddings=64,
+                                       pad_token_id=0, eos_token_id=2,
+                                       decoder_start_token_id=1)
+    marian = transformers.MarianMTModel(config).model
     perm = hidden_permutation(d_model)
     assert sorted(perm.tolist()) == list(range(d_model))
     # Bit for bit: both tables are float64 sin/cos rounded once to float32.
-    assert torch.equal(sinusoidal_positions(64, d_model)[:, perm], marian)
+    for side in (marian.encoder, marian.decoder):
+        assert torch.equal(sinusoidal_positions(64, d_model)[:, perm],
+                           side.embed_positions.weight.detach())
 
 
 def test_marian_computes_our_log_probs_with_padding(model_dir):
@@ -420,6 +426,20 @@ def test_bad_requests_stop_with_one_line_and_write_nothing(model_dir, toy_worksp
     with pytest.raises(MissingPackageError, match="pip install 'aiayn\\[export\\]'"):
         require("ctranslate2", "x")
     assert not out.exists()
+
+
+def test_translate_with_a_missing_export_or_package_says_what_to_do(toy_workspace, tmp_path,
+                                                                   monkeypatch):
+    params = str(toy_workspace / "params.yaml")
+    for engine in ("ctranslate2", "transformers"):
+        result = invoke("translate", "Hello", "--params", params, "--engine", engine,
+                        "--model", str(tmp_path))
+        assert result.exit_code == 2
+        assert f"not a folder of `aiayn export --format {engine}`" in result.output
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    result = invoke("translate", "Hello", "--params", params, "--engine", "transformers")
+    assert result.exit_code == 2 and "pip install 'aiayn[export]'" in result.output
+    assert "Traceback" not in result.output
 
 
 def test_pre_ln_cannot_become_marian_but_can_become_ctranslate2(toy_workspace, tmp_path):
