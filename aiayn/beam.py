@@ -12,7 +12,11 @@ Conventions
   non-PAD tokens (its EOS included), capped at ``model.cfg.max_positions``.
 * log P(Y|X) is the sum of fp32 ``log_softmax`` over the logits with PAD and BOS set to -inf
   (they can never be generated). A finished hypothesis ranks by
-  log P(Y|X) / lp(Y) with GNMT's lp(Y) = ((5 + |Y|) / 6) ** alpha (Wu et al., 2016).
+  log P(Y|X) / lp(Y) with GNMT's lp(Y) = ((5 + |Y|) / 6) ** alpha (Wu et al., 2016), the
+  paper's; or, with ``length_norm="length"``, lp(Y) = |Y| ** alpha, the normalisation of
+  CTranslate2 and Hugging Face transformers (both count EOS in |Y| too), so that the
+  exported models (aiayn/export.py) can be compared with ours hypothesis for hypothesis.
+  The two agree at alpha = 0 and for |Y| = 1 (an empty output: EOS alone).
 
 Algorithm (per sentence; all B sentences x ``beam`` hypotheses run as one batch of rows)
 ----------------------------------------------------------------------------------------
@@ -31,7 +35,8 @@ A sentence is done, and its rows leave the batch (``DecoderState.reorder``), whe
     with k = 1 this makes beam search exactly greedy decoding);
 (b) no live hypothesis can beat the best finished one any more: log P only falls and is
     <= 0, so a live hypothesis with log P = s scores at most s / lp(L) however it ends
-    (for alpha >= 0; tensor2tensor's bound); ties keep the earlier hypothesis. Exact:
+    (for alpha >= 0, where lp grows with |Y| under either normalisation; tensor2tensor's
+    bound); ties keep the earlier hypothesis. Exact:
     decoding on to L would return the same output;
 (c) it reaches L: the top k candidates of that step are finalised as they are, with |Y| = L.
 
@@ -58,10 +63,17 @@ class BeamConfig:
     alpha: float = 0.6
     max_len_a: float = 1.0  # max output tokens = floor(a * source_length + b)
     max_len_b: int = 50
+    length_norm: str = "gnmt"  # one of LENGTH_NORMS
 
 
-def length_penalty(length: int | Tensor, alpha: float) -> float | Tensor:
-    """GNMT's lp(Y) = ((5 + |Y|) / 6) ** alpha, with |Y| generated tokens including EOS."""
+LENGTH_NORMS = ("gnmt", "length")
+
+
+def length_penalty(length: int | Tensor, alpha: float, norm: str = "gnmt") -> float | Tensor:
+    """lp(Y) for |Y| generated tokens including EOS: GNMT's ((5 + |Y|) / 6) ** alpha, or
+    |Y| ** alpha for ``norm="length"`` (CTranslate2's and transformers' normalisation)."""
+    if norm == "length":
+        return length ** alpha
     return ((5 + length) / 6) ** alpha
 
 
@@ -83,6 +95,8 @@ def beam_search(model, src: Tensor, cfg: BeamConfig, *, use_cache: bool = True
         raise ValueError(f"src must be (batch, length), not {tuple(src.shape)}")
     if cfg.beam < 1:
         raise ValueError(f"beam must be at least 1, not {cfg.beam}")
+    if cfg.length_norm not in LENGTH_NORMS:
+        raise ValueError(f"length_norm must be one of {LENGTH_NORMS}, not {cfg.length_norm!r}")
     was_training = model.training
     model.eval()
     try:
@@ -92,7 +106,7 @@ def beam_search(model, src: Tensor, cfg: BeamConfig, *, use_cache: bool = True
 
 
 def _search(model, src: Tensor, cfg: BeamConfig, use_cache: bool) -> list[list[int]]:
-    k, alpha = cfg.beam, cfg.alpha
+    k, alpha, norm = cfg.beam, cfg.alpha, cfg.length_norm
     device = next(model.parameters()).device
     src = src.to(device)
     if not bool((src != PAD_ID).any(1).all()):
@@ -105,7 +119,7 @@ def _search(model, src: Tensor, cfg: BeamConfig, use_cache: bool) -> list[list[i
     src = src[ids]
     n = len(ids)
     max_len = torch.tensor([lengths[i] for i in ids], device=device)
-    lp_max = length_penalty(max_len.double(), alpha).float()
+    lp_max = length_penalty(max_len.double(), alpha, norm).float()
     banned = torch.tensor([PAD_ID, BOS_ID], device=device)
     rows = torch.arange(n, device=device).repeat_interleave(k)
     if use_cache:
@@ -139,7 +153,7 @@ def _search(model, src: Tensor, cfg: BeamConfig, use_cache: bool) -> list[list[i
         eos = top_tok == EOS_ID
         finite = torch.isfinite(top_vals)
         final = finite & (eos | last[:, None])
-        normed = torch.where(final, top_vals / length_penalty(length, alpha), NEG_INF)
+        normed = torch.where(final, top_vals / length_penalty(length, alpha, norm), NEG_INF)
         cand_score, pos = normed.max(dim=1)
         improved = cand_score > best_score
         src_row = torch.arange(n, device=device) * k + beam[:, :k].gather(1, pos[:, None])[:, 0]
@@ -155,7 +169,7 @@ def _search(model, src: Tensor, cfg: BeamConfig, use_cache: bool) -> list[list[i
         beam, tok = beam.gather(1, pos), tok.gather(1, pos)
 
         exhausted = ~(finite & ~eos).any(dim=1)  # (a)
-        bound = scores[:, 0] / lp_max.clamp(min=length_penalty(length + 1, alpha))  # (b)
+        bound = scores[:, 0] / lp_max.clamp(min=length_penalty(length + 1, alpha, norm))  # (b)
         done = last | exhausted | (best_score >= bound)  # (c), (a), (b)
         done_list = done.tolist()
         if any(done_list):

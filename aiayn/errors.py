@@ -18,3 +18,7 @@ class ParamsError(AiaynError):
 
 class DataError(AiaynError):
     """Input data is missing, malformed or inconsistent."""
+
+
+class MissingPackageError(AiaynError):
+    """An optional package (an extra such as ``aiayn[export]``) is not installed."""

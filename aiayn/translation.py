@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
+from torch import Tensor
 
 from aiayn.beam import BeamConfig, beam_search
 from aiayn.errors import DataError
@@ -24,16 +25,22 @@ from aiayn.tokenizer import EOS_ID, PAD_ID, decode, encode_ids, load_tokenizer
 log = logging.getLogger("aiayn")
 
 
-@dataclass
-class Translator:
-    model: Transformer
+class BatchTranslator:
+    """Text in, text out, for any decoder of token ids: ours, or an exported model's engine
+    (aiayn/engines.py). Subclasses set ``tokenizer`` and ``max_source_tokens`` and implement
+    ``decode_batch``; the line handling (stripping, limits, length-sorted batches, empty
+    lines, original order) is this one ``translate`` for all of them.
+    """
+
     tokenizer: Tokenizer
-    device: torch.device
-    amp_dtype: torch.dtype | None = None
 
     @property
     def max_source_tokens(self) -> int:
-        return self.model.cfg.max_positions - 1  # room for EOS
+        raise NotImplementedError
+
+    def decode_batch(self, sources: list[list[int]], cfg: BeamConfig) -> list[list[int]]:
+        """Token ids of each source (without EOS) → the best output ids (without BOS/EOS)."""
+        raise NotImplementedError
 
     def translate(self, lines: Sequence[str], cfg: BeamConfig, batch_size: int = 64,
                   truncate: bool = False, progress: Callable[[int], None] | None = None
@@ -53,13 +60,7 @@ class Translator:
         todo = sorted((i for i, seq in enumerate(ids) if seq), key=lambda i: len(ids[i]))
         for start in range(0, len(todo), batch_size):
             chunk = todo[start:start + batch_size]
-            width = max(len(ids[i]) for i in chunk) + 1
-            src = torch.full((len(chunk), width), PAD_ID, dtype=torch.long)
-            for row, i in enumerate(chunk):
-                src[row, :len(ids[i]) + 1] = torch.tensor(ids[i] + [EOS_ID])
-            with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
-                                enabled=self.amp_dtype is not None):
-                best = beam_search(self.model, src.to(self.device), cfg)
+            best = self.decode_batch([ids[i] for i in chunk], cfg)
             for i, hyp in zip(chunk, best, strict=True):
                 out[i] = decode(self.tokenizer, hyp)
             if progress:
@@ -67,6 +68,35 @@ class Translator:
         if progress:
             progress(len(lines) - len(todo))  # empty lines count as done
         return out
+
+
+def source_batch(sources: list[list[int]]) -> Tensor:
+    """(B, S): each source's ids + EOS, right-padded with PAD (what the encoder reads)."""
+    width = max(len(seq) for seq in sources) + 1
+    src = torch.full((len(sources), width), PAD_ID, dtype=torch.long)
+    for row, seq in enumerate(sources):
+        src[row, :len(seq) + 1] = torch.tensor(seq + [EOS_ID])
+    return src
+
+
+@dataclass
+class Translator(BatchTranslator):
+    """Our model and beam search (aiayn/beam.py)."""
+
+    model: Transformer
+    tokenizer: Tokenizer
+    device: torch.device
+    amp_dtype: torch.dtype | None = None
+
+    @property
+    def max_source_tokens(self) -> int:
+        return self.model.cfg.max_positions - 1  # room for EOS
+
+    def decode_batch(self, sources: list[list[int]], cfg: BeamConfig) -> list[list[int]]:
+        src = source_batch(sources).to(self.device)
+        with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
+                            enabled=self.amp_dtype is not None):
+            return beam_search(self.model, src, cfg)
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Decoding speed on CPU: our beam search (cached, recompute, bf16) against CTranslate2.
+"""Decoding speed on CPU: our beam search (cached, recompute, bf16) against the exported
+model in CTranslate2 (fp32, int8) and in Hugging Face transformers, same weights, same inputs.
 
 Usage (from the repository root)::
 
@@ -6,11 +7,17 @@ Usage (from the repository root)::
     .venv/bin/python bench/decode_speed.py --threads 2,1 --json out.json
     .venv/bin/python bench/decode_speed.py --profile          # + where the cached search spends
     .venv/bin/python bench/decode_speed.py --model data/model \
-        --inputs ../shared/data/multi30k/test2016.en          # a trained model, real sentences
+        --inputs ../shared/data/multi30k/test2016.en \
+        --references ../shared/data/multi30k/test2016.de \
+        --batches 16 --recompute-batches 0                    # a trained model, all of test2016,
+                                                              # with BLEU of every engine
     .venv/bin/python bench/decode_speed.py --help
 
-``ctranslate2`` (4.x) is needed for the CTranslate2 rows only (``--no-ct2`` skips them); it is
-not a dependency of ``aiayn``.
+The exports come from the library (``aiayn.export``: ``save_ctranslate2``, ``to_marian``)
+and decode through its engines (``aiayn.engines``), as ``aiayn export`` and ``aiayn
+translate --engine`` do. ``ctranslate2`` and ``transformers`` (``pip install
+'aiayn[export]'``) are needed for their rows only (``--no-ct2``, ``--no-int8``, ``--no-hf``
+skip them).
 
 Model (default: the copy task)
 ------------------------------
@@ -57,7 +64,7 @@ smaller. The beam settings are the script's (``--beam``, ``--alpha``,
 ``--max-len-b``; max length = source tokens + EOS + b, as ``decode.max_len_a`` 1.0), not
 read from ``params.yaml``. Besides the tables below, the report shows ``--examples`` (3)
 sentences spread over the length range, detokenized with the model's tokenizer
-(``aiayn.tokenizer.decode``): the source line, our cached fp32 output and CTranslate2's, from
+(``aiayn.tokenizer.decode``): the source line, our cached fp32 output and each engine's, from
 the first timed round, marked "same tokens" or "differs".
 
 Methods (all on the same batches, beam 4, alpha 0.6, max length = source length + 50)
@@ -71,7 +78,14 @@ Methods (all on the same batches, beam 4, alpha 0.6, max length = source length 
 * ``ct2``        ``ctranslate2.Translator(device="cpu", compute_type="float32",
                  inter_threads=1, intra_threads=threads).translate_batch(beam_size=4,
                  length_penalty=0.6, max_decoding_length=max over the batch of
-                 (source length + 50))`` on the same weights (see "CTranslate2 model").
+                 (source length + 50))`` on the same weights (see "CTranslate2 model"),
+                 through ``aiayn.engines.CTranslate2Translator`` (patience 1, its default);
+* ``ct2_int8``   the same on an export quantized to int8 (``aiayn export --quantization
+                 int8``), ``compute_type="int8"``;
+* ``hf``         ``MarianMTModel.generate(num_beams=4, length_penalty=0.6,
+                 early_stopping="never", max_new_tokens=max over the batch)`` on the same
+                 weights (``aiayn.export.to_marian``), through
+                 ``aiayn.engines.TransformersTranslator``; torch threads as ours.
 
 ``torch.set_num_threads(t)`` and CTranslate2's ``intra_threads`` take the same value ``t``,
 for each ``t`` of ``--threads`` (default 2). Each method decodes every batch once for warm-up;
@@ -82,49 +96,38 @@ so each ratio is the median over rounds of the per-round ratio, and absolute fig
 medians over rounds. CPU seconds (``time.process_time``, all threads of the process) come
 next to wall seconds: CPU/wall far below the thread count means time lost to other processes.
 
+CTranslate2 and transformers normalise by |Y|^alpha, ours (timed rows) by GNMT's
+((5 + |Y|) / 6)^alpha: the timed rows each decode as their engine does by default.
+
 sentences/s = sentences / wall seconds; tokens/s = generated tokens / wall seconds, where the
 generated tokens of a sentence are its output tokens + 1 (its EOS; also counted for an
 output cut at the maximum length). Beam search computes ``beam`` hypotheses per sentence;
 tokens/s counts the returned one only.
 
-CTranslate2 model
------------------
-Filled weight by weight from the PyTorch state dict, as the fairseq / OpenNMT-py converters
-of ``ctranslate2.converters`` do, into ``TransformerSpec.from_config((encoder_layers,
-decoder_layers), heads, pre_norm=(norm == "pre"), activation=RELU)`` with the numbers of
-the model's ``TransformerConfig`` (copy task: (3, 3), 4, post-norm; d_model, d_ff and the
-vocabulary size follow from the weight shapes):
+CTranslate2 and transformers models
+-----------------------------------
+Converted by ``aiayn.export`` (its module docstring has the mapping, weight by weight):
+``save_ctranslate2(model, vocab, dir, quantization)`` for CTranslate2 (fp32 and int8) and
+``to_marian(model)`` for transformers (``MarianMTModel``, hidden dimensions permuted so that
+Marian's [sin | cos] sinusoid equals our interleaved one). One vocabulary for both sides,
+token string ``i`` for our id ``i``: for the copy task ``<pad> <s> </s> <unk> w4 ...
+w7999``, for ``--model`` the tokenizer's own tokens. Both exports carry an output bias of
+-inf at PAD and BOS (our beam search's rule), so no ``suppress_sequences`` is needed; the
+engines pass ``min_decoding_length=0`` (CTranslate2's default of 1 forbids an empty output;
+ours allows it).
 
-* ``encoder.embeddings[0].weight``, ``decoder.embeddings.weight`` and
-  ``decoder.projection.weight`` = the one shared matrix (no projection bias; the saver
-  aliases the copies); ``scale_embeddings = True`` multiplies by sqrt(d_model);
-* ``{encoder,decoder}.position_encodings.encodings`` = ``model.positions`` (our interleaved
-  sin/cos table, passed explicitly: CTranslate2's built-in table concatenates sin and cos);
-  row 0 is the first position on both sides (the decoder start token);
-* per layer: ``self_attention.linear[0]`` = fused ``qkv_proj`` (rows q, k, v as CTranslate2
-  expects), ``linear[1]`` = ``out_proj``, ``self_attention.layer_norm`` = the LayerNorm of
-  that residual block (post-norm: CTranslate2 applies it after the residual sum when
-  ``pre_norm=False``); decoder ``attention.linear[0]`` = ``q_proj``, ``linear[1]`` = fused
-  ``kv_proj``, ``linear[2]`` = ``out_proj``, ``attention.layer_norm`` = the cross block's
-  norm; ``ffn.linear_0/1`` = ``w1/w2``, ``ffn.layer_norm`` = the FFN block's norm;
-  pre-LN models would also get the final ``layer_norm`` of each stack;
-* ``config.layer_norm_epsilon = 1e-5`` (``nn.LayerNorm``'s; CTranslate2's default is 1e-6);
-* one vocabulary for both sides, token string ``i`` for our id ``i``: for the copy task
-  ``<pad> <s> </s> <unk> w4 ... w7999``, for ``--model`` the tokenizer's own tokens
-  (byte-level BPE strings, ids 0-3 the same specials); CTranslate2's output tokens map
-  back to ids through the same list; decoder start ``<s>`` (our BOS), end ``</s>``; the
-  source is passed with its ``</s>``;
-* ``spec.validate(); spec.optimize(quantization="float32"); spec.save(dir)`` (what
-  ``Converter.convert`` does).
-
-Decoding options matched to ``aiayn.beam``: ``min_decoding_length=0`` (CTranslate2's default
-of 1 forbids an empty output; ours allows it) and ``suppress_sequences=[["<pad>"], ["<s>"]]``
-(ours sets PAD and BOS logits to -inf before the log-softmax; CTranslate2 applies suppressed
-tokens to the logits before its log-softmax too).
+BLEU (``--references FILE``, with ``--model``)
+----------------------------------------------
+The references of the decoded lines (the same line numbers as ``--inputs``), and for every
+method but ``recompute``, the first timed round's outputs detokenized with the model's
+tokenizer: sacreBLEU's corpus BLEU (default 13a tokenization, signature printed), and each
+engine's BLEU minus ``ct2``'s (the goal: int8 within 0.3 of fp32). With ``--batches 16``
+(x 64) all 1000 lines of Multi30k test2016 are decoded.
 
 Agreement (outside the timing)
 ------------------------------
-* greedy: ``greedy_search`` against CTranslate2 ``beam_size=1``, token for token;
+* greedy: ``greedy_search`` against CTranslate2 ``beam_size=1`` and transformers
+  ``num_beams=1``, token for token;
 * beam 4, alpha 0: both rank finished hypotheses by log P and stop once the best finished one
   beats every live one, so they should agree;
 * beam 4, alpha 0.6: not the same objective. Ours ranks by log P / ((5 + |Y|) / 6)^alpha
@@ -142,6 +145,9 @@ Agreement (outside the timing)
   better under both), "tie" (scores within 1e-4), and for the timed outputs "max length"
   (ours was cut at source + 50, CTranslate2 ran on to the batch's one maximum).
   Also: cached vs recompute and fp32 vs bf16 outputs.
+* beam 4 against transformers at alpha 0 (ours as is) and at alpha (ours with
+  ``length_norm="length"``, transformers' normalisation): both searches are exact
+  (``early_stopping="never"``), so they should agree; and CTranslate2 int8 against fp32.
 """
 
 from __future__ import annotations
@@ -178,9 +184,10 @@ VOCAB = 8000
 WORDS = 500  # sentences draw their words uniformly from ids 4 .. 4 + WORDS - 1
 TRAIN_LENGTHS = (4, 40)
 VOCAB_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(4, VOCAB)]
-METHODS = ("cached", "bf16", "recompute", "ct2")
+METHODS = ("cached", "bf16", "recompute", "ct2", "ct2_int8", "hf")
 LABELS = {"cached": "ours, cached, fp32", "bf16": "ours, cached, bf16 autocast",
-          "recompute": "ours, recompute (no cache)", "ct2": "CTranslate2 fp32"}
+          "recompute": "ours, recompute (no cache)", "ct2": "CTranslate2 fp32",
+          "ct2_int8": "CTranslate2 int8", "hf": "transformers (MarianMT) fp32"}
 
 
 def model_config() -> TransformerConfig:
@@ -213,6 +220,7 @@ class Batch:
     tokens: list[list[str]]  # the same as CTranslate2 token strings, with "</s>"
     max_len: list[int]  # our per-sentence maximum output length (EOS included)
     texts: list[str] = field(default_factory=list)  # --inputs: the source lines
+    refs: list[str] = field(default_factory=list)  # --references: their reference lines
 
     @property
     def ct2_max_len(self) -> int:  # one value per translate_batch call
@@ -220,7 +228,8 @@ class Batch:
 
 
 def cut_batches(pool: list[list[int]], batch_size: int, vocab: list[str], cfg: BeamConfig,
-                limit: int, texts: list[str] | None = None) -> list[Batch]:
+                limit: int, texts: list[str] | None = None, refs: list[str] | None = None
+                ) -> list[Batch]:
     """``pool`` (sorted by length) in consecutive batches, each source + EOS, PAD-padded."""
     batches = []
     for start in range(0, len(pool), batch_size):
@@ -228,7 +237,8 @@ def cut_batches(pool: list[list[int]], batch_size: int, vocab: list[str], cfg: B
         src = pad(words, post=(EOS_ID,))
         batches.append(Batch(words, src, [[vocab[i] for i in w] + [vocab[EOS_ID]] for w in words],
                              max_lengths(src, cfg.max_len_a, cfg.max_len_b, limit),
-                             list(texts[start:start + batch_size]) if texts else []))
+                             list(texts[start:start + batch_size]) if texts else [],
+                             list(refs[start:start + batch_size]) if refs else []))
     return batches
 
 
@@ -240,7 +250,7 @@ def make_batches(n_batches: int, batch_size: int, lo: int, hi: int, seed: int,
 
 
 def read_inputs(path: Path, tokenizer, n: int, select: str, limit: int
-                ) -> tuple[list[list[int]], list[str], dict]:
+                ) -> tuple[list[list[int]], list[str], dict, list[int]]:
     """Source lines of ``path`` as ``aiayn.translation`` encodes and orders them.
 
     Lines are stripped and encoded with the model's tokenizer (no special tokens; EOS is
@@ -248,7 +258,7 @@ def read_inputs(path: Path, tokenizer, n: int, select: str, limit: int
     ``limit - 1`` tokens is cut there (what ``aiayn translate --truncate`` does). ``select``
     "head" keeps the first ``n`` remaining lines in file order, "shortest" the ``n`` shortest
     of the whole file; either way the kept ones are returned sorted by token count (stable,
-    as ``aiayn.translation`` sorts), ready to be cut into batches.
+    as ``aiayn.translation`` sorts), ready to be cut into batches, with their line indices.
     """
     if not path.is_file():
         raise SystemExit(f"--inputs {path}: no such file")
@@ -268,7 +278,7 @@ def read_inputs(path: Path, tokenizer, n: int, select: str, limit: int
              "select": select, "selected": len(chosen), "truncated_in_file": truncated,
              "mean_src_tokens": statistics.fmean(lens) if lens else 0.0,
              "min_src_tokens": min(lens, default=0), "max_src_tokens": max(lens, default=0)}
-    return [ids[i] for i in chosen], [texts[i] for i in chosen], stats
+    return [ids[i] for i in chosen], [texts[i] for i in chosen], stats, chosen
 
 
 # -- model -------------------------------------------------------------------------------
@@ -357,84 +367,31 @@ def build_model(args) -> tuple[Transformer, dict]:
 
 # -- CTranslate2 -------------------------------------------------------------------------
 
-def ct2_spec(model: Transformer, vocab: list[str]):
-    """CTranslate2 ``TransformerSpec`` of ``model`` (any size; see the module docstring).
+def ct2_engine(path: Path, vocab: list[str], limit: int, compute_type: str, threads: int):
+    """An export folder written by ``aiayn.export.save_ctranslate2``, as the engine that
+    ``aiayn translate --engine ctranslate2`` uses."""
+    import ctranslate2
 
-    ``vocab[i]`` is the token string of id ``i``, for both sides.
-    """
-    from ctranslate2.specs import common_spec, transformer_spec
+    from aiayn.engines import CTranslate2Translator
 
-    cfg = model.cfg
-    if len(vocab) != cfg.vocab_size:
-        raise ValueError(f"{len(vocab)} token strings for a vocabulary of {cfg.vocab_size}")
-    pre = cfg.norm == "pre"
-    spec = transformer_spec.TransformerSpec.from_config(
-        (cfg.encoder_layers, cfg.decoder_layers), cfg.heads, pre_norm=pre,
-        activation=common_spec.Activation.RELU)
-    sd = {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
-
-    def linear(s, name: str) -> None:
-        s.weight = sd[f"{name}.weight"]
-        s.bias = sd[f"{name}.bias"]
-
-    def norm(s, name: str) -> None:
-        s.gamma = sd[f"{name}.weight"]
-        s.beta = sd[f"{name}.bias"]
-
-    emb = sd["embedding.weight"]
-    positions = model.positions.detach().float().numpy().copy()
-    for side in (spec.encoder, spec.decoder):
-        table = side.embeddings[0] if isinstance(side.embeddings, list) else side.embeddings
-        table.weight = emb
-        side.scale_embeddings = True  # x sqrt(d_model), Section 3.4
-        side.position_encodings.encodings = positions
-    for i, ls in enumerate(spec.encoder.layer):
-        p = f"encoder.{i}"
-        linear(ls.self_attention.linear[0], f"{p}.self_attn.qkv_proj")
-        linear(ls.self_attention.linear[1], f"{p}.self_attn.out_proj")
-        norm(ls.self_attention.layer_norm, f"{p}.res_attn.norm")
-        linear(ls.ffn.linear_0, f"{p}.ffn.w1")
-        linear(ls.ffn.linear_1, f"{p}.ffn.w2")
-        norm(ls.ffn.layer_norm, f"{p}.res_ffn.norm")
-    for i, ls in enumerate(spec.decoder.layer):
-        p = f"decoder.{i}"
-        linear(ls.self_attention.linear[0], f"{p}.self_attn.qkv_proj")
-        linear(ls.self_attention.linear[1], f"{p}.self_attn.out_proj")
-        norm(ls.self_attention.layer_norm, f"{p}.res_self.norm")
-        linear(ls.attention.linear[0], f"{p}.cross_attn.q_proj")
-        linear(ls.attention.linear[1], f"{p}.cross_attn.kv_proj")
-        linear(ls.attention.linear[2], f"{p}.cross_attn.out_proj")
-        norm(ls.attention.layer_norm, f"{p}.res_cross.norm")
-        linear(ls.ffn.linear_0, f"{p}.ffn.w1")
-        linear(ls.ffn.linear_1, f"{p}.ffn.w2")
-        norm(ls.ffn.layer_norm, f"{p}.res_ffn.norm")
-    if pre:
-        norm(spec.encoder.layer_norm, "encoder_norm")
-        norm(spec.decoder.layer_norm, "decoder_norm")
-    spec.decoder.projection.weight = emb  # tied output matrix, no bias
-    spec.config.layer_norm_epsilon = 1e-5
-    spec.config.bos_token, spec.config.eos_token, spec.config.unk_token = "<s>", "</s>", "<unk>"
-    spec.config.decoder_start_token = "<s>"
-    spec.config.add_source_bos = spec.config.add_source_eos = False
-    spec.register_source_vocabulary(vocab)
-    spec.register_target_vocabulary(vocab)
-    return spec
+    return CTranslate2Translator(ctranslate2.Translator(
+        str(path), device="cpu", compute_type=compute_type, inter_threads=1,
+        intra_threads=threads), vocab, limit)
 
 
-def ct2_save(model: Transformer, directory: Path, vocab: list[str]) -> Path:
-    spec = ct2_spec(model, vocab)
-    spec.validate()
-    spec.optimize(quantization="float32")
-    directory.mkdir(parents=True, exist_ok=True)
-    spec.save(str(directory))
-    return directory
+def engine_cfg(batch: Batch, beam: int, alpha: float) -> BeamConfig:
+    """The batch's one maximum length, and the engines' |Y|^alpha normalisation."""
+    return BeamConfig(beam=beam, alpha=alpha, max_len_a=0.0, max_len_b=batch.ct2_max_len,
+                      length_norm="length")
 
 
-def ct2_decode(translator, batch: Batch, beam: int, alpha: float, num_hypotheses: int = 1):
-    return translator.translate_batch(
-        batch.tokens, beam_size=beam, length_penalty=alpha, num_hypotheses=num_hypotheses,
-        max_decoding_length=batch.ct2_max_len, min_decoding_length=0, return_scores=True,
-        suppress_sequences=[["<pad>"], ["<s>"]], max_batch_size=0)
+def ct2_decode(engine, batch: Batch, beam: int, alpha: float, num_hypotheses: int = 1):
+    return engine.results(batch.words, engine_cfg(batch, beam, alpha),
+                          num_hypotheses=num_hypotheses, return_scores=True, max_batch_size=0)
+
+
+def hf_decode(engine, batch: Batch, beam: int, alpha: float) -> list[list[int]]:
+    return engine.decode_batch(batch.words, engine_cfg(batch, beam, alpha))
 
 
 def ct2_ids(results, token_id: dict[str, int]) -> list[list[int]]:
@@ -619,7 +576,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--train-threads", type=int, default=1)
     ap.add_argument("--weights", type=Path, default=None,
                     help="cache file for the copy-task weights (default: temp dir)")
-    ap.add_argument("--no-ct2", action="store_true", help="skip CTranslate2")
+    ap.add_argument("--references", type=Path, default=None,
+                    help="with --inputs: reference translations, line for line; prints the "
+                         "sacreBLEU of every engine's output")
+    ap.add_argument("--no-ct2", action="store_true", help="skip CTranslate2 (fp32 and int8)")
+    ap.add_argument("--no-int8", action="store_true", help="skip the CTranslate2 int8 row")
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers")
     ap.add_argument("--no-bf16", action="store_true",
                     help="skip the bf16 autocast row (skipped anyway on a CPU without native "
                          "bf16, where it would be ~100x slower, unless --bf16)")
@@ -640,6 +602,8 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("--model requires --inputs FILE (source sentences, one per line)")
     if args.model is not None and not args.model.is_dir():
         ap.error(f"--model {args.model}: not a folder")
+    if args.references is not None and args.inputs is None:
+        ap.error("--references requires --model and --inputs")
 
     threads = [int(t) for t in args.threads.split(",")]
     cfg = BeamConfig(beam=args.beam, alpha=args.alpha, max_len_a=1.0, max_len_b=args.max_len_b)
@@ -653,7 +617,11 @@ def main(argv: list[str] | None = None) -> dict:
         import ctranslate2 as ct2
         info["ctranslate2"] = ct2.__version__
         info["ct2_compute_types_cpu"] = sorted(ct2.get_supported_compute_types("cpu"))
+    if not args.no_hf:
+        from aiayn.export import quiet_transformers
+        info["transformers"] = quiet_transformers().__version__
     print(f"torch {torch.__version__}  ctranslate2 {info.get('ctranslate2', '-')}  "
+          f"transformers {info.get('transformers', '-')}  "
           f"CPU {info['cpu']} ({info['logical_cpus']} logical, {info['cpu_capability']})  "
           f"threads {threads}")
     info["load_average_start"] = os.getloadavg()
@@ -667,12 +635,21 @@ def main(argv: list[str] | None = None) -> dict:
         except DataError as exc:
             raise SystemExit(f"error: {exc}") from None
         info["model"]["config"] = model.cfg.to_dict()
-        pool, texts, info["inputs"] = read_inputs(args.inputs, tokenizer,
-                                                  args.batches * args.batch_size, args.select,
-                                                  model.cfg.max_positions)
+        pool, texts, info["inputs"], chosen = read_inputs(
+            args.inputs, tokenizer, args.batches * args.batch_size, args.select,
+            model.cfg.max_positions)
         if not pool:
             raise SystemExit(f"error: --inputs {args.inputs} has no non-empty line")
-        batches = cut_batches(pool, args.batch_size, vocab, cfg, model.cfg.max_positions, texts)
+        refs = None
+        if args.references is not None:
+            lines = args.references.read_text(encoding="utf-8").splitlines()
+            if len(lines) != info["inputs"]["lines"]:
+                raise SystemExit(f"error: --references {args.references} has {len(lines)} "
+                                 f"lines, --inputs {info['inputs']['lines']}")
+            refs = [lines[i] for i in chosen]
+            info["references"] = str(args.references)
+        batches = cut_batches(pool, args.batch_size, vocab, cfg, model.cfg.max_positions, texts,
+                              refs)
         print("inputs: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
                                      for k, v in info["inputs"].items()))
     else:
@@ -693,14 +670,25 @@ def main(argv: list[str] | None = None) -> dict:
           + " ".join(f"{tuple(b.src.shape)}" for b in batches)
           + f"; recompute timed on batch(es) {rc_idx}")
 
-    translators = {}
+    from aiayn.export import save_ctranslate2, to_marian
+
+    limit = model.cfg.max_positions
+    translators, translators_int8 = {}, {}
     tmpdir = None
     if ct2 is not None:
         tmpdir = tempfile.TemporaryDirectory(prefix="aiayn_ct2_")
-        path = ct2_save(model, Path(tmpdir.name) / "model", vocab)
+        path = save_ctranslate2(model, vocab, Path(tmpdir.name) / "fp32")
         for t in threads:
-            translators[t] = ct2.Translator(str(path), device="cpu", compute_type="float32",
-                                            inter_threads=1, intra_threads=t)
+            translators[t] = ct2_engine(path, vocab, limit, "float32", t)
+        if not args.no_int8:
+            path8 = save_ctranslate2(model, vocab, Path(tmpdir.name) / "int8", "int8")
+            for t in threads:
+                translators_int8[t] = ct2_engine(path8, vocab, limit, "int8", t)
+    hf = None
+    if not args.no_hf:
+        from aiayn.engines import TransformersTranslator
+
+        hf = TransformersTranslator(to_marian(model, cfg.beam, cfg.alpha))
 
     # -- agreement (untimed) --------------------------------------------------------------
     # CTranslate2 takes one maximum length per call, ours one per sentence: here ours gets
@@ -760,8 +748,24 @@ def main(argv: list[str] | None = None) -> dict:
             single[name]["max |ct2 score - our log P normalised|"] = max(diffs)
             agree[f"{name} ours vs ct2"] = classify_beam(model, batches, ours_b, ct2_b, alpha,
                                                          uniform=True)
+        if translators_int8:
+            tr8 = translators_int8[threads[0]]
+            greedy_int8 = [ct2_ids(ct2_decode(tr8, b, 1, 0.0), token_id) for b in batches]
+            agree["greedy ct2 fp32 vs int8"] = agreement(sum(greedy_ct2, []),
+                                                         sum(greedy_int8, []))
         for v in single.values():
             v["ours / ct2 speed"] = v["ct2_s"] / v["ours_s"]
+    if hf is not None:
+        greedy_hf = [hf_decode(hf, b, 1, 0.0) for b in batches]
+        agree["greedy ours vs transformers"] = agreement(sum(greedy_ours, []), sum(greedy_hf, []))
+        for alpha in dict.fromkeys([0.0, cfg.alpha]):
+            norm = "gnmt" if alpha == 0 else "length"
+            ours_b = [ours_decode(model, b, BeamConfig(beam=cfg.beam, alpha=alpha, max_len_a=0.0,
+                                                       max_len_b=b.ct2_max_len,
+                                                       length_norm=norm)) for b in batches]
+            hf_b = [hf_decode(hf, b, cfg.beam, alpha) for b in batches]
+            agree[f"beam {cfg.beam} alpha={alpha} ours ({norm}) vs transformers"] = agreement(
+                sum(ours_b, []), sum(hf_b, []))
     info["single_pass"] = single
     print(f"single passes (indicative, not alternated), {threads[0]} thread(s), one max length per "
           "batch for both:")
@@ -780,6 +784,7 @@ def main(argv: list[str] | None = None) -> dict:
     # -- timing ---------------------------------------------------------------------------
     methods = [m for m in METHODS
                if not (m == "ct2" and not translators) and not (m == "bf16" and args.no_bf16)
+               and not (m == "ct2_int8" and not translators_int8) and not (m == "hf" and not hf)
                and not (m == "recompute" and not rc_idx)]
     results: dict = {}
     first_outputs: dict = {}
@@ -788,9 +793,12 @@ def main(argv: list[str] | None = None) -> dict:
 
         def run(method: str, bi: int, t=t):
             b = batches[bi]
-            if method == "ct2":
-                res, wall, cpu = timed(lambda: ct2_decode(translators[t], b, cfg.beam, cfg.alpha))
+            if method in ("ct2", "ct2_int8"):
+                engine = (translators if method == "ct2" else translators_int8)[t]
+                res, wall, cpu = timed(lambda: ct2_decode(engine, b, cfg.beam, cfg.alpha))
                 return ct2_ids(res, token_id), wall, cpu
+            if method == "hf":
+                return timed(lambda: hf_decode(hf, b, cfg.beam, cfg.alpha))
             return timed(lambda: ours_decode(model, b, cfg, use_cache=method != "recompute",
                                              bf16=method == "bf16"))
 
@@ -834,6 +842,12 @@ def main(argv: list[str] | None = None) -> dict:
     if "bf16" in fo:
         agree["beam fp32 vs bf16"] = agreement(sum((fo["cached"][i] for i in all_b), []),
                                                sum((fo["bf16"][i] for i in all_b), []))
+    for m in ("ct2_int8", "hf"):
+        if m in fo and "ct2" in fo:
+            agree[f"timed beam {cfg.beam} alpha={cfg.alpha} ct2 vs {m}"] = agreement(
+                sum((fo["ct2"][i] for i in all_b), []), sum((fo[m][i] for i in all_b), []))
+    if tokenizer is not None and batches[0].refs:
+        info["bleu"] = bleu_scores(tokenizer, batches, fo)
     info["agreement"] = agree
     info["timed_outputs"] = {m: {"tokens": out_tokens(sum(v.values(), [])),
                                  "empty": sum(not h for hs in v.values() for h in hs),
@@ -868,11 +882,28 @@ def examples(tokenizer, batches: list[Batch], outputs: dict, n: int) -> list[dic
         bi, i = where[k]
         ex = {"source": batches[bi].texts[i], "src_tokens": len(batches[bi].words[i]),
               "ours": decode(tokenizer, outputs["cached"][bi][i])}
-        if "ct2" in outputs:
-            ex["ct2"] = decode(tokenizer, outputs["ct2"][bi][i])
-            ex["same_tokens"] = outputs["cached"][bi][i] == outputs["ct2"][bi][i]
+        for m in ("ct2", "ct2_int8", "hf"):
+            if m in outputs:
+                ex[m] = decode(tokenizer, outputs[m][bi][i])
+                ex[f"{m}_same_tokens"] = outputs["cached"][bi][i] == outputs[m][bi][i]
         out.append(ex)
     return out
+
+
+def bleu_scores(tokenizer, batches: list[Batch], outputs: dict) -> dict:
+    """sacreBLEU of each method's detokenized outputs (all batches) against the references."""
+    import sacrebleu
+
+    refs = [r for b in batches for r in b.refs]
+    scores, signature = {}, None
+    for m, per_batch in outputs.items():
+        if m == "recompute" or len(per_batch) != len(batches):
+            continue
+        hyps = [decode(tokenizer, h) for bi in range(len(batches)) for h in per_batch[bi]]
+        bleu = sacrebleu.metrics.BLEU()
+        scores[m] = bleu.corpus_score(hyps, [refs]).score
+        signature = str(bleu.get_signature())
+    return {"sentences": len(refs), "signature": signature, "scores": scores}
 
 
 def summarize(runs: dict, rc_idx: list[int], rounds: int) -> dict:
@@ -905,6 +936,10 @@ def summarize(runs: dict, rc_idx: list[int], rounds: int) -> dict:
     ratios["cached / recompute"] = ratio("recompute", "cached", rc_idx)
     ratios["ours cached / ct2"] = ratio("ct2", "cached")
     ratios["ours bf16 / ct2"] = ratio("ct2", "bf16")
+    ratios["ct2 fp32 / ours cached"] = ratio("cached", "ct2")
+    ratios["ct2 int8 / ours cached"] = ratio("cached", "ct2_int8")
+    ratios["ct2 int8 / ct2 fp32"] = ratio("ct2", "ct2_int8")
+    ratios["transformers / ours cached"] = ratio("cached", "hf")
     ratios["bf16 / fp32 (cached)"] = ratio("cached", "bf16")
     out["ratios"] = {k: v for k, v in ratios.items() if v is not None}
     return out
@@ -937,7 +972,9 @@ def report(info: dict, results: dict, agree: dict, n_sent: int, n_rc: int) -> No
                   f"{r['tok_per_s']:8.1f} {r['wall_s']:8.2f} {r['cpu_per_wall']:8.2f}")
         for k, v in res["ratios"].items():
             goal = {"cached / recompute": "  (goal >= 5)",
-                    "ours cached / ct2": "  (goal >= 0.5)"}.get(k, "")
+                    "ours cached / ct2": "  (goal >= 0.5)",
+                    "ct2 fp32 / ours cached": "  (goal >= 1.5)",
+                    "ct2 int8 / ours cached": "  (goal >= 2)"}.get(k, "")
             print(f"{t:>7}  speed ratio {k}: {v:.2f}x{goal}")
     print("\n== agreement ==")
     for k, v in agree.items():
@@ -954,15 +991,25 @@ def report(info: dict, results: dict, agree: dict, n_sent: int, n_rc: int) -> No
     print("outputs of the first timed round: " + "; ".join(
         f"{m}: {v['tokens']} tokens (with EOS) for {v['sentences']} sentences, {v['empty']} empty"
         for m, v in info["timed_outputs"].items()))
+    if info.get("bleu"):
+        b = info["bleu"]
+        print(f"\n== BLEU on {b['sentences']} sentences of {info['references']} (first timed "
+              f"round; sacreBLEU {b['signature']}) ==")
+        base = b["scores"].get("ct2")
+        for m, score in b["scores"].items():
+            delta = "" if base is None or m == "ct2" else f"   {score - base:+.2f} vs ct2 fp32"
+            goal = "  (goal: within 0.3)" if m == "ct2_int8" else ""
+            print(f"  {LABELS[m]:30s} {score:6.2f}{delta}{goal}")
     if info.get("examples"):
         print(f"\n== examples (first timed round, beam {info['beam']['beam']}, alpha "
               f"{info['beam']['alpha']}; detokenized) ==")
         for j, ex in enumerate(info["examples"], 1):
             print(f"[{j}] source ({ex['src_tokens']} tokens): {ex['source']}")
             print(f"    ours: {ex['ours']}")
-            if "ct2" in ex:
-                print(f"    ct2:  {ex['ct2']}"
-                      + ("   (same tokens)" if ex["same_tokens"] else "   (differs)"))
+            for m in ("ct2", "ct2_int8", "hf"):
+                if m in ex:
+                    print(f"    {m + ':':9s} {ex[m]}"
+                          + ("   (same tokens)" if ex[f"{m}_same_tokens"] else "   (differs)"))
 
 
 if __name__ == "__main__":

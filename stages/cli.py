@@ -25,6 +25,7 @@ COMMANDS = {
     "average": "stages.average",
     "translate": "stages.translate",
     "score": "stages.score",
+    "export": "stages.export",
     "attention": "stages.attention",
     "results": "stages.results",
 }

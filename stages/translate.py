@@ -23,17 +23,19 @@ def translate(
     input_file: Annotated[Path | None, typer.Option("--input", "-i", help="A file of sentences, one per line ('-': standard input).")] = None,
     split: Annotated[str | None, typer.Option(help="Translate the source side of a raw split (the DVC stage uses test).")] = None,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Output file (default: standard output; with --split: data/translations/{split}.{tgt}).")] = None,
-    model: Annotated[Path, typer.Option(help="Folder from `aiayn average` (weights, config, tokenizer).")] = Path("data/model"),
+    model: Annotated[Path | None, typer.Option(help="Model folder: from `aiayn average` for --engine aiayn (default data/model), from `aiayn export` for the others (default data/export/ENGINE).")] = None,
+    engine: Annotated[Literal["aiayn", "ctranslate2", "transformers"], typer.Option(help="Decoder: aiayn (our beam search, the default), ctranslate2 or transformers (an exported model; `pip install 'aiayn[export]'`).")] = "aiayn",
     raw: Annotated[Path, typer.Option(help="Raw splits (for --split).")] = Path("data/raw"),
     beam: Annotated[int | None, typer.Option(min=1, help="Beam size (default: decode.beam; 1 is greedy).")] = None,
-    alpha: Annotated[float | None, typer.Option(min=0.0, help="Length penalty alpha, GNMT ((5+|Y|)/6)^alpha (default: decode.alpha).")] = None,
+    alpha: Annotated[float | None, typer.Option(min=0.0, help="Length penalty alpha (default: decode.alpha); see --length-norm.")] = None,
+    length_norm: Annotated[Literal["gnmt", "length"] | None, typer.Option(help="Beam scores are log P / lp(Y): gnmt, ((5+|Y|)/6)^alpha (the paper's; aiayn's default), or length, |Y|^alpha (CTranslate2's and transformers', their only one; aiayn can use it too).")] = None,
     max_len_a: Annotated[float | None, typer.Option(min=0.0, help="Max output tokens = a * input tokens + b (default: decode.max_len_a).")] = None,
     max_len_b: Annotated[int | None, typer.Option(min=0, help="See --max-len-a (default: decode.max_len_b).")] = None,
     max_len: Annotated[int | None, typer.Option(min=1, help="A fixed cap on output tokens (instead of a * input + b).")] = None,
     batch_size: Annotated[int | None, typer.Option(min=1, help="Sentences decoded together (default: decode.batch_size).")] = None,
     truncate: Annotated[bool, typer.Option(help="Cut inputs longer than the model's limit instead of stopping with an error.")] = False,
     device: Annotated[Literal["auto", "cpu", "cuda"], typer.Option(help="auto (cuda if a GPU is visible), cpu or cuda.")] = "auto",
-    precision: Annotated[Literal["fp32", "bf16", "auto"], typer.Option(help="fp32; bf16 (autocast); or auto: bf16 on a GPU or CPU with native bf16 (Ampere+; AVX512-BF16, AMX, Arm BF16), else fp32.")] = "fp32",
+    precision: Annotated[Literal["fp32", "bf16", "auto"], typer.Option(help="--engine aiayn: fp32; bf16 (autocast); or auto: bf16 on a GPU or CPU with native bf16 (Ampere+; AVX512-BF16, AMX, Arm BF16), else fp32.")] = "fp32",
     progress: Annotated[bool, typer.Option(help="Show a progress bar (sentences/s) on standard error.")] = True,
 ) -> None:
     """Translate with beam search (paper Section 6.1: beam 4, alpha 0.6, max length input + 50).
@@ -41,17 +43,20 @@ def translate(
     Text comes from the arguments, `--input FILE`, standard input, or, for the DVC stage,
     `--split valid` and `--split test` (the source column of RAW/SPLIT.parquet, written to
     data/translations/SPLIT.{tgt}). Output is detokenized text, one line per input line, in
-    the input's order; an empty line gives an empty line. Reads: params `decode.*` (options
-    override them) and `data.src_lang`/`tgt_lang` (for --split); MODEL. Writes: OUT
-    (atomically), or standard output.
+    the input's order; an empty line gives an empty line. `--engine ctranslate2` or
+    `transformers` decodes with a model written by `aiayn export` instead of our own beam
+    search (same weights; they take one maximum length per batch, the batch's largest).
+    Reads: params `decode.*` (options override them) and `data.src_lang`/`tgt_lang` (for
+    --split); MODEL. Writes: OUT (atomically), or standard output.
     """
-    from aiayn.translation import load_translator
+    from aiayn.engines import default_model_dir, load_engine
 
     p = read_params(params)
     d = p.decode
     cfg = BeamConfig(beam=beam or d.beam, alpha=d.alpha if alpha is None else alpha,
                      max_len_a=d.max_len_a if max_len_a is None else max_len_a,
-                     max_len_b=d.max_len_b if max_len_b is None else max_len_b)
+                     max_len_b=d.max_len_b if max_len_b is None else max_len_b,
+                     length_norm=length_norm or ("gnmt" if engine == "aiayn" else "length"))
     if max_len is not None:
         cfg.max_len_a, cfg.max_len_b = 0.0, max_len
     if text:
@@ -72,7 +77,8 @@ def translate(
     else:
         raise DataError("nothing to translate: give sentences as arguments, --input FILE, "
                         "--split test, or pipe text into standard input")
-    translator = load_translator(model, device=device, precision=precision)
+    translator = load_engine(engine, model or default_model_dir(engine), device=device,
+                             precision=precision)
     with tqdm(total=len(lines), desc="translate", unit=" sent", disable=not progress,
               mininterval=1.0, file=sys.stderr) as bar:
         hyps = translator.translate(lines, cfg, batch_size=batch_size or d.batch_size,
@@ -82,8 +88,8 @@ def translate(
         sys.stdout.write(result)
     else:
         write_text(out, result)
-        log.info("translate: %d sentences (beam %d, alpha %.2f) -> %s", len(lines), cfg.beam,
-                 cfg.alpha, out)
+        log.info("translate: %d sentences (%s, beam %d, alpha %.2f, %s) -> %s", len(lines),
+                 engine, cfg.beam, cfg.alpha, cfg.length_norm, out)
 
 
 app = single_command_app(translate, "Translate with the trained model.")

@@ -132,8 +132,10 @@ def reference_greedy(model: Transformer, src: torch.Tensor, max_len: int) -> lis
     return prefix[1:]
 
 
-def exhaustive_scores(model, src, max_len: int, alpha: float) -> dict[tuple[int, ...], float]:
-    """log P(Y|X) / ((5 + |Y|) / 6) ** alpha for every possible output Y.
+def exhaustive_scores(model, src, max_len: int, alpha: float, norm: str = "gnmt"
+                      ) -> dict[tuple[int, ...], float]:
+    """log P(Y|X) / ((5 + |Y|) / 6) ** alpha (GNMT) or / |Y| ** alpha (norm "length") for
+    every possible output Y.
 
     Finished: 0 .. max_len - 1 content tokens then EOS; cut: max_len content tokens.
     """
@@ -145,7 +147,8 @@ def exhaustive_scores(model, src, max_len: int, alpha: float) -> dict[tuple[int,
     scores = {}
     for row, ((seq, _), target) in enumerate(zip(outputs, targets, strict=True)):
         total = sum(float(lp[row, i, tok]) for i, tok in enumerate(target))
-        scores[seq] = total / ((5 + len(target)) / 6) ** alpha
+        n = len(target)
+        scores[seq] = total / (n ** alpha if norm == "length" else ((5 + n) / 6) ** alpha)
     return scores
 
 
@@ -157,6 +160,18 @@ def test_length_penalty_follows_the_gnmt_formula():
     got = length_penalty(torch.tensor([1.0, 7.0, 25.0]), 1.0)
     assert torch.allclose(got, torch.tensor([1.0, 2.0, 5.0]))
     assert length_penalty(4, 0.6) < length_penalty(5, 0.6)
+
+
+def test_length_penalty_can_follow_ctranslate2_and_transformers():
+    # |Y| ** alpha: what CTranslate2 and transformers divide by; equal to GNMT at |Y| = 1.
+    assert length_penalty(1, 0.6, "length") == pytest.approx(1.0)
+    assert length_penalty(8, 1.0, "length") == pytest.approx(8.0)
+    assert length_penalty(9, 0.5, "length") == pytest.approx(3.0)
+    assert length_penalty(30, 0.0, "length") == pytest.approx(1.0)
+    got = length_penalty(torch.tensor([1.0, 4.0, 16.0]), 0.5, "length")
+    assert torch.allclose(got, torch.tensor([1.0, 2.0, 4.0]))
+    with pytest.raises(ValueError, match="length_norm"):
+        beam_search(tiny(0), torch.tensor([[5, EOS]]), BeamConfig(length_norm="words"))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -180,17 +195,19 @@ EXHAUSTIVE_SEEDS = [0, 1, 3, 4]
 ALPHAS = [0.0, 0.6, 1.0]
 
 
+@pytest.mark.parametrize("norm", ["gnmt", "length"])
 @pytest.mark.parametrize("max_len", [4, 5])
 @pytest.mark.parametrize("alpha", ALPHAS)
 @pytest.mark.parametrize("seed", EXHAUSTIVE_SEEDS)
-def test_wide_beam_finds_the_exhaustive_best(seed, alpha, max_len):
+def test_wide_beam_finds_the_exhaustive_best(seed, alpha, max_len, norm):
     vocab = 5  # PAD, BOS, EOS and two content tokens (3, 4)
     model = tiny(seed, vocab, scale=0.3)
     src = ragged([3], vocab, seed)[1][0]
-    scores = exhaustive_scores(model, src, max_len, alpha)
+    scores = exhaustive_scores(model, src, max_len, alpha, norm)
     assert len(scores) == 2 ** (max_len + 1) - 1
     # A beam as wide as the number of outputs prunes nothing, so beam search is exact.
-    cfg = BeamConfig(beam=len(scores), alpha=alpha, max_len_a=0.0, max_len_b=max_len)
+    cfg = BeamConfig(beam=len(scores), alpha=alpha, max_len_a=0.0, max_len_b=max_len,
+                     length_norm=norm)
     for use_cache in (True, False):
         (found,) = beam_search(model, src[None], cfg, use_cache=use_cache)
         assert scores[tuple(found)] == pytest.approx(max(scores.values()), abs=1e-5)
@@ -200,18 +217,23 @@ def test_wide_beam_finds_the_exhaustive_best(seed, alpha, max_len):
 def test_the_exhaustive_cases_are_not_vacuous():
     """Their winners include an empty output, a middling one and one cut at max_len, and
     for some source the winner depends on alpha."""
-    kinds, alpha_matters = set(), False
+    kinds, alpha_matters, norm_matters = set(), False, False
     for seed, max_len in itertools.product(EXHAUSTIVE_SEEDS, [4, 5]):
         src = ragged([3], 5, seed)[1][0]
         winners = set()
         for alpha in ALPHAS:
-            scores = exhaustive_scores(tiny(seed, 5, scale=0.3), src, max_len, alpha)
-            winners.add(max(scores, key=scores.get))
+            best = {}
+            for norm in ("gnmt", "length"):
+                scores = exhaustive_scores(tiny(seed, 5, scale=0.3), src, max_len, alpha, norm)
+                best[norm] = max(scores, key=scores.get)
+            winners |= set(best.values())
+            norm_matters |= best["gnmt"] != best["length"]
         kinds |= {"empty" if not w else "cut" if len(w) == max_len else "middle"
                   for w in winners}
         alpha_matters |= len(winners) > 1
     assert kinds == {"empty", "middle", "cut"}
     assert alpha_matters
+    assert norm_matters  # the two normalisations pick different outputs somewhere
 
 
 # After BOS: EOS 0.6, A 0.39, B 0.01; after A: A 0.998, EOS 0.001, B 0.001; after B: EOS.

@@ -6,6 +6,7 @@ DVC re-runs exactly the stages whose params or deps changed.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -91,18 +92,23 @@ def test_dvc_repro_runs_the_data_stages_and_reruns_only_what_changed(repo):
     assert bleu["sentences"] == 100 and 0 <= bleu["sacrebleu"]["score"] <= 100
     assert bleu["sacrebleu"]["signature"].startswith("nrefs:1|case:mixed")
 
-    # Everything is cached: nothing to run.
-    assert json.loads(run(["dvc", "status", "--json"], root, env).stdout) == {}
+    # Everything is cached: nothing to run. (`dvc status` alone also lists the optional
+    # export pipeline until it has run: see export/dvc.yaml.)
+    assert json.loads(run(["dvc", "status", "dvc.yaml", "--json"], root, env).stdout) == {}
+    check_the_export_pipeline(root, env, bleu)
 
     # A training parameter touches no data stage, a decoding one only translate;
     # averaging more re-runs average and what follows it.
     lr = yaml.safe_load((root / "params.yaml").read_text())["train"]["lr_scale"]
     set_params(root, train__lr_scale=lr + 2.0)
-    assert set(json.loads(run(["dvc", "status", "--json"], root, env).stdout)) == {"train"}
+    assert set(json.loads(run(["dvc", "status", "dvc.yaml", "--json"], root, env).stdout)) == {
+        "train"}
     set_params(root, train__lr_scale=lr, decode__beam=8)
-    assert set(json.loads(run(["dvc", "status", "--json"], root, env).stdout)) == {"translate"}
+    assert set(json.loads(run(["dvc", "status", "dvc.yaml", "--json"], root, env).stdout)) == {
+        "translate"}
     set_params(root, decode__beam=4, train__average_last=3)
-    assert set(json.loads(run(["dvc", "status", "--json"], root, env).stdout)) == {"average"}
+    assert set(json.loads(run(["dvc", "status", "dvc.yaml", "--json"], root, env).stdout)) == {
+        "average"}
     log = repro(root, env)
     # (score re-runs only if the translations changed)
     assert [s for s in STAGES if ran(log, s)][:2] == ["average", "translate"]
@@ -121,6 +127,24 @@ def test_dvc_repro_runs_the_data_stages_and_reruns_only_what_changed(repo):
     batches = np.load(root / "data/shards/train/batches.npy")
     shard = json.loads((root / "metrics/shard.json").read_text())
     assert len(batches) == shard["splits"]["train"]["batches"] and shard["max_tokens"] == 256
+
+
+def check_the_export_pipeline(root: Path, env: dict, bleu: dict) -> None:
+    """`dvc repro export/dvc.yaml` exports the model for both engines, with the BLEU of
+    metrics/bleu.json in its card, and runs nothing of dvc.yaml that is up to date."""
+    if not all(importlib.util.find_spec(m) for m in ("ctranslate2", "transformers")):
+        return  # the export extras are not installed: tests/test_export.py says so
+    log = run(["dvc", "repro", "export/dvc.yaml"], root, env).stdout
+    assert ran(log, "export/dvc.yaml:export") and not any(ran(log, s) for s in STAGES), log
+    for fmt, name in (("ctranslate2", "model.bin"), ("transformers", "model.safetensors")):
+        folder = root / "data/export" / fmt
+        assert (folder / name).is_file() and (folder / "tokenizer.json").is_file()
+        card = (folder / "README.md").read_text(encoding="utf-8")
+        assert f"| sacreBLEU | {bleu['sacrebleu']['score']:.1f} |" in card
+        assert bleu["sacrebleu"]["signature"].replace("|", "\\|") in card
+    # Now every pipeline is up to date, and `dvc repro` alone leaves the export alone.
+    assert json.loads(run(["dvc", "status", "--json"], root, env).stdout) == {}
+    assert not ran(repro(root, env), "export/dvc.yaml:export")
 
 
 def test_dvc_exp_run_composes_presets_and_overrides(repo):
