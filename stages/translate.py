@@ -63,17 +63,17 @@ def translate(
         lines = list(text)
     elif input_file is not None:
         if str(input_file) == "-":
-            lines = sys.stdin.read().splitlines()
+            lines = _utf8_lines(sys.stdin.buffer.read(), "standard input")
         elif not input_file.is_file():
             raise DataError(f"{input_file}: no such file to translate")
         else:
-            lines = input_file.read_text(encoding="utf-8").splitlines()
+            lines = _utf8_lines(input_file.read_bytes(), str(input_file))
     elif split is not None:
         lines = [t for b in iter_raw(raw, split, columns=[p.data.src_lang])
                  for t in b[p.data.src_lang]]
         out = out or Path(f"data/translations/{split}.{p.data.tgt_lang}")
     elif not sys.stdin.isatty():
-        lines = sys.stdin.read().splitlines()
+        lines = _utf8_lines(sys.stdin.buffer.read(), "standard input")
     else:
         raise DataError("nothing to translate: give sentences as arguments, --input FILE, "
                         "--split test, or pipe text into standard input")
@@ -90,6 +90,18 @@ def translate(
         write_text(out, result)
         log.info("translate: %d sentences (%s, beam %d, alpha %.2f, %s) -> %s", len(lines),
                  engine, cfg.beam, cfg.alpha, cfg.length_norm, out)
+
+
+def _utf8_lines(data: bytes, name: str) -> list[str]:
+    """The lines of UTF-8 ``data``; invalid UTF-8 is a one-line error naming NAME's line."""
+    try:
+        return data.decode("utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise DataError(
+            f"{name}, line {line}: invalid UTF-8 (byte {exc.start}: "
+            f"{data[exc.start:exc.start + 4]!r}); convert it to UTF-8, e.g. "
+            "`iconv -f latin1 -t utf-8`") from None
 
 
 app = single_command_app(translate, "Translate with the trained model.")

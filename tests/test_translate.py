@@ -111,3 +111,20 @@ def test_attention_command_writes_a_picture_per_kind_and_layer(model_dir, tmp_pa
     assert names == ["cross_layer1.png", "decoder_self_layer1.png", "encoder_self_layer1.png"]
     assert (tmp_path / "maps/cross_layer1.png").read_bytes()[:4] == b"\x89PNG"
     shutil.rmtree(tmp_path / "maps")
+
+
+def test_input_that_is_not_utf8_names_the_file_and_line(model_dir, tmp_path, monkeypatch):
+    from stages.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    params = write_params(tmp_path / "params.yaml", {"decode": {"beam": 1, "max_len_b": 4}})
+    base = ["translate", "--params", str(params), "--model", str(model_dir), "--no-progress"]
+    src = tmp_path / "latin1.txt"
+    src.write_bytes("The dog runs.\nThe café is open.\n".encode("latin-1"))
+    out = tmp_path / "out.txt"
+    res = CliRunner().invoke(app, [*base, "--input", str(src), "--out", str(out)])
+    assert res.exit_code == 2
+    assert f"{src}, line 2: invalid UTF-8" in res.stderr and "iconv" in res.stderr
+    assert "Traceback" not in res.output and not out.exists()
+    res = CliRunner().invoke(app, [*base, "--input", "-"], input="Le café\n".encode("latin-1"))
+    assert res.exit_code == 2 and "standard input, line 1: invalid UTF-8" in res.stderr
