@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
         raw = yaml.safe_load(params.read_text())
         raw["train"].update(kernels=kernels, steps=args.steps, valid_every=args.valid_every,
                             log_every=min(25, args.steps), checkpoint_every_steps=args.steps,
-                            checkpoint_every_minutes=0, max_minutes=0)
+                            checkpoint_every_minutes=0, max_minutes=0, valid_bleu_every=0)
         run = out / kernels
         run.mkdir()
         (run / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
