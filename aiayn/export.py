@@ -112,7 +112,6 @@ from aiayn.tokenizer import (
     PAD_ID,
     SPECIAL_TOKENS,
     UNK,
-    load_tokenizer,
 )
 
 log = logging.getLogger("aiayn")
@@ -184,7 +183,8 @@ class ModelFolder:
 
 def load_model_folder(model_dir: Path) -> ModelFolder:
     """Weights, config and tokenizer of ``model_dir``; any gap is a DataError naming the file."""
-    from aiayn.checkpoint import CONFIG_FILE, file_sha256, load_model_files
+    from aiayn.checkpoint import CONFIG_FILE, load_model_files
+    from aiayn.translation import model_tokenizer
 
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -201,12 +201,7 @@ def load_model_folder(model_dir: Path) -> ModelFolder:
     except (TypeError, ValueError, RuntimeError) as exc:
         raise DataError(f"{model_dir}: the weights do not fit the configuration in "
                         f"{CONFIG_FILE} ({str(exc)[:300]}); re-run `aiayn average`") from None
-    tok_path = model_dir / "tokenizer.json"
-    tokenizer = load_tokenizer(tok_path)
-    expected = config.get("tokenizer_sha256")
-    if expected and file_sha256(tok_path) != expected:
-        raise DataError(f"{tok_path}: not the tokenizer this model was trained with (sha256 "
-                        f"differs from {model_dir / CONFIG_FILE}); re-run `aiayn average`")
+    tok_path, tokenizer = model_tokenizer(model_dir, config)
     token_strings(tokenizer, cfg.vocab_size)  # ids 0..V-1 all present
     return ModelFolder(model_dir, model.eval(), tokenizer, tok_path, config)
 

@@ -130,18 +130,26 @@ class ValidationBleu:
         return sacre_scores(hypotheses, self.references, self.target_lang)["bleu"]["score"]
 
 
-def load_translator(model_dir: Path, device: str = "auto", precision: str = "fp32"
-                    ) -> Translator:
-    """The averaged model in ``model_dir`` (safetensors + config.json + tokenizer.json)."""
-    from aiayn.checkpoint import file_sha256, load_model_files
+def model_tokenizer(model_dir: Path, config: dict) -> tuple[Path, Tokenizer]:
+    """The model folder's tokenizer.json, checked against the sha256 in its config.json."""
+    from aiayn.checkpoint import file_sha256
 
-    state, config = load_model_files(model_dir)
     tok_path = model_dir / "tokenizer.json"
     tok = load_tokenizer(tok_path)
     expected = config.get("tokenizer_sha256")
     if expected and file_sha256(tok_path) != expected:
         raise DataError(f"{tok_path}: not the tokenizer this model was trained with (sha256 "
                         f"differs from {model_dir / 'config.json'}); re-run `aiayn average`")
+    return tok_path, tok
+
+
+def load_translator(model_dir: Path, device: str = "auto", precision: str = "fp32"
+                    ) -> Translator:
+    """The averaged model in ``model_dir`` (safetensors + config.json + tokenizer.json)."""
+    from aiayn.checkpoint import load_model_files
+
+    state, config = load_model_files(model_dir)
+    tok_path, tok = model_tokenizer(model_dir, config)
     cfg = TransformerConfig(**config["model"])
     if tok.get_vocab_size() != cfg.vocab_size:
         raise DataError(f"{tok_path} has {tok.get_vocab_size()} tokens but the model in "
