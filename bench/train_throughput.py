@@ -6,6 +6,7 @@ Usage (from the repository root)::
     .venv/bin/python bench/train_throughput.py --contenders fast,fast+compile --rounds 3
     .venv/bin/python bench/train_throughput.py --contenders fast+drop,nn+drop
     .venv/bin/python bench/train_throughput.py --profile fast                # where time goes
+    .venv/bin/python bench/train_throughput.py --contenders fast -S model.d_model=128  # a recipe
     .venv/bin/python bench/train_throughput.py --help
 
 What runs
@@ -364,7 +365,7 @@ def prepare_data(args) -> tuple[Path, Path, Path]:
 
     work = args.workdir / args.preset
     params = work / "params.yaml"
-    raw = yaml.safe_load(compose(REPO / "conf", args.preset, []))
+    raw = yaml.safe_load(compose(REPO / "conf", args.preset, list(args.set)))
     if raw["data"]["source"] == "local":
         corpus = args.corpus or (REPO / raw["data"]["local"]["dir"]).resolve()
         if not Path(corpus).is_dir():
@@ -377,14 +378,20 @@ def prepare_data(args) -> tuple[Path, Path, Path]:
         params.write_text(text)
         return params, args.shards, args.tokenizer or args.shards.parent / "vocab/tokenizer.json"
     shards, tokenizer = work / "data/shards", work / "data/vocab/tokenizer.json"
-    if not (params.is_file() and params.read_text() == text and (shards / "train").is_dir()):
-        params.write_text(text)
+    # The data stages re-run only when what they read changes (not for a model override).
+    stamp = work / "data-params.yaml"
+    data_text = yaml.safe_dump({k: raw.get(k) for k in ("seed", "data", "vocab", "survey",
+                                                        "shard")}, sort_keys=False)
+    params.write_text(text)
+    if not (stamp.is_file() and stamp.read_text() == data_text and (shards / "train").is_dir()):
+        stamp.unlink(missing_ok=True)
         (work / "metrics").mkdir(exist_ok=True)
         exe = Path(sys.executable).with_name("aiayn")
         for stage in ("download", "vocab", "survey", "shard"):
             print(f"data: aiayn {stage} (into {work})", flush=True)
             subprocess.run([str(exe) if exe.exists() else "aiayn", stage, "--params",
                             str(params)], cwd=work, check=True)
+        stamp.write_text(data_text)
     return params, shards, tokenizer
 
 
@@ -437,6 +444,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--baseline", default=None, metavar="REF",
                     help="git commit whose trainer runs as contender 'main' (e.g. 9852772)")
     ap.add_argument("--preset", default="multi30k", help="conf/experiment preset (multi30k)")
+    ap.add_argument("--set", "-S", action="append", default=[], metavar="KEY=VALUE",
+                    help="Hydra override of the preset for every contender, as `dvc exp run "
+                         "-S`: e.g. -S model.d_model=128 -S model.d_ff=256 (repeatable; data "
+                         "params re-run the data stages into the work folder)")
     ap.add_argument("--precision", default=None, choices=("auto", "fp32", "bf16"),
                     help="train.precision for every contender (default: the preset's, auto)")
     ap.add_argument("--corpus", type=Path, default=None, help="the local preset's text folder")
@@ -497,7 +508,7 @@ def main(argv: list[str] | None = None) -> dict:
     info = {"cpu": cpu_model(), "native_bf16": bf16, "logical_cpus": os.cpu_count(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": threads,
             "torch": torch.__version__, "python": platform.python_version(),
-            "preset": args.preset, "precision": p.train.precision, "model": cfg.to_dict(),
+            "preset": args.preset, "overrides": list(args.set), "precision": p.train.precision, "model": cfg.to_dict(),
             "contenders": names, "baseline": args.baseline, "rounds": args.rounds,
             "steps": args.steps, "warmup": args.warmup, "command": " ".join(sys.argv),
             "load_average": os.getloadavg()}
@@ -505,7 +516,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{'native bf16' if bf16 else 'no native bf16: AVX2-class, bf16 emulated'}); "
           f"torch {torch.__version__}, {threads} threads; load average "
           + " ".join(f"{x:.1f}" for x in info["load_average"]))
-    print(f"preset {args.preset}: d_model {cfg.d_model}, {cfg.encoder_layers}+"
+    print(f"preset {args.preset}{' ' + ' '.join(args.set) if args.set else ''}: d_model {cfg.d_model}, {cfg.encoder_layers}+"
           f"{cfg.decoder_layers} layers, d_ff {cfg.d_ff}, {cfg.heads} heads, vocabulary "
           f"{cfg.vocab_size}, dropout {cfg.dropout}, batches <= {p.shard.max_tokens} tokens, "
           f"precision {p.train.precision}")
