@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="multi30k")
+    ap.add_argument("--set", "-S", action="append", default=[], metavar="KEY=VALUE",
+                    help="Hydra override of the preset, as `dvc exp run -S` (repeatable)")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--valid-every", type=int, default=100)
     ap.add_argument("--corpus", type=Path, default=None)
@@ -61,7 +63,8 @@ def main(argv: list[str] | None = None) -> dict:
     params, shards, tokenizer = prepare_data(args)
     out = Path(tempfile.mkdtemp(prefix="same-learning-", dir=args.workdir))
     print(f"CPU {cpu_model()} ({'native bf16' if cpu_has_native_bf16() else 'no native bf16'})"
-          f"; preset {args.preset}, {args.steps} steps, runs in {out}", flush=True)
+          f"; preset {args.preset}{''.join(' -S ' + o for o in args.set)}, {args.steps} steps, "
+          f"runs in {out}", flush=True)
     exe = Path(sys.executable).with_name("aiayn")
     runs = {}
     for kernels in ("plain", "fast"):
@@ -95,7 +98,8 @@ def main(argv: list[str] | None = None) -> dict:
     final = rows[-1]["relative"]
     print(f"\nfinal valid loss: {'within' if abs(final) < 0.005 else 'NOT within'} 0.5% "
           f"({final:+.2%})")
-    result = {"cpu": cpu_model(), "preset": args.preset, "steps": args.steps, "rows": rows,
+    result = {"cpu": cpu_model(), "preset": args.preset, "overrides": args.set,
+              "steps": args.steps, "rows": rows,
               "runs": runs}
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

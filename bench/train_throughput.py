@@ -508,7 +508,8 @@ def main(argv: list[str] | None = None) -> dict:
     info = {"cpu": cpu_model(), "native_bf16": bf16, "logical_cpus": os.cpu_count(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": threads,
             "torch": torch.__version__, "python": platform.python_version(),
-            "preset": args.preset, "overrides": list(args.set), "precision": p.train.precision, "model": cfg.to_dict(),
+            "preset": args.preset, "overrides": list(args.set),
+            "precision": p.train.precision, "model": cfg.to_dict(),
             "contenders": names, "baseline": args.baseline, "rounds": args.rounds,
             "steps": args.steps, "warmup": args.warmup, "command": " ".join(sys.argv),
             "load_average": os.getloadavg()}
@@ -516,7 +517,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"{'native bf16' if bf16 else 'no native bf16: AVX2-class, bf16 emulated'}); "
           f"torch {torch.__version__}, {threads} threads; load average "
           + " ".join(f"{x:.1f}" for x in info["load_average"]))
-    print(f"preset {args.preset}{' ' + ' '.join(args.set) if args.set else ''}: d_model {cfg.d_model}, {cfg.encoder_layers}+"
+    overrides = "".join(f" -S {o}" for o in args.set)
+    print(f"preset {args.preset}{overrides}: d_model {cfg.d_model}, {cfg.encoder_layers}+"
           f"{cfg.decoder_layers} layers, d_ff {cfg.d_ff}, {cfg.heads} heads, vocabulary "
           f"{cfg.vocab_size}, dropout {cfg.dropout}, batches <= {p.shard.max_tokens} tokens, "
           f"precision {p.train.precision}")
