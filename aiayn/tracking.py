@@ -160,12 +160,18 @@ class Tracker:
         params: Mapping[str, Any],
         tags: dict[str, str] | None = None,
         run_id: str | None = None,
+        child: str | None = None,
     ) -> str | None:
         """Resume run ``run_id`` if it exists, else create a run named ``run_name``.
 
-        Logs ``params`` flattened (on resume, only the keys the run does not have yet) and
-        ``tags`` plus the git commit and the DVC experiment name. Returns the run id, or
-        None when disabled or MLflow is unreachable.
+        With ``child`` (a DVC experiment's name) and a run ``run_id`` made by another
+        experiment, the run started is instead the child run of ``run_id`` named ``child``
+        (found again by later stages of the same experiment): an experiment that changes
+        only decoding or averaging reuses the training run's checkpoints, but its scores are
+        its own and must not overwrite the training run's. Logs ``params`` flattened (on
+        resume, only the keys the run does not have yet) and ``tags`` plus the git commit
+        and the DVC experiment name. Returns the run id, or None when disabled or MLflow is
+        unreachable.
         """
         if not self._enabled:
             return None
@@ -173,26 +179,32 @@ class Tracker:
             self.end()
         self._run_id = None
         self._ended = False
-        try:
-            with _mlflow_env(_PROBE_ENV):
-                client = self._connect()
-                # The probe: the first real request, with the tight limits.
-                client.search_experiments(max_results=1)
-        except Exception as e:
-            self._disable(f"MLflow at {self.tracking_uri} is unreachable ({_short(e)})")
-            return None
-        try:
-            with _mlflow_env(_PROBE_ENV):
-                run = self._resume(client, run_id) if run_id else None
-                if run is None:
-                    run = client.create_run(self._experiment_id(client), run_name=run_name)
-                self._client = client
-                self._run_id = run.info.run_id
-                self._log_params(run, flatten_params(params))
-                self._log_tags({**_default_tags(), **(tags or {})})
-        except Exception as e:
-            self._fail("start", e)
-            return None
+        # One process at a time creates (or migrates) a SQLite store and its experiment:
+        # parallel experiments (`dvc queue start -j 2`) may all start on a fresh mlflow.db.
+        with _store_lock(self.tracking_uri):
+            try:
+                with _mlflow_env(_PROBE_ENV):
+                    client = self._connect()
+                    # The probe: the first real request, with the tight limits.
+                    _retry_locked(client.search_experiments, max_results=1)
+            except Exception as e:
+                self._disable(f"MLflow at {self.tracking_uri} is unreachable ({_short(e)})")
+                return None
+            try:
+                with _mlflow_env(_PROBE_ENV):
+                    run = _retry_locked(self._resume, client, run_id) if run_id else None
+                    if run is not None and child:
+                        run = _retry_locked(self._child_of, client, run, child)
+                    if run is None:
+                        run = _retry_locked(client.create_run, _retry_locked(
+                            self._experiment_id, client), run_name=run_name)
+                    self._client = client
+                    self._run_id = run.info.run_id
+                    _retry_locked(self._log_params, run, flatten_params(params))
+                    _retry_locked(self._log_tags, {**_default_tags(), **(tags or {})})
+            except Exception as e:
+                self._fail("start", e)
+                return None
         return self._run_id
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
@@ -227,7 +239,7 @@ class Tracker:
         if not self.active or not tags:
             return
         try:
-            self._log_tags(dict(tags))
+            _retry_locked(self._log_tags, dict(tags))
         except Exception as e:
             self._fail("set_tags", e)
 
@@ -293,6 +305,25 @@ class Tracker:
             client.update_run(run_id, status="RUNNING")
         return run
 
+    def _child_of(self, client: Any, parent: Any, name: str) -> Any:
+        """``parent`` itself if experiment ``name`` made it, else its child run ``name``."""
+        if parent.data.tags.get("dvc_experiment") == name:
+            return parent
+        parent_id = parent.info.run_id
+        found = client.search_runs(
+            [parent.info.experiment_id], max_results=1,
+            filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}' and "
+                          f"tags.dvc_experiment = '{name}'")
+        if found:
+            run = found[0]
+            if run.info.status != "RUNNING":
+                client.update_run(run.info.run_id, status="RUNNING")
+            return run
+        log.info("MLflow: experiment %s reuses the training of run %s; its scores go to a "
+                 "child run of it", name, parent_id)
+        return client.create_run(parent.info.experiment_id, run_name=name,
+                                 tags={"mlflow.parentRunId": parent_id, "dvc_experiment": name})
+
     def _log_params(self, run: Any, flat: dict[str, str]) -> None:
         from mlflow.entities import Param
 
@@ -321,7 +352,7 @@ class Tracker:
         """Run one MLflow call; on any error warn once, disable, and return False."""
         try:
             with _mlflow_env(_CALL_ENV):
-                fn(*args, **kwargs)
+                _retry_locked(fn, *args, **kwargs)
         except Exception as e:
             self._fail(what, e)
             return False
@@ -343,13 +374,17 @@ class Tracker:
 
 def log_into_run(run_file: Path, stage: str, metrics: Mapping[str, float] | None = None,
                  artifacts: Iterable[tuple[Path, str]] = (),
-                 tags: Mapping[str, str] | None = None) -> str | None:
+                 tags: Mapping[str, str] | None = None,
+                 params: Mapping[str, Any] | None = None) -> str | None:
     """Log a later stage's numbers and files into the training run named in ``run_file``.
 
     One pipeline execution is one MLflow run: ``aiayn train`` creates it and saves its id
-    next to the checkpoints; average, translate and score add to it. Returns the run id, or
-    None when there is no saved run for this tracking URI or MLflow is unreachable (the
-    reason is logged once; the stage's own outputs are complete either way).
+    next to the checkpoints; average, translate and score add to it. A DVC experiment that
+    did not train (it changed only decoding or averaging, so DVC reused the checkpoints of
+    another) logs into a child run of that training run, named after it, with ``params``
+    (see Tracker.start). Returns the run id, or None when there is no saved run for this
+    tracking URI or MLflow is unreachable (the reason is logged once; the stage's own
+    outputs are complete either way).
     """
     tracker = Tracker()
     run_id = load_run_id(run_file, tracker.tracking_uri)
@@ -357,10 +392,12 @@ def log_into_run(run_file: Path, stage: str, metrics: Mapping[str, float] | None
         log.info("%s: no MLflow run id for %s in %s; not logging to MLflow", stage,
                  tracker.tracking_uri, run_file)
         return None
+    experiment = default_run_name()
     with tracker:
-        if tracker.start(run_name=None, params={}, run_id=run_id) is None:
+        if tracker.start(run_name=experiment, params=params or {}, run_id=run_id,
+                         child=experiment) is None:
             return None  # the tracker has said why (one warning)
-        if tracker.run_id != run_id:
+        if experiment is None and tracker.run_id != run_id:
             log.warning("%s: MLflow run %s is gone; logged into a new run %s", stage, run_id,
                         tracker.run_id)
         tracker.log_metrics(metrics or {})
@@ -394,6 +431,57 @@ def _git_commit(cwd: str | Path | None = None) -> str | None:
         return None
     commit = out.stdout.strip()
     return commit if out.returncode == 0 and commit else None
+
+
+# SQLite allows one writer at a time; a writer that waits longer than SQLAlchemy's timeout
+# gets "database is locked". Parallel experiments on one mlflow.db retry instead: up to
+# ~25 s in all, then the usual warning.
+_LOCKED_DELAYS = (0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 6.4, 6.4)
+
+
+def _is_locked(error: BaseException) -> bool:
+    return "database is locked" in str(error) or "database table is locked" in str(error)
+
+
+def _retry_locked(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, tried again while SQLite says the database is locked."""
+    for delay in _LOCKED_DELAYS:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            if not _is_locked(e):
+                raise
+            log.debug("MLflow's SQLite store is locked; trying again in %.1f s", delay)
+            time.sleep(delay)
+    return fn(*args, **kwargs)
+
+
+def sqlite_path(tracking_uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` tracking URI; None for other stores."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    return Path(tracking_uri.removeprefix("sqlite:///").split("?", 1)[0])
+
+
+@contextlib.contextmanager
+def _store_lock(tracking_uri: str) -> Iterator[None]:
+    """An exclusive lock on ``<db>.lock`` beside a SQLite store (nothing for a server)."""
+    db = sqlite_path(tracking_uri)
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: SQLite's own locking and the retries only
+        fcntl = None
+    if db is None or db.name in ("", ":memory:") or fcntl is None:
+        yield
+        return
+
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager

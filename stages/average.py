@@ -108,7 +108,8 @@ def average(
 
         log_into_run(checkpoints / "mlflow_run.json", "average",
                      {"averaged_checkpoints": len(chosen)}, [(out, "model")],
-                     tags={"average": how, "averaged_steps": ",".join(map(str, steps))})
+                     tags={"average": how, "averaged_steps": ",".join(map(str, steps))},
+                     params=p.model_dump(mode="json"))
 
 
 def _best(found: list[Path], wanted: int, folder: Path) -> tuple[list[Path], list[dict]]:

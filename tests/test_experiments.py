@@ -140,9 +140,12 @@ def test_a_queued_sweep_reruns_only_training_onwards_and_compares(tiny_repo):
 
     root, env = tiny_repo
     run(["dvc", "exp", "run", "--queue", "-S", "train.lr_scale=0.5,1,2"], root, env)
+    # Decoding only: it reuses the baseline's training, and must not write into its run.
+    run(["dvc", "exp", "run", "--queue", "-n", "wide-beam", "-S", "decode.beam=6"], root, env)
     queued = run(["dvc", "queue", "status"], root, env).stdout
-    assert queued.count("Queued") == 3, queued
-    run(["dvc", "queue", "start"], root, env)
+    assert queued.count("Queued") == 4, queued
+    # Two at a time, as the README suggests: both write the one mlflow.db at once.
+    run(["dvc", "queue", "start", "-j", "2"], root, env)
     deadline = time.monotonic() + 900
     while True:
         status = run(["dvc", "queue", "status"], root, env).stdout
@@ -150,7 +153,7 @@ def test_a_queued_sweep_reruns_only_training_onwards_and_compares(tiny_repo):
             break
         assert time.monotonic() < deadline, status
         time.sleep(2)
-    assert status.count("Success") == 3, status
+    assert status.count("Success") == 4, status
 
     # dvc exp show: one row per lr_scale, each with its own BLEU, chrF and losses.
     shown = json.loads(run(["dvc", "exp", "show", "--json"], root, env).stdout)
@@ -159,6 +162,9 @@ def test_a_queued_sweep_reruns_only_training_onwards_and_compares(tiny_repo):
         for exp in baseline.get("experiments") or []:
             rev = exp["revs"][0]
             data = rev["data"]
+            if exp["name"] == "wide-beam":
+                wide = data["metrics"]["metrics/bleu.json"]["data"]["sacrebleu"]["score"]
+                continue
             lr = data["params"]["params.yaml"]["data"]["train"]["lr_scale"]
             metrics = data["metrics"]
             exps[float(lr)] = {"name": exp["name"],
@@ -195,12 +201,26 @@ def test_a_queued_sweep_reruns_only_training_onwards_and_compares(tiny_repo):
     client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("aiayn")
     by_name = {r.info.run_name: r for r in client.search_runs([experiment.experiment_id])}
-    assert len(by_name) == 3  # the baseline and the two new learning rates
+    # the baseline, the two new learning rates, and the decoding experiment (a child run)
+    assert len(by_name) == 4
     for lr, exp in exps.items():
         if lr == baseline_lr:
             assert exp["name"] not in by_name
             continue
         mlrun = by_name[exp["name"]]
+        assert "mlflow.parentRunId" not in mlrun.data.tags
         assert mlrun.data.tags["dvc_experiment"] == exp["name"]
         assert float(mlrun.data.params["train.lr_scale"]) == lr
         assert mlrun.data.metrics["test/sacrebleu"] == pytest.approx(exp["bleu"])
+        assert mlrun.data.metrics["final/train_loss"] == pytest.approx(exp["loss"], rel=1e-4)
+        curve = client.get_metric_history(mlrun.info.run_id, "train/loss")
+        assert [m.step for m in curve] == [2, 4, 6, 8]  # the whole curve, nothing lost
+        assert mlrun.info.status == "FINISHED"
+    beam = by_name["wide-beam"]
+    baseline_run = next(r for name, r in by_name.items()
+                        if name not in {e["name"] for e in exps.values()} | {"wide-beam"})
+    assert beam.data.tags["mlflow.parentRunId"] == baseline_run.info.run_id
+    assert beam.data.params["decode.beam"] == "6"
+    assert beam.data.metrics["test/sacrebleu"] == pytest.approx(wide)
+    baseline_bleu = json.loads((root / "metrics/bleu.json").read_text())["sacrebleu"]["score"]
+    assert baseline_run.data.metrics["test/sacrebleu"] == pytest.approx(baseline_bleu)

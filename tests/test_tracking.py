@@ -371,3 +371,101 @@ def test_the_default_store_is_the_dvc_repository_root_under_dvc(tmp_path, monkey
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracker:5000")
     assert tracking.resolve_tracking_uri() == "http://tracker:5000"
     assert tracking.resolve_tracking_uri("sqlite:///x.db") == "sqlite:///x.db"
+
+
+WRITER = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    from aiayn.tracking import Tracker
+
+    uri, go, name = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+    while not go.exists():  # all writers start together, on a store nobody has created yet
+        time.sleep(0.005)
+    t = Tracker(uri)
+    assert t.start(name, {"train": {"lr_scale": name}, "model": {"d_model": 32}}), "no run"
+    for step in range(1, 61):
+        t.log_metrics({"train/loss": 1.0 / step, "train/lr": step * 1e-4}, step=step)
+    t.set_tags({"stopped_by": "steps"})
+    t.end()
+    assert t.run_id, "the tracker turned itself off"
+    print(t.run_id)
+""")
+
+
+def test_parallel_writers_share_one_sqlite_store(tmp_path: Path) -> None:
+    # As `dvc queue start -j 3` does: three processes create, then fill, one fresh mlflow.db.
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    go = tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, uri, str(go), f"w{i}"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(3)]
+    time.sleep(3)  # all of them imported and waiting
+    go.touch()
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+        assert "MLflow at" not in err, err[-3000:]  # no warning: nothing was dropped
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("aiayn").experiment_id])
+    assert sorted(r.info.run_name for r in runs) == ["w0", "w1", "w2"]
+    for r in runs:
+        assert r.info.status == "FINISHED" and r.data.tags["stopped_by"] == "steps"
+        assert r.data.params["train.lr_scale"] == r.info.run_name  # its own, not another's
+        history = client.get_metric_history(r.info.run_id, "train/loss")
+        assert sorted(m.step for m in history) == list(range(1, 61))
+
+
+def test_a_locked_database_is_tried_again(tmp_path: Path, monkeypatch) -> None:
+    import sqlalchemy.exc
+
+    t = Tracker(f"sqlite:///{tmp_path}/mlflow.db")
+    assert t.start("r", {"a": 1})
+    real, calls = t._client.log_batch, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) <= 2:  # what SQLite says while another process writes
+            raise sqlalchemy.exc.OperationalError("INSERT", {}, Exception("database is locked"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(t._client, "log_batch", flaky)
+    monkeypatch.setattr(tracking, "_LOCKED_DELAYS", (0.01, 0.01, 0.01))
+    t.log_metrics({"x": 1.0}, step=1)
+    assert t.active and len(calls) == 3
+    t.end()
+    history = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_metric_history(t.run_id, "x")
+    assert [(m.step, m.value) for m in history] == [(1, 1.0)]
+
+
+def test_an_experiment_that_reuses_a_training_logs_into_a_child_run(tmp_path, monkeypatch):
+    # `dvc exp run -S decode.alpha=1.0` re-runs only translate and score: their numbers are
+    # that experiment's, not the training run's, which keeps its own.
+    from aiayn.tracking import log_into_run
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    run_file = tmp_path / "mlflow_run.json"
+    monkeypatch.setenv("DVC_EXP_NAME", "base")
+    train = Tracker()
+    base = train.start("base", {"decode": {"alpha": 0.6}, "model": {"d_model": 32}})
+    train.end()
+    save_run_id(run_file, base, uri)
+    assert log_into_run(run_file, "score", {"test/sacrebleu": 30.0}) == base
+
+    monkeypatch.setenv("DVC_EXP_NAME", "alpha-1")
+    params = {"decode": {"alpha": 1.0}, "model": {"d_model": 32}}
+    child = log_into_run(run_file, "average", {"averaged_checkpoints": 2}, params=params)
+    assert child not in (None, base)
+    assert log_into_run(run_file, "score", {"test/sacrebleu": 31.5}, params=params) == child
+
+    client = MlflowClient(uri)
+    parent, kid = client.get_run(base), client.get_run(child)
+    assert kid.info.run_name == "alpha-1" and kid.data.tags["mlflow.parentRunId"] == base
+    assert kid.data.params["decode.alpha"] == "1.0"
+    assert kid.data.metrics == {"averaged_checkpoints": 2.0, "test/sacrebleu": 31.5}
+    assert parent.data.metrics["test/sacrebleu"] == 30.0  # untouched by the child's score
+    assert parent.data.tags["dvc_experiment"] == "base"
+    assert parent.data.params["decode.alpha"] == "0.6"
+    monkeypatch.delenv("DVC_EXP_NAME")  # `dvc repro`, no experiment: the training run
+    assert log_into_run(run_file, "score", {"test/sacrebleu": 30.5}) == base
