@@ -155,6 +155,9 @@ def model_card(fmt: str, model_config: dict, *, src_lang: str, tgt_lang: str, be
             lines.append(f"| tokenized BLEU (tensor2tensor procedure) | "
                          f"{bleu['tokenized_bleu']['score']:.1f} | Moses tokenization, "
                          "compound splitting, multi-bleu |")
+        if "lowercase_bleu" in bleu:
+            lines.append(f"| lowercased tokenized BLEU | {bleu['lowercase_bleu']['score']:.1f} "
+                         "| Moses tokenization, lowercased, multi-bleu -lc |")
     else:
         lines.append(f"BLEU: {NOT_MEASURED} (no metrics/bleu.json when this model was "
                      "exported; run `aiayn score`).")

@@ -27,6 +27,11 @@ TOKENIZED_BLEU_PROCEDURE = (
     "not comparable with sacreBLEU"
 )
 
+LOWERCASE_BLEU_PROCEDURE = (
+    "moses-tok, lowercased, multi-bleu -lc (the Multi30k literature's BLEU); "
+    "not comparable with sacreBLEU"
+)
+
 # get_ende_bleu.sh: perl -ple 's{(\S)-(\S)}{$1 ##AT##-##AT## $2}g'. Perl reads bytes there, so
 # its \s is ASCII whitespace only: re.ASCII does the same (Moses tokenization has already
 # turned every Unicode space into " ", so this only matters for exotic input).
@@ -149,6 +154,32 @@ def tokenized_bleu(hypotheses: list[str], references: list[str], target_lang: st
     }
 
 
+def lowercase_bleu(hypotheses: list[str], references: list[str], target_lang: str) -> dict:
+    """Lowercased tokenized BLEU, the score of the Multi30k literature (WMT16-18 multimodal
+    tasks; Wu et al. 2021's 41.02 for Transformer-tiny): ``tokenizer.perl -l LANG`` on
+    both sides (:func:`moses_tokenize`), then ``multi-bleu.perl -lc`` (corpus BLEU over
+    whitespace tokens after lowercasing, no smoothing). No compound splitting, unlike
+    :func:`tokenized_bleu`. Returns the score, precisions, brevity penalty and lengths.
+    """
+    from sacrebleu.metrics import BLEU
+
+    _check_lengths(hypotheses, references)
+
+    def prepare(lines: Sequence[str]) -> list[str]:
+        return [moses_tokenize(line, target_lang).lower() for line in lines]
+
+    bleu = BLEU(tokenize="none", smooth_method="none", force=True)
+    b = bleu.corpus_score(prepare(hypotheses), [prepare(references)])
+    return {
+        "score": float(b.score),
+        "precisions": [float(x) for x in b.precisions],
+        "bp": float(b.bp),
+        "sys_len": int(b.sys_len),
+        "ref_len": int(b.ref_len),
+        "procedure": LOWERCASE_BLEU_PROCEDURE,
+    }
+
+
 # --------------------------------------------------------------------------- files
 
 
@@ -180,7 +211,8 @@ def score_files(hyp_path: Path, references: list[str], target_lang: str,
                 *, reference_source: str = "references") -> dict:
     """Score the hypotheses in ``hyp_path`` (one per line) against ``references``.
 
-    Returns ``{"sacrebleu": {...}, "chrf": {...}, "tokenized_bleu": {...}, "sentences": n}``.
+    Returns ``{"sacrebleu": {...}, "chrf": {...}, "tokenized_bleu": {...},
+    "lowercase_bleu": {...}, "sentences": n}``.
     Raises :class:`DataError` when the file is missing or its line count differs from the
     number of references (``reference_source`` names them in the message).
     """
@@ -198,5 +230,6 @@ def score_files(hyp_path: Path, references: list[str], target_lang: str,
         "sacrebleu": sacre["bleu"],
         "chrf": sacre["chrf"],
         "tokenized_bleu": tokenized_bleu(hypotheses, references, target_lang),
+        "lowercase_bleu": lowercase_bleu(hypotheses, references, target_lang),
         "sentences": len(references),
     }

@@ -38,18 +38,14 @@ from aiayn.checkpoint import average_checkpoints, checkpoint_step, list_checkpoi
 from aiayn.config import load_params  # noqa: E402
 from aiayn.corpus import iter_raw  # noqa: E402
 from aiayn.model import Transformer, TransformerConfig  # noqa: E402
-from aiayn.scoring import moses_tokenize, sacre_scores  # noqa: E402
+from aiayn.scoring import lowercase_bleu, sacre_scores  # noqa: E402
 from aiayn.tokenizer import load_tokenizer  # noqa: E402
 from aiayn.translation import Translator  # noqa: E402
 
 
 def lc_tok_bleu(hyps: list[str], refs: list[str], lang: str) -> float:
-    import sacrebleu
-
-    def prep(lines: list[str]) -> list[str]:
-        return [moses_tokenize(line, lang).lower() for line in lines]
-
-    return sacrebleu.corpus_bleu(prep(hyps), [prep(refs)], tokenize="none", force=True).score
+    """Lowercased Moses-tokenized BLEU, as the score stage computes it (lowercase_bleu)."""
+    return lowercase_bleu(hyps, refs, lang)["score"]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

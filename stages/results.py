@@ -45,6 +45,9 @@ def results(
     echo(f"  chrF2           {bleu['chrf']['score']:6.2f}  {bleu['chrf']['signature']}")
     echo(f"  tokenized BLEU  {bleu['tokenized_bleu']['score']:6.2f}  (the paper's procedure; "
          "compare only with its 27.3/28.4)")
+    if "lowercase_bleu" in bleu:
+        echo(f"  lowercased BLEU {bleu['lowercase_bleu']['score']:6.2f}  (Moses tokens, "
+             "multi-bleu -lc: the Multi30k papers' scale)")
     valid = _read(metrics / "bleu_valid.json")
     if valid:
         echo(f"  valid sacreBLEU {valid['sacrebleu']['score']:6.2f}  the same model on the "

@@ -14,7 +14,7 @@ from aiayn.io import write_json
 from stages.common import ParamsPath, log, read_params, single_command_app, stage
 
 NOTE = (
-    "Two BLEUs of the same translations against the same raw references. 'sacrebleu' is "
+    "Three BLEUs of the same translations against the same raw references. 'sacrebleu' is "
     "sacreBLEU's standard corpus BLEU (its own 13a tokenization of detokenized text, settings "
     "in the signature): use it to compare honestly with other systems. 'tokenized_bleu' "
     "follows tensor2tensor's get_ende_bleu.sh (Moses tokenization, hyphenated compounds split "
@@ -22,7 +22,9 @@ NOTE = (
     "(base) / 28.4 (big) BLEU on newstest2014 en-de: compare it only with those numbers. "
     "The two differ because tokenization decides which n-grams exist: the split hyphens add "
     "extra, easily matched tokens, and Moses splits text differently from 13a, so the "
-    "tokenized BLEU usually comes out higher."
+    "tokenized BLEU usually comes out higher. 'lowercase_bleu' is Moses tokenization and "
+    "multi-bleu.perl -lc without compound splitting: the scale of the Multi30k literature "
+    "(WMT16-18 multimodal tasks and the papers that report on test2016)."
 )
 
 
@@ -50,8 +52,10 @@ def score(
     signature, n-gram precisions, brevity penalty and lengths; chrF2 with its signature;
     tokenized BLEU as tensor2tensor's get_ende_bleu.sh computes it (Moses tokenization,
     compound splitting, multi-bleu.perl; comparable with the paper's 27.3/28.4, not with
-    sacreBLEU); the direction, split, sentence count and a note on the two BLEUs. Logs
-    PREFIX+sacrebleu, PREFIX+chrf and PREFIX+tokenized_bleu (PREFIX: --mlflow-prefix),
+    sacreBLEU); lowercased tokenized BLEU (Moses tokenization, multi-bleu.perl -lc: the
+    scale of the Multi30k literature); the direction, split, sentence count and a note on
+    the BLEUs. Logs PREFIX+sacrebleu, PREFIX+chrf, PREFIX+tokenized_bleu and
+    PREFIX+lowercase_bleu (PREFIX: --mlflow-prefix),
     METRICS and HYPOTHESES into the training run's MLflow run (the id in RUN_FILE); skipped
     when there is none or with --no-mlflow.
     """
@@ -83,7 +87,8 @@ def score(
             f"{prefix}sacrebleu": report["sacrebleu"]["score"],
             f"{prefix}chrf": report["chrf"]["score"],
             f"{prefix}tokenized_bleu": report["tokenized_bleu"]["score"],
-        }, [(metrics, "metrics"), (hyp_path, "translations")])
+            f"{prefix}lowercase_bleu": report["lowercase_bleu"]["score"],
+        }, [(metrics, "metrics"), (hyp_path, "translations")], params=p.model_dump(mode="json"))
     else:
         log.info("score: --no-mlflow; scores only in %s", metrics)
 
@@ -112,6 +117,8 @@ def _print_table(report: dict) -> None:
         ("chrF2", report["chrf"]["score"], report["chrf"]["signature"]),
         ("tokenized BLEU", report["tokenized_bleu"]["score"],
          report["tokenized_bleu"]["procedure"]),
+        ("lowercased BLEU", report["lowercase_bleu"]["score"],
+         report["lowercase_bleu"]["procedure"]),
     ]
     typer.echo(f"{report['direction']} {report['split']}, {report['sentences']} sentences")
     for name, value, how in rows:

@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from aiayn.errors import DataError
 from aiayn.scoring import (
     TOKENIZED_BLEU_PROCEDURE,
+    lowercase_bleu,
     moses_tokenize,
     sacre_scores,
     score_files,
@@ -223,16 +224,34 @@ def test_tokenized_bleu_equals_multi_bleu_on_the_split_token_streams() -> None:
     assert multi_bleu(plain, plain_refs) != pytest.approx(expected)
 
 
+def test_lowercase_bleu_equals_multi_bleu_lc_on_the_moses_token_streams() -> None:
+    hyps = [*HYPOTHESES, "DAS IST EIN TEST."]
+    refs = [*REFERENCES, "Das ist ein Test."]
+    streams = ([moses_tokenize(line, "de").lower() for line in hyps],
+               [moses_tokenize(line, "de").lower() for line in refs])
+    assert streams[0][-1] == streams[1][-1] == "das ist ein test ."
+    expected = multi_bleu(*streams)  # multi-bleu.perl -lc, by hand
+    result = lowercase_bleu(hyps, refs, "de")
+    assert result["score"] == pytest.approx(expected, rel=1e-12)
+    assert "lowercased" in result["procedure"]
+    # Case matters on this set, and no compound is split.
+    cased = multi_bleu([moses_tokenize(x, "de") for x in hyps],
+                       [moses_tokenize(x, "de") for x in refs])
+    assert cased < expected
+    assert not any("##AT##" in line for line in streams[1])
+
+
 # --------------------------------------------------------------------------- files
 
 
 def test_score_files_combines_both(tmp_path: Path, cli_scores: dict) -> None:
     hyp = write_lines(tmp_path / "test.de", HYPOTHESES)
     result = score_files(hyp, REFERENCES, "de")
-    assert set(result) == {"sacrebleu", "chrf", "tokenized_bleu", "sentences"}
+    assert set(result) == {"sacrebleu", "chrf", "tokenized_bleu", "lowercase_bleu", "sentences"}
     assert result["sentences"] == len(REFERENCES)
     assert_same_as_cli(result["sacrebleu"], result["chrf"], cli_scores)
     assert result["tokenized_bleu"] == tokenized_bleu(HYPOTHESES, REFERENCES, "de")
+    assert result["lowercase_bleu"] == lowercase_bleu(HYPOTHESES, REFERENCES, "de")
 
 
 def test_score_files_keeps_empty_lines_and_splits_at_newline_only(tmp_path: Path) -> None:
