@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from aiayn.errors import DataError
-from aiayn.io import atomic_path, read_json, write_json
+from aiayn.io import atomic_path, check_free_space, read_json, write_json
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,9 @@ def save_checkpoint(folder: Path, step: int, state: dict, keep: int,
         raise ValueError(f"keep must be at least 1, not {keep}")
     folder = Path(folder)
     final = checkpoint_path(folder, step)
-    with atomic_path(final) as tmp:
+    needed = state_bytes(state)
+    check_free_space(final, needed)
+    with atomic_path(final, needed=needed) as tmp:
         with open(tmp, "wb") as f:
             torch.save(state, f)
             f.flush()
@@ -114,6 +116,17 @@ def save_checkpoint(folder: Path, step: int, state: dict, keep: int,
         old.unlink(missing_ok=True)
         log.debug("removed old checkpoint %s", old)
     return final
+
+
+def state_bytes(obj: Any) -> int:
+    """The bytes of the tensors in a nested dict/list (about a checkpoint file's size)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, Mapping):
+        return sum(state_bytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(state_bytes(v) for v in obj)
+    return 0
 
 
 def load_checkpoint(path: Path, map_location: Any = "cpu", *, mmap: bool = False) -> dict:

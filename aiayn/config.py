@@ -223,6 +223,9 @@ class TrainConfig(Strict):
         "training stops at a checkpoint (0: no budget, train.steps decides)")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     nproc_per_node: int = Field(1, gt=0, description="processes per machine under torchrun")
+    max_restarts: int = Field(
+        0, ge=0, description="with nproc_per_node > 1: how often torchrun restarts the group "
+        "after a process dies (each restart resumes from the last checkpoint)")
     log_every: int = Field(50, gt=0, description="steps between train-loss log lines")
     valid_every: int = Field(500, gt=0, description="steps between validation passes")
     checkpoint_every_steps: int = Field(0, ge=0, description="0: by time only")

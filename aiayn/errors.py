@@ -22,3 +22,9 @@ class DataError(AiaynError):
 
 class MissingPackageError(AiaynError):
     """An optional package (an extra such as ``aiayn[export]``) is not installed."""
+
+
+class OutputError(AiaynError):
+    """An output could not be written: the disk is full, the folder read-only, a quota or a
+    file-size limit reached. Outputs written before are intact; the same command, run again
+    once there is room, carries on (training resumes from its last checkpoint)."""

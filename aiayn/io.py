@@ -8,6 +8,7 @@ finished, and a failed stage leaves the previous output untouched.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -15,6 +16,68 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from aiayn.errors import OutputError
+
+# Why a write fails on a healthy machine: no space, a quota, a read-only or forbidden folder,
+# a file-size limit (ulimit -f). These become an OutputError, which names the folder.
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM,
+                          errno.EFBIG})
+
+
+def _write_error(exc: BaseException | None) -> OSError | None:
+    """The OSError of WRITE_ERRNOS behind ``exc``, if any: a writer may raise another
+    error while cleaning up after it (torch.save's zip writer raises a RuntimeError)."""
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, OSError) and exc.errno in WRITE_ERRNOS:
+            return exc
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
+
+
+def free_bytes(folder: str | Path) -> int | None:
+    """Free space in ``folder``'s filesystem (its nearest existing ancestor); None if unknown."""
+    folder = Path(folder).absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def human_bytes(n: float) -> str:
+    """1000 bytes, 3.9 KB, 1.5 GB."""
+    if n < 1024:
+        return f"{int(n)} bytes"
+    units, i = ("KB", "MB", "GB", "TB"), -1
+    while n >= 1024 and i < len(units) - 1:
+        n, i = n / 1024, i + 1
+    return f"{n:,.1f} {units[i]}"
+
+
+def write_failed(final: str | Path, exc: OSError, needed: int | None = None) -> OutputError:
+    """The one-line error for a failed write of ``final``."""
+    final = Path(final)
+    free = free_bytes(final.parent)
+    code = errno.errorcode.get(exc.errno or 0, "error")
+    room = [] if free is None else [f"{human_bytes(free)} free there"]
+    room += [] if needed is None else [f"about {human_bytes(needed)} needed"]
+    fix = ("make the folder writable" if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
+           else "raise the file-size limit (ulimit -f)" if exc.errno == errno.EFBIG
+           else "free some space")
+    return OutputError(
+        f"{final.parent}: cannot write {final.name} ({exc.strerror or exc}, {code}"
+        f"{'; ' + ', '.join(room) if room else ''}); {fix} and run the same command again "
+        "(what was written before is intact)")
+
+
+def check_free_space(final: str | Path, needed: int) -> None:
+    """Refuse to start writing ``needed`` bytes at ``final`` where they cannot fit."""
+    free = free_bytes(Path(final).parent)
+    if free is not None and free < needed:
+        raise write_failed(final, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), needed)
 
 
 def _umask() -> int:
@@ -24,21 +87,31 @@ def _umask() -> int:
 
 
 @contextlib.contextmanager
-def atomic_path(final: str | Path, *, directory: bool = False) -> Iterator[Path]:
+def atomic_path(final: str | Path, *, directory: bool = False,
+                needed: int | None = None) -> Iterator[Path]:
     """Yield a temporary path beside ``final``; on success move it to ``final``.
 
     With ``directory=True`` the temporary path is an (empty) directory and an existing
     ``final`` directory is replaced as a whole. On any exception the temporary path is
-    removed and ``final`` is left as it was.
+    removed and ``final`` is left as it was; a write that fails for want of space or
+    permission (WRITE_ERRNOS) becomes an OutputError naming the folder (and ``needed``,
+    the expected size in bytes, if given).
     """
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    if directory:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
-    else:
-        fd, name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
-        os.close(fd)
-        tmp = Path(name)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if directory:
+            tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp",
+                                        dir=final.parent))
+        else:
+            fd, name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp",
+                                        dir=final.parent)
+            os.close(fd)
+            tmp = Path(name)
+    except OSError as exc:
+        if exc.errno in WRITE_ERRNOS:
+            raise write_failed(final, exc, needed) from None
+        raise
     try:
         yield tmp
         # mkstemp/mkdtemp create private (0600/0700) paths; give the result the permissions
@@ -55,11 +128,14 @@ def atomic_path(final: str | Path, *, directory: bool = False) -> Iterator[Path]
                 shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
-    except BaseException:
+    except BaseException as exc:
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             tmp.unlink(missing_ok=True)
+        cause = _write_error(exc)
+        if cause is not None:
+            raise write_failed(final, cause, needed) from None
         raise
 
 

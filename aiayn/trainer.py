@@ -39,11 +39,17 @@ import torch
 from torch import nn
 
 from aiayn import distributed
-from aiayn.checkpoint import file_sha256, latest_checkpoint, save_checkpoint
+from aiayn.checkpoint import (
+    checkpoint_step,
+    file_sha256,
+    latest_checkpoint,
+    list_checkpoints,
+    save_checkpoint,
+)
 from aiayn.config import Params
 from aiayn.distributed import World
-from aiayn.errors import AiaynError, DataError
-from aiayn.io import atomic_path, write_json
+from aiayn.errors import AiaynError, DataError, OutputError
+from aiayn.io import atomic_path, free_bytes, human_bytes, write_json
 from aiayn.kernels import projected_label_smoothed_loss
 from aiayn.memory import HeapTrimmer
 from aiayn.model import Packing, Transformer, TransformerConfig, count_parameters
@@ -186,6 +192,8 @@ class Trainer:
             self.model, p.train.adam_betas, p.train.adam_eps, p.model.d_model,
             p.train.warmup_steps, p.train.lr_scale, fused=self.fast)
 
+        if world.is_main:
+            self._check_room_for_checkpoints()
         self.train_data = ShardDataset(paths.shards / "train")
         self.valid_data = ShardDataset(paths.shards / "valid")
         self._check_vocab(vocab_size)
@@ -220,6 +228,18 @@ class Trainer:
 
     # -- setup helpers ----------------------------------------------------------------
 
+    def _check_room_for_checkpoints(self) -> None:
+        """Fail before training, not at its first checkpoint, where one cannot fit."""
+        weights = sum(q.numel() * q.element_size() for q in self.model.parameters())
+        needed = 3 * weights  # the weights and Adam's two moments
+        free = free_bytes(self.paths.checkpoints)
+        if free is not None and free < needed:
+            raise OutputError(
+                f"{self.paths.checkpoints}: {human_bytes(free)} free, but one checkpoint "
+                f"of this model takes about {human_bytes(needed)} (train.keep_checkpoints: "
+                f"{self.p.train.keep_checkpoints} are kept); free some space or point "
+                "--checkpoints elsewhere")
+
     def _check_vocab(self, vocab_size: int) -> None:
         for ds, name in ((self.train_data, "train"), (self.valid_data, "valid")):
             if int(ds.meta["vocab_size"]) != vocab_size:
@@ -240,7 +260,7 @@ class Trainer:
                    "checkpoint_every_minutes", "keep_checkpoints", "average_last", "average",
                    "valid_bleu_every", "valid_bleu_sentences", "valid_bleu_beam",
                    "valid_bleu_alpha",
-                   "nproc_per_node", "device", "compile"}
+                   "nproc_per_node", "max_restarts", "device", "compile"}
         identity = {"seed": self.p.seed, "vocab_size": self.fingerprint["vocab_size"],
                     "tokenizer_sha256": self.fingerprint["tokenizer_sha256"]}
         identity.update({f"model.{k}": v for k, v in self.cfg.to_dict().items()})
@@ -269,6 +289,7 @@ class Trainer:
 
     def _resume(self) -> None:
         found = latest_checkpoint(self.paths.checkpoints, map_location=self.device)
+        self._check_same_checkpoint(None if found is None else found[0])
         if found is None:
             return
         path, ckpt = found
@@ -299,6 +320,22 @@ class Trainer:
         set_rng_state(rngs[self.world.rank] if self.world.rank < len(rngs) else rngs[0])
         log.info("resumed from %s (step %d, %d target tokens seen)", path, self.state.step,
                  self.state.tokens_seen)
+
+    def _check_same_checkpoint(self, path: Path | None) -> None:
+        """Every process must resume from the same step: on several machines the checkpoint
+        folder has to be one shared folder, or each would continue a different run."""
+        if not self.world.distributed:
+            return
+        mine = -1 if path is None else checkpoint_step(path)
+        steps: list = [None] * self.world.size
+        torch.distributed.all_gather_object(steps, mine)
+        if len(set(steps)) > 1:
+            seen = ", ".join(f"rank {r}: {'none' if s < 0 else f'step {s}'}"
+                             for r, s in enumerate(steps))
+            raise DataError(
+                f"{self.paths.checkpoints}: the processes find different latest checkpoints "
+                f"({seen}); every machine must see the same checkpoint folder (shared "
+                "storage such as NFS), or copy the newest checkpoint to each before resuming")
 
     # -- one optimizer step -----------------------------------------------------------
 
@@ -437,9 +474,15 @@ class Trainer:
                      "tokens_seen": s.tokens_seen, "world_size": self.world.size,
                      "valid_bleu": self._bleu_at(s.step)},
         }
-        path = save_checkpoint(self.paths.checkpoints, s.step, state,
-                               keep=self.p.train.keep_checkpoints, protect=self._best_steps())
-        return path
+        try:
+            return save_checkpoint(self.paths.checkpoints, s.step, state,
+                                   keep=self.p.train.keep_checkpoints,
+                                   protect=self._best_steps())
+        except OutputError as exc:
+            found = list_checkpoints(self.paths.checkpoints)
+            resume = f"step {checkpoint_step(found[-1])}" if found else "the start"
+            raise OutputError(f"training stopped at step {s.step}: {exc}; training then "
+                              f"resumes from {resume}") from None
 
     def _bleu_at(self, step: int) -> float | None:
         """The validation BLEU of ``step``, if it was measured."""

@@ -21,15 +21,28 @@ from aiayn.trainer import Trainer, TrainPaths
 from stages.common import ParamsPath, log, read_params, single_command_app, stage
 
 
-def relaunch_under_torchrun(nproc: int) -> None:
-    """Replace this process by `torchrun --standalone --nproc-per-node N -m stages.train ...`."""
+def torchrun_command(nproc: int, max_restarts: int, argv: list[str]) -> list[str]:
+    """`torchrun --standalone --nproc-per-node N --max-restarts R -m stages.train ARGS`,
+    ARGS being this command's own (``argv`` is sys.argv: `aiayn train ...` or
+    `python -m stages.train ...`)."""
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
-    args = [torchrun, "--standalone", f"--nproc-per-node={nproc}", "-m", "stages.train",
-            *sys.argv[1:]]
-    if sys.argv[1:2] == ["train"]:  # called as `aiayn train ...`
-        args = args[:5] + sys.argv[2:]
-    log.info("train: %d processes per node, re-launching under torchrun", nproc)
-    os.execv(args[0], args)
+    rest = argv[2:] if argv[1:2] == ["train"] else argv[1:]
+    return [torchrun, "--standalone", f"--nproc-per-node={nproc}",
+            f"--max-restarts={max_restarts}", "-m", "stages.train", *rest]
+
+
+# torchrun shares its rendezvous TCPStore with the workers by default; after a restart the
+# new workers can then read the previous attempt's addresses from it and fail to connect
+# (pytorch/pytorch#135712, #167288). Unshared, every attempt gets a store of its own.
+TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def relaunch_under_torchrun(nproc: int, max_restarts: int) -> None:
+    """Replace this process by torchrun running this command in N processes."""
+    args = torchrun_command(nproc, max_restarts, sys.argv)
+    log.info("train: %d processes per node, re-launching under torchrun (%d restart%s after "
+             "a lost process)", nproc, max_restarts, "" if max_restarts == 1 else "s")
+    os.execve(args[0], args, {**TORCHRUN_ENV, **os.environ})
 
 
 @stage
@@ -62,14 +75,21 @@ def train(
     An existing run in CHECKPOINTS resumes where it stopped (a killed run ends bitwise where
     an uninterrupted one would, on CPU); Ctrl-C or SIGTERM writes a checkpoint first.
     Several processes: set `train.nproc_per_node` (this command re-launches itself under
-    torchrun), or call torchrun yourself, e.g. for two machines:
-    `torchrun --nnodes 2 --node-rank R --rdzv-backend c10d --rdzv-endpoint HOST:29500
-    --nproc-per-node 8 -m stages.train`.
+    torchrun; `train.max_restarts` restarts the group after a lost process, and the run
+    resumes from its last checkpoint), or call torchrun yourself, e.g. on each of two
+    machines that share the checkpoint folder:
+    `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 2 --nproc-per-node 8
+    --rdzv-backend c10d --rdzv-endpoint HOST:29500 --rdzv-id RUN --max-restarts 3
+    -m stages.train` (the variable makes restarts work: pytorch/pytorch#135712).
     """
     p = read_params(params)
     world = world_from_env()
     if p.train.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
-        relaunch_under_torchrun(p.train.nproc_per_node)
+        relaunch_under_torchrun(p.train.nproc_per_node, p.train.max_restarts)
+    if hasattr(signal, "SIGXFSZ"):
+        # A file-size limit (ulimit -f) then fails a write with a clear error (and the
+        # checkpoints before it intact) instead of killing the process mid-write.
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     tok = load_tokenizer(tokenizer)
     paths = TrainPaths(shards=shards, checkpoints=checkpoints, metrics=metrics,
                        train_log=train_log, valid_log=valid_log)

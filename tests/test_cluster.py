@@ -1,0 +1,293 @@
+"""What clusters do to a run: a lost process under torchrun, two machines, a full disk.
+
+Everything here runs the real `torchrun` (gloo on CPU) and the real train stage in
+subprocesses; the end state is compared bit for bit with an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from aiayn.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from aiayn.errors import OutputError
+from aiayn.io import atomic_path
+from tests.conftest import REPO, write_params
+from tests.test_training import assert_bitwise_equal, env_for_subprocess, make_trainer, train_cmd
+
+STEPS = 240  # long enough that a process can be killed well before the end
+RUN = {"train": {"steps": STEPS, "checkpoint_every_steps": 10, "keep_checkpoints": 4,
+                 "log_every": 20, "valid_every": 120}}
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def final_state(run: Path, step: int = STEPS) -> dict:
+    return load_checkpoint(run / f"checkpoints/step-{step:08d}.pt")
+
+
+def assert_same_run(a: dict, b: dict) -> None:
+    """Same weights, same Adam moments, same tokens: the same computation."""
+    assert_bitwise_equal(a["model"], b["model"])
+    for s_a, s_b in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values(),
+                        strict=True):
+        assert torch.equal(s_a["exp_avg"], s_b["exp_avg"])
+        assert torch.equal(s_a["exp_avg_sq"], s_b["exp_avg_sq"])
+    assert a["meta"]["tokens_seen"] == b["meta"]["tokens_seen"]
+
+
+@pytest.fixture(scope="module")
+def two_process_run(toy_workspace, tmp_path_factory) -> Path:
+    """The reference: an uninterrupted `torchrun --standalone --nproc-per-node 2` run."""
+    root = tmp_path_factory.mktemp("reference")
+    params = write_params(root / "params.yaml", RUN)
+    result = subprocess.run(
+        [*TORCHRUN, "--standalone", "--nproc-per-node=2", "-m", "stages.train",
+         *train_cmd(params, root / "run", toy_workspace)],
+        env=env_for_subprocess(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root / "run"
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def worker_of_rank(torchrun_pid: int, rank: int) -> int | None:
+    for pid in children(torchrun_pid):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env:
+            return pid
+    return None
+
+
+def wait_for(path: Path, proc: subprocess.Popen, seconds: float = 300) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert proc.poll() is None, f"the run ended before {path.name} appeared"
+        assert time.monotonic() < deadline, f"{path} did not appear in {seconds} s"
+        time.sleep(0.01)
+
+
+# --------------------------------------------------------------------------- a lost rank
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the workers through /proc")
+@pytest.mark.parametrize("victim", [1, 0], ids=["rank1", "rank0-the-writer"])
+def test_a_killed_process_is_restarted_and_the_run_ends_as_if_it_never_died(
+        toy_workspace, tmp_path, two_process_run, victim):
+    # Through `aiayn train` as a user runs it: nproc_per_node 2 re-launches under torchrun
+    # with the restart budget of train.max_restarts.
+    params = write_params(tmp_path / "params.yaml",
+                          {**RUN, "train": {**RUN["train"], "nproc_per_node": 2,
+                                            "max_restarts": 3}})
+    run = tmp_path / "run"
+    log_file = (tmp_path / "train.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "stages.train",
+                             *train_cmd(params, run, toy_workspace)],
+                            env=env_for_subprocess(), stdout=log_file, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        wait_for(run / "checkpoints/step-00000060.pt", proc)
+        pid = worker_of_rank(proc.pid, victim)
+        assert pid is not None, "no worker of that rank under torchrun"
+        os.kill(pid, signal.SIGKILL)
+        assert proc.wait(timeout=600) == 0, (tmp_path / "train.log").read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log_file.close()
+    log = (tmp_path / "train.log").read_text()
+    assert "re-launching under torchrun (3 restarts" in log
+    restarted = re.search(r"resumed from \S+step-(\d+)\.pt", log)
+    assert restarted, log[-4000:]
+    assert 60 <= int(restarted.group(1)) < STEPS
+    # No checkpoint that looks complete is torn: every file left there loads.
+    for path in list_checkpoints(run / "checkpoints"):
+        load_checkpoint(path)
+    assert not list((run / "checkpoints").glob(".step-*")), "a temporary file was left"
+    assert_same_run(final_state(run), final_state(two_process_run))
+
+
+# --------------------------------------------------------------------------- two machines
+
+
+def readme_multinode_command() -> tuple[dict[str, str], list[str]]:
+    """The multi-node torchrun command as the README gives it: (environment, words)."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    found = re.search(r"`((?:[A-Z_]+=\S+ )*torchrun --nnodes 2 [^`]*)`", text)
+    assert found, "README.md lost its multi-node torchrun command"
+    words = found.group(1).split()
+    start = words.index("torchrun")
+    return dict(w.split("=", 1) for w in words[:start]), words[start:]
+
+
+@pytest.mark.slow
+def test_the_readme_multinode_command_trains_as_one_machine_and_only_rank0_writes(
+        toy_workspace, tmp_path, two_process_run):
+    from mlflow import MlflowClient
+
+    readme_env, words = readme_multinode_command()  # torchrun --nnodes 2 ... -m stages.train
+    port = free_port()
+    words = [f"127.0.0.1:{port}" if w == "HOST:29500" else w for w in words]
+    words[words.index("--nproc-per-node") + 1] = "1"  # two "machines" of one process each
+    assert "--rdzv-endpoint" in words and words[-2:] == ["-m", "stages.train"]
+    cmd = [*TORCHRUN, *words[1:]]
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    env = {**env_for_subprocess(), **readme_env, "MLFLOW_TRACKING_URI": uri}
+    params = write_params(tmp_path / "params.yaml", RUN)
+
+    def node(name: str, params: Path, cmd: list[str]) -> subprocess.Popen:
+        # Each "machine" has its own folders: whatever one of them writes is its own.
+        args = [a for a in train_cmd(params, tmp_path / name, toy_workspace)
+                if a != "--no-mlflow"]
+        return subprocess.Popen([*cmd, *args], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+
+    nodes = [node("a", params, cmd), node("b", params, cmd)]
+    outs = [p.communicate(timeout=600)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    written = {name: list_checkpoints(tmp_path / name / "checkpoints") for name in "ab"}
+    writers = [name for name, files in written.items() if files]
+    assert len(writers) == 1, written  # global rank 0 alone writes checkpoints
+    assert_same_run(final_state(tmp_path / writers[0]), final_state(two_process_run))
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("aiayn").experiment_id])
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    assert runs[0].data.tags["world_size"] == "2"
+    assert runs[0].data.metrics["final/steps"] == STEPS
+
+    # Resuming where the machines see different checkpoint folders would mix two runs.
+    more = write_params(tmp_path / "more.yaml", {"train": {**RUN["train"],
+                                                           "steps": STEPS + 10}})
+    once = [w if prev != "--max-restarts" else "0"  # fail at once: no restarts
+            for prev, w in zip(["", *cmd[:-1]], cmd, strict=True)]
+    nodes = [node("a", more, once), node("b", more, once)]
+    outs = [p.communicate(timeout=600)[0] for p in nodes]
+    assert all(p.returncode != 0 for p in nodes)
+    assert "the processes find different latest checkpoints" in "".join(outs)
+    assert "shared storage" in "".join(outs)
+    assert list_checkpoints(tmp_path / writers[0] / "checkpoints") == written[writers[0]]
+
+
+# --------------------------------------------------------------------------- a full disk
+
+
+def run_train(params: Path, run: Path, ws: Path, limit: int | None = None):
+    def cap_file_size():  # as `ulimit -f`: writes beyond `limit` bytes fail with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+
+    return subprocess.run([sys.executable, "-m", "stages.train", *train_cmd(params, run, ws)],
+                          env=env_for_subprocess(), capture_output=True, text=True,
+                          timeout=300, preexec_fn=cap_file_size if limit else None)
+
+
+def test_a_checkpoint_that_cannot_be_written_stops_clearly_and_the_run_resumes_later(
+        toy_workspace, tmp_path):
+    short = write_params(tmp_path / "short.yaml", {"train": {"steps": 8,
+                                                              "checkpoint_every_steps": 4}})
+    longer = write_params(tmp_path / "long.yaml", {"train": {"steps": 16,
+                                                              "checkpoint_every_steps": 4}})
+    run = tmp_path / "run"
+    assert run_train(short, run, toy_workspace).returncode == 0
+    before = list_checkpoints(run / "checkpoints")
+    assert [p.name for p in before] == ["step-00000004.pt", "step-00000008.pt"]
+    size = before[-1].stat().st_size
+
+    # The same run, continued where no checkpoint fits (a file-size limit, as a full disk).
+    result = run_train(longer, run, toy_workspace, limit=size // 2)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    error = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1, result.stderr[-3000:]
+    assert f"{run / 'checkpoints'}: cannot write step-00000012.pt" in error[0]
+    assert "EFBIG" in error[0] and "training stopped at step 12" in error[0]
+    assert "resumes from step 8" in error[0]
+    assert list_checkpoints(run / "checkpoints") == before  # nothing new, nothing lost
+    assert not list((run / "checkpoints").glob(".step-*"))
+    for path in before:
+        load_checkpoint(path)
+
+    # Space is back: the same command resumes from step 8 and ends as an unbroken run.
+    result = run_train(longer, run, toy_workspace)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step-00000008.pt (step 8" in result.stderr
+    straight = tmp_path / "straight"
+    assert run_train(longer, straight, toy_workspace).returncode == 0
+    assert_same_run(final_state(run, 16), final_state(straight, 16))
+
+
+def test_a_write_that_runs_out_of_space_names_the_folder_and_leaves_nothing(tmp_path):
+    final = tmp_path / "out/metrics.json"
+    final.parent.mkdir()
+    final.write_text("the previous version\n")
+    with pytest.raises(OutputError) as caught, atomic_path(final, needed=3 * 2**20) as tmp:
+        with open(tmp, "wb") as f, open("/dev/full", "wb") as full:
+            f.write(b"partial")
+            full.write(b"x" * 65536)
+            full.flush()  # ENOSPC, from the kernel
+    message = str(caught.value)
+    assert message.startswith(f"{final.parent}: cannot write metrics.json (")
+    assert "ENOSPC" in message and "about 3.0 MB needed" in message and "free there" in message
+    assert final.read_text() == "the previous version\n"
+    assert [p.name for p in final.parent.iterdir()] == ["metrics.json"]
+
+
+def test_a_checkpoint_is_refused_before_writing_when_it_cannot_fit(tmp_path, monkeypatch):
+    import aiayn.io
+
+    state = {"model": {"w": torch.zeros(1000)}, "meta": {"step": 1}}
+    save_checkpoint(tmp_path, 1, state, keep=5)
+    monkeypatch.setattr(aiayn.io, "free_bytes", lambda folder: 1000)
+    with pytest.raises(OutputError, match=r"cannot write step-00000002\.pt \(No space left "
+                                          r"on device, ENOSPC; 1000 bytes free there, about "
+                                          r"3\.9 KB needed\); free some space"):
+        save_checkpoint(tmp_path, 2, state, keep=5)
+    assert [p.name for p in tmp_path.iterdir()] == ["step-00000001.pt"]
+
+
+def test_training_refuses_to_start_where_no_checkpoint_fits(toy_workspace, tmp_path,
+                                                            monkeypatch):
+    import aiayn.trainer
+
+    monkeypatch.setattr(aiayn.trainer, "free_bytes", lambda folder: 1000)
+    with pytest.raises(OutputError, match=r"checkpoints: 1000 bytes free, but one checkpoint "
+                                          r"of this model takes about [0-9.]+ KB"):
+        make_trainer(toy_workspace, tmp_path)
+
+
+def test_max_restarts_reaches_torchrun():
+    from stages.train import torchrun_command
+
+    cmd = torchrun_command(2, 3, ["/usr/bin/aiayn", "train", "--params", "p.yaml"])
+    assert cmd[1:] == ["--standalone", "--nproc-per-node=2", "--max-restarts=3", "-m",
+                       "stages.train", "--params", "p.yaml"]
+    cmd = torchrun_command(4, 0, ["/x/stages/train.py", "--no-progress"])
+    assert cmd[-4:] == ["--max-restarts=0", "-m", "stages.train", "--no-progress"]
