@@ -331,15 +331,17 @@ def parse_params(raw: Any, source: str = "params.yaml") -> Params:
             msg = err["msg"].removeprefix("Value error, ")
             if err["type"] == "extra_forbidden":
                 lines.append(
-                    f"  {key}: unknown key (value {err['input']!r}); remove it or fix its "
+                    f"{key}: unknown key (value {err['input']!r}); remove it or fix its "
                     "spelling — see conf/config.yaml for every known key"
                 )
             else:
                 value = _lookup(raw, err["loc"])
                 # A rule about a whole section names its values itself.
                 shown = f" = {value!r}" if value is not None and not isinstance(value, dict) else ""
-                lines.append(f"  {key}{shown}: {msg}")
-        raise ParamsError(f"{source}: invalid parameters\n" + "\n".join(lines)) from None
+                lines.append(f"{key}{shown}: {msg}")
+        # One line, whatever the number of problems (a log or a CI summary keeps it whole).
+        head = f"{source}: " if len(lines) == 1 else f"{source}: {len(lines)} invalid parameters: "
+        raise ParamsError(head + " | ".join(" ".join(x.split()) for x in lines)) from None
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:
@@ -352,5 +354,11 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
-        raise ParamsError(f"{path}: not valid YAML: {exc}") from None
+        raise ParamsError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+    except UnicodeDecodeError:
+        raise ParamsError(f"{path}: not UTF-8 text; re-create it with `aiayn params "
+                          "<preset>`") from None
+    if raw is None:
+        raise ParamsError(f"{path}: empty; compose it with `aiayn params <preset>` (e.g. "
+                          "`aiayn params demo`)")
     return parse_params(raw, str(path))

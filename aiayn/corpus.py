@@ -323,17 +323,21 @@ def write_raw_splits(source: PairSource, languages: tuple[str, str], cleaning: C
 def iter_raw(raw_dir: str | Path, split: str, columns: list[str] | None = None,
              batch_size: int = BATCH_SIZE) -> Iterator[Batch]:
     """Stream a raw split back as batches ``{lang: [text, ...]}`` (bounded memory)."""
-    path = raw_path(raw_dir, split)
-    if not path.is_file():
-        raise DataError(f"{path}: missing; run the download stage first (`aiayn download`)")
-    pf = pq.ParquetFile(path)
+    pf = pq.ParquetFile(_existing_raw(raw_dir, split))
     for rb in pf.iter_batches(batch_size=batch_size, columns=columns):
         yield {name: rb.column(name).to_pylist() for name in rb.schema.names}
 
 
+def _existing_raw(raw_dir: str | Path, split: str) -> Path:
+    path = raw_path(raw_dir, split)
+    if not path.is_file():
+        raise DataError(f"{path}: missing; run the download stage first (`aiayn download`)")
+    return path
+
+
 def raw_languages(raw_dir: str | Path) -> list[str]:
-    return list(pq.read_schema(raw_path(raw_dir, "train")).names)
+    return list(pq.read_schema(_existing_raw(raw_dir, "train")).names)
 
 
 def raw_rows(raw_dir: str | Path, split: str) -> int:
-    return pq.ParquetFile(raw_path(raw_dir, split)).metadata.num_rows
+    return pq.ParquetFile(_existing_raw(raw_dir, split)).metadata.num_rows

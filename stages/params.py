@@ -34,8 +34,12 @@ def compose(conf_dir: Path, experiment: str | None, overrides: list[str]) -> str
             cfg = hydra_compose(config_name="config", overrides=all_overrides)
     except HydraException as exc:
         presets = sorted(p.stem for p in (conf_dir / "experiment").glob("*.yaml"))
-        raise ParamsError(f"{conf_dir}: cannot compose {all_overrides}: {exc}\n"
-                          f"known experiments: {', '.join(presets)}") from None
+        if experiment and f"Could not find 'experiment/{experiment}'" in str(exc):
+            raise ParamsError(f"{conf_dir}/experiment/{experiment}.yaml: no such preset; known "
+                              f"experiments: {', '.join(presets)}") from None
+        raise ParamsError(f"{conf_dir}: cannot compose {all_overrides}: "
+                          f"{' '.join(str(exc).split())}; known experiments: "
+                          f"{', '.join(presets)}") from None
     OmegaConf.resolve(cfg)
     return OmegaConf.to_yaml(cfg)
 

@@ -59,18 +59,20 @@ def translate(
                      length_norm=length_norm or ("gnmt" if engine == "aiayn" else "length"))
     if max_len is not None:
         cfg.max_len_a, cfg.max_len_b = 0.0, max_len
+    source = "standard input"  # what the lines are, for messages
     if text:
-        lines = list(text)
+        lines, source = list(text), "the sentences given"
     elif input_file is not None:
         if str(input_file) == "-":
             lines = _utf8_lines(sys.stdin.buffer.read(), "standard input")
         elif not input_file.is_file():
             raise DataError(f"{input_file}: no such file to translate")
         else:
-            lines = _utf8_lines(input_file.read_bytes(), str(input_file))
+            lines, source = _utf8_lines(input_file.read_bytes(), str(input_file)), str(input_file)
     elif split is not None:
         lines = [t for b in iter_raw(raw, split, columns=[p.data.src_lang])
                  for t in b[p.data.src_lang]]
+        source = f"{raw}/{split} ({p.data.src_lang})"
         out = out or Path(f"data/translations/{split}.{p.data.tgt_lang}")
     elif not sys.stdin.isatty():
         lines = _utf8_lines(sys.stdin.buffer.read(), "standard input")
@@ -81,8 +83,12 @@ def translate(
                              precision=precision)
     with tqdm(total=len(lines), desc="translate", unit=" sent", disable=not progress,
               mininterval=1.0, file=sys.stderr) as bar:
-        hyps = translator.translate(lines, cfg, batch_size=batch_size or d.batch_size,
-                                    truncate=truncate, progress=bar.update)
+        try:
+            hyps = translator.translate(lines, cfg, batch_size=batch_size or d.batch_size,
+                                        truncate=truncate, progress=bar.update)
+        except DataError as exc:  # "input line N ...": say which input
+            raise DataError(f"{source}, {exc}" if str(exc).startswith("input line")
+                            else str(exc)) from None
     result = "".join(h + "\n" for h in hyps)
     if out is None:
         sys.stdout.write(result)
