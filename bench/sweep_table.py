@@ -58,14 +58,19 @@ def fmt(x, digits: int = 2) -> str:
     return "–" if x is None else f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
 
-def table(rows: list[dict], chosen: str | None) -> tuple[list[str], list[list[str]]]:
-    base = rows[0]["params"]
+def table(rows: list[dict], chosen: str | None,
+          base_name: str | None = None) -> tuple[list[str], list[list[str]]]:
+    base = next((r["params"] for r in rows if r["name"] == base_name), rows[0]["params"])
     ignore = ("data.local.dir",)
     head = ["experiment", "changed params", "valid sacreBLEU", "valid lc-tok BLEU",
             "best greedy valid BLEU (step)", "train min", "steps (stopped by)",
             "test sacreBLEU", "test lc-tok BLEU", "test chrF2"]
     body = []
+    seen = set()
     for row in rows:
+        if row["name"] in seen:  # a commit shown twice (a branch and its hash, or -A)
+            continue
+        seen.add(row["name"])
         m = row["metrics"]
         bleu_valid = "metrics/bleu_valid.json"
         if score(m, bleu_valid, "sacrebleu") is None:
@@ -95,17 +100,32 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--json", type=Path, default=None,
                     help="a saved `dvc exp show --json` (default: run it here)")
     ap.add_argument("--chosen", default=None, help="the experiment whose test scores to show")
+    ap.add_argument("--base", default=None,
+                    help="the row the changed params are relative to (default: the first)")
+    ap.add_argument("--names", default=None,
+                    help="comma-separated rows to keep, in this order (default: all)")
+    ap.add_argument("--all-commits", "-A", action="store_true",
+                    help="experiments of every commit (dvc exp show -A)")
     ap.add_argument("--out", type=Path, default=None, help="write the Markdown table here")
     ap.add_argument("--csv", type=Path, default=None, help="also write the rows as CSV")
     args = ap.parse_args(argv)
     if args.json:
         shown = json.loads(args.json.read_text())
     else:
-        done = subprocess.run(["dvc", "exp", "show", "--json"], capture_output=True, text=True)
+        done = subprocess.run(["dvc", "exp", "show", "--json", *(["-A"] if args.all_commits
+                                                                   else [])],
+                              capture_output=True, text=True)
         if done.returncode != 0:
             sys.exit(f"error: dvc exp show failed: {done.stderr.strip()}")
         shown = json.loads(done.stdout)
-    head, body = table(rows_of(shown), args.chosen)
+    rows = rows_of(shown)
+    if args.names:
+        by_name = {r["name"]: r for r in reversed(rows)}
+        missing = [n for n in args.names.split(",") if n not in by_name]
+        if missing:
+            sys.exit(f"error: no experiment named {', '.join(missing)}")
+        rows = [by_name[n] for n in args.names.split(",")]
+    head, body = table(rows, args.chosen, args.base)
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(cells) + " |" for cells in body]
     text = "\n".join(lines) + "\n"
