@@ -192,7 +192,8 @@ class Tracker:
                 return None
             try:
                 with _mlflow_env(_PROBE_ENV):
-                    run = _retry_locked(self._resume, client, run_id) if run_id else None
+                    run = (_retry_locked(self._resume, client, run_id, reopen=not child)
+                           if run_id else None)
                     if run is not None and child:
                         run = _retry_locked(self._child_of, client, run, child)
                     if run is None:
@@ -286,8 +287,9 @@ class Tracker:
             client.restore_experiment(experiment.experiment_id)
         return experiment.experiment_id
 
-    def _resume(self, client: Any, run_id: str) -> Any:
-        """The run ``run_id`` set back to RUNNING, or None if there is no such (live) run."""
+    def _resume(self, client: Any, run_id: str, reopen: bool = True) -> Any:
+        """The run ``run_id`` (set back to RUNNING if ``reopen``), or None if there is no
+        such (live) run."""
         from mlflow.exceptions import MlflowException
 
         try:
@@ -301,15 +303,17 @@ class Tracker:
         if run.info.lifecycle_stage == "deleted":
             log.info("MLflow run %s was deleted; starting a new run", run_id)
             return None
-        if run.info.status != "RUNNING":
+        if reopen and run.info.status != "RUNNING":
             client.update_run(run_id, status="RUNNING")
         return run
 
     def _child_of(self, client: Any, parent: Any, name: str) -> Any:
         """``parent`` itself if experiment ``name`` made it, else its child run ``name``."""
-        if parent.data.tags.get("dvc_experiment") == name:
-            return parent
         parent_id = parent.info.run_id
+        if parent.data.tags.get("dvc_experiment") == name:
+            if parent.info.status != "RUNNING":
+                client.update_run(parent_id, status="RUNNING")
+            return parent
         found = client.search_runs(
             [parent.info.experiment_id], max_results=1,
             filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}' and "

@@ -467,5 +467,6 @@ def test_an_experiment_that_reuses_a_training_logs_into_a_child_run(tmp_path, mo
     assert parent.data.metrics["test/sacrebleu"] == 30.0  # untouched by the child's score
     assert parent.data.tags["dvc_experiment"] == "base"
     assert parent.data.params["decode.alpha"] == "0.6"
+    assert parent.info.status == "FINISHED" and kid.info.status == "FINISHED"
     monkeypatch.delenv("DVC_EXP_NAME")  # `dvc repro`, no experiment: the training run
     assert log_into_run(run_file, "score", {"test/sacrebleu": 30.5}) == base
