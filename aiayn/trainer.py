@@ -80,6 +80,11 @@ class TrainPaths:
     train_log: Path = Path("metrics/train_log.tsv")
     valid_log: Path = Path("metrics/valid_log.tsv")
 
+    @property
+    def valid_bleu_log(self) -> Path:
+        """Step and validation BLEU of the steps that have one, beside the valid log."""
+        return self.valid_log.with_name("valid_bleu.tsv")
+
 
 @dataclass
 class RunState:
@@ -503,10 +508,15 @@ class Trainer:
     def write_logs(self) -> None:
         if not self.world.is_main:
             return
+        # The BLEU rows alone too: a plot of valid_log.tsv would draw its empty BLEU cells
+        # (validation steps without BLEU) as zeros.
+        bleu_rows = [[r[0], r[5]] for r in self.state.valid_rows if r[5] is not None]
         for path, columns, rows in ((self.paths.train_log, TRAIN_LOG_COLUMNS,
                                      self.state.train_rows),
                                     (self.paths.valid_log, VALID_LOG_COLUMNS,
-                                     self.state.valid_rows)):
+                                     self.state.valid_rows),
+                                    (self.paths.valid_bleu_log, ("step", "valid_bleu"),
+                                     bleu_rows)):
             lines = ["\t".join(columns)] + ["\t".join(_fmt(v) for v in row) for row in rows]
             with atomic_path(path) as tmp:
                 tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")

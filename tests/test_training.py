@@ -511,6 +511,21 @@ def test_validation_bleu_is_measured_logged_and_the_same_after_a_resume(toy_work
     assert resumed.state.valid_rows == full.state.valid_rows  # BLEU included
 
 
+def test_the_bleu_curve_file_holds_only_the_steps_that_have_a_bleu(toy_workspace, tmp_path):
+    # Validation every 6 steps, BLEU every 4: steps 6 has a loss but no BLEU, and a plot of
+    # valid_log.tsv's column would draw that gap as a zero.
+    trainer = bleu_trainer(toy_workspace, tmp_path, {"train": {"valid_bleu_every": 4}})
+    trainer.fit()
+    trainer.write_logs()
+    valid = [line.split("\t") for line in (tmp_path / "valid_log.tsv").read_text().splitlines()]
+    assert [row[0] for row in valid[1:]] == ["4", "6", "8", "12"] and valid[2][-1] == ""
+    bleu = [line.split("\t") for line in (tmp_path / "valid_bleu.tsv").read_text().splitlines()]
+    assert bleu[0] == ["step", "valid_bleu"]
+    expected = [(r[0], r[5]) for r in trainer.state.valid_rows if r[5] is not None]
+    assert [int(a) for a, _ in bleu[1:]] == [step for step, _ in expected] == [4, 8, 12]
+    assert [float(b) for _, b in bleu[1:]] == pytest.approx([v for _, v in expected], abs=1e-4)
+
+
 def test_validation_bleu_is_off_at_zero(toy_workspace, tmp_path):
     calls = []
     trainer = make_trainer(toy_workspace, tmp_path, {"train": {"valid_bleu_every": 0}})
