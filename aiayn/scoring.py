@@ -135,23 +135,10 @@ def tokenized_bleu(hypotheses: list[str], references: list[str], target_lang: st
     reference with the same tokenizer as the hypotheses.) Returns the score, the n-gram
     precisions, brevity penalty, lengths and ``procedure``, a description string.
     """
-    from sacrebleu.metrics import BLEU
+    def prepare(line: str) -> str:
+        return split_compounds(moses_tokenize(line, target_lang))
 
-    _check_lengths(hypotheses, references)
-
-    def prepare(lines: Sequence[str]) -> list[str]:
-        return [split_compounds(moses_tokenize(line, target_lang)) for line in lines]
-
-    bleu = BLEU(tokenize="none", smooth_method="none", force=True)
-    b = bleu.corpus_score(prepare(hypotheses), [prepare(references)])
-    return {
-        "score": float(b.score),
-        "precisions": [float(x) for x in b.precisions],
-        "bp": float(b.bp),
-        "sys_len": int(b.sys_len),
-        "ref_len": int(b.ref_len),
-        "procedure": TOKENIZED_BLEU_PROCEDURE,
-    }
+    return _multi_bleu(hypotheses, references, prepare, TOKENIZED_BLEU_PROCEDURE)
 
 
 def lowercase_bleu(hypotheses: list[str], references: list[str], target_lang: str) -> dict:
@@ -161,22 +148,28 @@ def lowercase_bleu(hypotheses: list[str], references: list[str], target_lang: st
     whitespace tokens after lowercasing, no smoothing). No compound splitting, unlike
     :func:`tokenized_bleu`. Returns the score, precisions, brevity penalty and lengths.
     """
+    def prepare(line: str) -> str:
+        return moses_tokenize(line, target_lang).lower()
+
+    return _multi_bleu(hypotheses, references, prepare, LOWERCASE_BLEU_PROCEDURE)
+
+
+def _multi_bleu(hypotheses: list[str], references: list[str], prepare: Any,
+                procedure: str) -> dict:
+    """multi-bleu.perl on ``prepare``-d lines: corpus BLEU over whitespace tokens, no
+    smoothing (sacreBLEU with ``tokenize="none"``, ``smooth_method="none"``)."""
     from sacrebleu.metrics import BLEU
 
     _check_lengths(hypotheses, references)
-
-    def prepare(lines: Sequence[str]) -> list[str]:
-        return [moses_tokenize(line, target_lang).lower() for line in lines]
-
     bleu = BLEU(tokenize="none", smooth_method="none", force=True)
-    b = bleu.corpus_score(prepare(hypotheses), [prepare(references)])
+    b = bleu.corpus_score([prepare(x) for x in hypotheses], [[prepare(x) for x in references]])
     return {
         "score": float(b.score),
         "precisions": [float(x) for x in b.precisions],
         "bp": float(b.bp),
         "sys_len": int(b.sys_len),
         "ref_len": int(b.ref_len),
-        "procedure": LOWERCASE_BLEU_PROCEDURE,
+        "procedure": procedure,
     }
 
 
