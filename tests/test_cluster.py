@@ -10,7 +10,6 @@ import os
 import re
 import resource
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,19 +21,13 @@ import torch
 from aiayn.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from aiayn.errors import OutputError
 from aiayn.io import atomic_path
-from tests.conftest import REPO, write_params
+from tests.conftest import REPO, free_port, write_params
 from tests.test_training import assert_bitwise_equal, env_for_subprocess, make_trainer, train_cmd
 
 STEPS = 240  # long enough that a process can be killed well before the end
 RUN = {"train": {"steps": STEPS, "checkpoint_every_steps": 10, "keep_checkpoints": 4,
                  "log_every": 20, "valid_every": 120}}
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def final_state(run: Path, step: int = STEPS) -> dict:
