@@ -206,6 +206,10 @@ class TrainConfig(Strict):
     steps: int = Field(100_000, gt=0)
     warmup_steps: int = Field(4000, gt=0)
     lr_scale: float = Field(1.0, gt=0, description="lr = scale * d^-0.5 * min(s^-0.5, s*w^-1.5)")
+    cooldown: float = Field(
+        0.0, ge=0.0, le=1.0, description="fraction of training at its end over which the lr "
+        "falls linearly to zero, the end being train.steps or, with train.max_minutes, the "
+        "time budget, whichever comes first; 0: the paper's schedule to the last step")
     label_smoothing: float = Field(0.1, ge=0.0, lt=1.0)
     adam_betas: tuple[float, float] = (0.9, 0.98)
     adam_eps: float = Field(1e-9, gt=0)

@@ -65,13 +65,14 @@ def all_sum_(t: torch.Tensor, world: World) -> torch.Tensor:
 
 def broadcast_flag(flag: bool, device: torch.device, world: World) -> bool:
     """Rank 0's decision, for every rank (e.g. 'stop now')."""
-    return broadcast_flags([flag], device, world)[0]
+    return bool(broadcast_values([flag], device, world)[0])
 
 
-def broadcast_flags(flags: list[bool], device: torch.device, world: World) -> list[bool]:
-    """Rank 0's decisions, for every rank, in one collective."""
+def broadcast_values(values: list[float], device: torch.device, world: World) -> list[float]:
+    """Rank 0's decisions and clock readings (bools read as 0/1), for every rank, in one
+    collective."""
     if not world.distributed:
-        return list(flags)
-    t = torch.tensor([1 if f else 0 for f in flags], device=device)
+        return [float(v) for v in values]
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
     dist.broadcast(t, src=0)
-    return [bool(v) for v in t.tolist()]
+    return t.tolist()

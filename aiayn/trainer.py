@@ -53,7 +53,7 @@ from aiayn.io import atomic_path, free_bytes, human_bytes, write_json
 from aiayn.kernels import projected_label_smoothed_loss
 from aiayn.memory import HeapTrimmer
 from aiayn.model import Packing, Transformer, TransformerConfig, count_parameters
-from aiayn.objective import label_smoothed_loss, make_optimizer
+from aiayn.objective import cooldown_factor, label_smoothed_loss, make_optimizer
 from aiayn.precision import autocast_dtype, slow_bf16_warning
 from aiayn.sampler import Batch, BatchLoader, PrefetchLoader, ShardDataset, TokenBudgetSampler
 
@@ -257,9 +257,11 @@ class Trainer:
         """Every setting that shapes the computation of the steps already taken.
 
         A checkpoint resumes only if all of these are unchanged. Left out on purpose: the
-        number of steps (the schedule does not depend on it, so extending a finished run
-        equals a longer fresh one), logging and checkpoint cadence, device, compilation,
-        and the process count (a resumed run may move to more GPUs; see _resume).
+        number of steps and the time budget (the paper's schedule does not depend on them,
+        so extending a finished run equals a longer fresh one; with train.cooldown the rates
+        of the cooldown do, and a longer run resumes with them recomputed for the new end),
+        logging and checkpoint cadence, device, compilation, and the process count (a
+        resumed run may move to more GPUs; see _resume).
         """
         ignored = {"steps", "max_minutes", "log_every", "valid_every", "checkpoint_every_steps",
                    "checkpoint_every_minutes", "keep_checkpoints", "average_last", "average",
@@ -395,11 +397,24 @@ class Trainer:
             self._grad_norm = torch.nn.utils.clip_grad_norm_(params, self.p.train.clip_norm)
         elif self._logs_at(self.state.step + 1):  # the norm is only shown, not used
             self._grad_norm = torch.nn.utils.get_total_norm([q.grad for q in params])
-        self._lr = self.scheduler.get_last_lr()[0]
+        self._lr = self.scheduler.get_last_lr()[0] * self.cooldown_factor()
+        for group in self.optimizer.param_groups:
+            group["lr"] = self._lr
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
+
+    def cooldown_factor(self) -> float:
+        """train.cooldown's lr multiplier for the next step, from how much of training is
+        done: steps taken of train.steps, or time spent of train.max_minutes if further on
+        (rank 0's clock, so every rank agrees). The time part makes a budgeted run's rates
+        depend on the machine's speed, as its last step already does."""
+        p, s = self.p.train, self.state
+        progress = s.step / p.steps
+        if p.max_minutes:
+            progress = max(progress, s.elapsed_s / (60 * p.max_minutes))
+        return cooldown_factor(progress, p.cooldown)
 
     def _logs_at(self, step: int) -> bool:
         return step % self.p.train.log_every == 0 or step == self.p.train.steps
@@ -561,15 +576,17 @@ class Trainer:
             while s.step < p.steps:
                 self.train_step(self._micro_batches(it))
                 self.heap.after_step(s.step)
-                s.elapsed_s = elapsed_at_start + time.perf_counter() - session_start
+                elapsed = elapsed_at_start + time.perf_counter() - session_start
                 # Rank 0 decides (its clock), every rank follows: one collective per step.
+                # Its elapsed time also sets the cooldown's lr, the same on every rank.
                 due_time = (p.checkpoint_every_minutes
                             and time.monotonic() - last_ckpt_time
                             >= 60 * p.checkpoint_every_minutes)
                 due_steps = p.checkpoint_every_steps and s.step % p.checkpoint_every_steps == 0
-                due, out_of_time, stop = distributed.broadcast_flags(
-                    [bool(due_steps or due_time), s.elapsed_s >= budget_s, should_stop()],
+                due, stop, s.elapsed_s = distributed.broadcast_values(
+                    [bool(due_steps or due_time), should_stop(), elapsed],
                     self.device, self.world)
+                due, stop, out_of_time = bool(due), bool(stop), s.elapsed_s >= budget_s
                 finished = s.step == p.steps or out_of_time
                 if self._logs_at(s.step) or out_of_time:
                     window = [a + b for a, b in zip(window, self._flush(), strict=True)]

@@ -284,3 +284,27 @@ def test_max_restarts_reaches_torchrun():
                        "stages.train", "--params", "p.yaml"]
     cmd = torchrun_command(4, 0, ["/x/stages/train.py", "--no-progress"])
     assert cmd[-4:] == ["--max-restarts=0", "-m", "stages.train", "--no-progress"]
+
+
+def _broadcast_worker(rank: int, port: int, out: Path) -> None:
+    import torch.distributed as dist
+
+    from aiayn.distributed import World, broadcast_values
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        world = World(rank=rank, local_rank=rank, size=2)
+        got = broadcast_values([rank == 0, rank == 1, 1234.5678 + rank], torch.device("cpu"),
+                               world)
+        (out / f"rank{rank}.txt").write_text(repr(got))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_gets_rank_0s_decisions_and_clock(tmp_path):
+    """The stop decision, the time budget and the cooldown's lr read rank 0's clock: a rank
+    using its own would set a different lr and drift away from its replicas."""
+    torch.multiprocessing.spawn(_broadcast_worker, args=(free_port(), tmp_path), nprocs=2)
+    for rank in (0, 1):
+        assert (tmp_path / f"rank{rank}.txt").read_text() == repr([1.0, 0.0, 1234.5678])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aiayn.objective import label_smoothed_loss, make_optimizer, noam_lr
+from aiayn.objective import cooldown_factor, label_smoothed_loss, make_optimizer, noam_lr
 
 
 @pytest.mark.parametrize("step", [1, 10, 3999, 4000, 4001, 100_000])
@@ -30,6 +30,17 @@ def test_optimizer_follows_the_schedule_step_by_step():
         model(torch.ones(1, 3)).sum().backward()
         opt.step()
         sched.step()
+
+
+@pytest.mark.parametrize("progress, cooldown, expected", [
+    (0.0, 0.0, 1.0), (0.99, 0.0, 1.0),          # off: the paper's schedule to the end
+    (0.0, 0.2, 1.0), (0.8, 0.2, 1.0),           # before the last 20%
+    (0.9, 0.2, 0.5), (0.95, 0.2, 0.25),         # halfway, three quarters down
+    (1.0, 0.2, 0.0), (1.3, 0.2, 0.0),           # the end, and past it (a budget overrun)
+    (0.0, 1.0, 1.0), (0.25, 1.0, 0.75),         # cooldown over all of training
+])
+def test_cooldown_falls_linearly_to_zero_over_the_last_fraction(progress, cooldown, expected):
+    assert cooldown_factor(progress, cooldown) == pytest.approx(expected)
 
 
 def brute_force(logits, labels, eps, pad):

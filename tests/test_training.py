@@ -18,7 +18,7 @@ from aiayn.config import load_params
 from aiayn.distributed import World
 from aiayn.errors import DataError
 from aiayn.model import Transformer, TransformerConfig
-from aiayn.objective import label_smoothed_loss, noam_lr
+from aiayn.objective import cooldown_factor, label_smoothed_loss, noam_lr
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, decode, load_tokenizer
 from aiayn.toy import generate_pairs
 from aiayn.trainer import Trainer, TrainingDiverged, TrainPaths, accumulation_steps
@@ -431,6 +431,59 @@ def test_the_time_budget_stops_at_a_checkpoint_and_a_larger_one_resumes(toy_work
     done = longer.fit()
     assert done["steps"] == 12 and done["stopped_by"] == "steps"
     assert done["wall_time_s"] > spent  # the time of both sessions
+
+
+def train_log(run: Path) -> list[dict]:
+    lines = (run / "train_log.tsv").read_text().splitlines()
+    head = lines[0].split("\t")
+    return [dict(zip(head, map(float, line.split("\t")), strict=True)) for line in lines[1:]]
+
+
+def test_the_cooldown_brings_the_rate_to_zero_at_the_last_step(toy_workspace, tmp_path):
+    trainer = make_trainer(toy_workspace, tmp_path, {"train": {"cooldown": 0.5, "log_every": 1}})
+    trainer.fit()
+    trainer.write_logs()
+    rows = train_log(tmp_path)
+    assert [int(r["step"]) for r in rows] == list(range(1, 13))
+    for r in rows:  # step s runs with (s - 1) of 12 steps done; the last 6 fall to 1/6
+        s = int(r["step"])
+        expected = noam_lr(s, 32, 4) * min(1.0, (1 - (s - 1) / 12) / 0.5)
+        assert r["lr"] == pytest.approx(expected, rel=1e-5)
+    assert rows[-1]["lr"] == pytest.approx(noam_lr(12, 32, 4) / 6, rel=1e-5)
+
+
+def test_under_a_time_budget_the_cooldown_follows_the_clock(toy_workspace, tmp_path,
+                                                            monkeypatch):
+    # The trainer's clock advances 0.1 s per reading (whatever the machine's speed): the
+    # 3-second budget ends a run of 10,000 steps after a few dozen, and the lr falls with
+    # the time spent, to nearly zero at the last step.
+    import types
+
+    import aiayn.trainer
+
+    readings = iter(range(1, 1_000_000))
+    clock = {k: getattr(time, k) for k in dir(time) if not k.startswith("_")}
+    clock["perf_counter"] = lambda: 0.1 * next(readings)
+    monkeypatch.setattr(aiayn.trainer, "time", types.SimpleNamespace(**clock))
+    budget_s = 3.0
+    trainer = make_trainer(toy_workspace, tmp_path, {"train": {
+        "cooldown": 0.5, "log_every": 1, "steps": 10_000, "max_minutes": budget_s / 60,
+        "valid_every": 10_000, "checkpoint_every_steps": 10_000}})
+    summary = trainer.fit()
+    trainer.write_logs()
+    assert summary["stopped_by"] == "time budget"
+    rows = train_log(tmp_path)
+    assert len(rows) >= 10
+    cooled = 0
+    for before, r in zip(rows, rows[1:]):  # step s uses the time spent after step s - 1
+        s = int(r["step"])
+        progress = max((s - 1) / 10_000, before["elapsed_s"] / budget_s)
+        factor = cooldown_factor(progress, 0.5)
+        # (elapsed_s is logged to 6 digits: compare the multipliers, absolutely)
+        assert r["lr"] / noam_lr(s, 32, 4) == pytest.approx(factor, abs=1e-4)
+        cooled += factor < 0.9
+    assert cooled >= 5  # the clock, not the step count (0.1% done), drove the rate down
+    assert rows[-1]["lr"] < 0.2 * noam_lr(int(rows[-1]["step"]), 32, 4)
 
 
 def test_a_run_records_its_kernels_precision_and_end(toy_workspace, tmp_path):
