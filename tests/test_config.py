@@ -137,3 +137,43 @@ def test_no_param_key_is_hidden_from_dvcs_run_cache():
     # The premise, checked against DVC itself: a key named "size" does not change the hash.
     assert _get_cache_hash({"params": {"vocab": {"size": 1}}}) == _get_cache_hash(
         {"params": {"vocab": {"size": 2}}})
+
+
+def leaf_params(model: type, prefix: str = "") -> list[str]:
+    """Dotted names of every setting in the schema (sections of sections flattened)."""
+    from pydantic import BaseModel
+
+    names = []
+    for name, field in model.model_fields.items():
+        kind = field.annotation
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            names += leaf_params(kind, f"{prefix}{name}.")
+        else:
+            names.append(f"{prefix}{name}")
+    return names
+
+
+def stage_params() -> dict[str, list[str]]:
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    return {name: stage.get("params", []) for name, stage in stages.items()}
+
+
+def reads(listed: list[str], name: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in listed)
+
+
+def test_every_setting_is_a_param_of_a_stage_so_changing_it_re_runs_that_stage():
+    """A setting no stage lists is silently ignored by `dvc exp run -S` (the stage is
+    'unchanged' and its old outputs are reused)."""
+    stages = stage_params()
+    missed = [name for name in leaf_params(Params)
+              if not any(reads(listed, name) for listed in stages.values())]
+    assert not missed, f"in no stage's params in dvc.yaml: {missed}"
+
+
+def test_every_training_setting_re_runs_training_except_the_averaging():
+    stages = stage_params()
+    not_train = [name for name in leaf_params(Params)
+                 if name.startswith("train.") and not reads(stages["train"], name)]
+    assert sorted(not_train) == ["train.average", "train.average_last"]
+    assert all(reads(stages["average"], name) for name in not_train)
