@@ -46,7 +46,7 @@ from aiayn.checkpoint import (
     list_checkpoints,
     save_checkpoint,
 )
-from aiayn.config import Params
+from aiayn.config import Params, TrainConfig
 from aiayn.distributed import World
 from aiayn.errors import AiaynError, DataError, OutputError
 from aiayn.io import atomic_path, free_bytes, human_bytes, write_json
@@ -301,6 +301,9 @@ class Trainer:
             return
         path, ckpt = found
         saved, now = ckpt["meta"].get("identity") or {}, self.identity
+        # A training setting added since the run started, at its default, computes as the
+        # code the run started with did: the run goes on.
+        now = {k: v for k, v in now.items() if k in saved or v != identity_default(k)}
         if saved != now:
             changes = [f"{k}: {saved.get(k, '(absent)')!r} -> {now.get(k, '(absent)')!r}"
                        for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
@@ -712,6 +715,14 @@ class Trainer:
     def write_summary(self, summary: dict) -> None:
         if self.world.is_main:
             write_json(self.paths.metrics, summary)
+
+
+def identity_default(key: str):
+    """The default of a run-identity entry ``train.<name>`` (what a run started before the
+    setting existed used); a marker equal to nothing for every other entry."""
+    section, _, name = key.partition(".")
+    defaults = TrainConfig().model_dump(mode="json") if section == "train" else {}
+    return defaults.get(name, object())
 
 
 def _fmt(v) -> str:

@@ -170,6 +170,20 @@ def test_more_steps_or_other_logging_continue_the_same_run(toy_workspace, tmp_pa
     assert not (tmp_path / "checkpoints.replaced").exists()
 
 
+def test_a_run_from_before_a_setting_existed_resumes_while_it_is_at_its_default(
+        toy_workspace, tmp_path, caplog):
+    make_trainer(toy_workspace, tmp_path, {"train": {"steps": 3}}).fit()
+    last = list_checkpoints(tmp_path / "checkpoints")[-1]
+    ckpt = load_checkpoint(last)
+    del ckpt["meta"]["identity"]["train.cooldown"]  # as written before train.cooldown
+    torch.save(ckpt, last)
+    assert make_trainer(toy_workspace, tmp_path, {"train": {"steps": 6}}).state.step == 3
+    assert not (tmp_path / "checkpoints.replaced").exists()
+    cooled = make_trainer(toy_workspace, tmp_path, {"train": {"steps": 6, "cooldown": 0.5}})
+    assert cooled.state.step == 0
+    assert "train.cooldown: '(absent)' -> 0.5" in caplog.text
+
+
 @pytest.mark.parametrize("kernels", ["fast", "plain"])
 def test_nan_loss_stops_with_the_steps_and_keeps_the_last_good_checkpoint(
         toy_workspace, tmp_path, monkeypatch, kernels):
