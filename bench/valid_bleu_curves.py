@@ -1,0 +1,80 @@
+"""Validation BLEU and learning rate of several trainings against training minutes.
+
+Usage::
+
+    python bench/valid_bleu_curves.py --run d256=metrics --run tiny=../other/metrics \
+        --out docs/results/multi30k/sweep/valid_bleu_minutes.png
+
+Each ``--run LABEL=FOLDER`` names a folder holding a training's ``train_log.tsv`` (step,
+lr and elapsed seconds) and ``valid_bleu.tsv`` (step and greedy validation BLEU), as the
+train stage writes them into ``metrics/``; ``git show REV:metrics/train_log.tsv`` (or
+``dvc exp show``'s revision of an experiment) gives them for runs that are no longer in
+the workspace. Steps are turned into training minutes through the elapsed time logged at
+each train-log step, so runs at different speeds line up by the time they cost. Prints
+each run's last and best validation BLEU, and writes one picture: BLEU above, lr below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+
+def load_run(folder: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(train log, validation BLEU with a ``minutes`` column) of one training."""
+    missing = [n for n in ("train_log.tsv", "valid_bleu.tsv") if not (folder / n).is_file()]
+    if missing:
+        raise SystemExit(f"error: {folder} has no {' or '.join(missing)}; give the metrics "
+                         "folder of a training with train.valid_bleu_every > 0")
+    train = pd.read_csv(folder / "train_log.tsv", sep="\t")
+    bleu = pd.read_csv(folder / "valid_bleu.tsv", sep="\t").dropna()
+    train["minutes"] = train["elapsed_s"] / 60
+    bleu["minutes"] = np.interp(bleu["step"], train["step"], train["minutes"])
+    return train, bleu
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", action="append", required=True, metavar="LABEL=FOLDER",
+                    help="a training's metrics folder, with the label it gets (repeatable)")
+    ap.add_argument("--out", type=Path, required=True, help="the picture (.png)")
+    ap.add_argument("--title", default="greedy validation BLEU against training time")
+    args = ap.parse_args(argv)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (bleu_ax, lr_ax) = plt.subplots(2, 1, figsize=(8, 7), sharex=True,
+                                         gridspec_kw={"height_ratios": [2, 1]})
+    print(f"{'run':<24}{'steps':>7}{'minutes':>9}{'last BLEU':>11}{'best (step)':>16}")
+    for spec in args.run:
+        label, sep, folder = spec.partition("=")
+        if not sep or not label:
+            raise SystemExit(f"error: --run {spec!r}: write it LABEL=FOLDER")
+        train, bleu = load_run(Path(folder))
+        best = bleu.loc[bleu["valid_bleu"].idxmax()]
+        last = bleu.iloc[-1]
+        print(f"{label:<24}{int(train['step'].iloc[-1]):>7}{train['minutes'].iloc[-1]:>9.1f}"
+              f"{last['valid_bleu']:>11.2f}{best['valid_bleu']:>10.2f} ({int(best['step'])})")
+        line, = bleu_ax.plot(bleu["minutes"], bleu["valid_bleu"], marker="o", ms=3, label=label)
+        lr_ax.plot(train["minutes"], train["lr"], color=line.get_color())
+    bleu_ax.set(ylabel="valid sacreBLEU (greedy)", title=args.title)
+    bleu_ax.grid(alpha=0.3)
+    bleu_ax.legend()
+    lr_ax.set(xlabel="training minutes", ylabel="learning rate")
+    lr_ax.grid(alpha=0.3)
+    fig.tight_layout()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.out, dpi=110)
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
