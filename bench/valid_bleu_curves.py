@@ -53,15 +53,19 @@ def main(argv: list[str] | None = None) -> None:
 
     fig, (bleu_ax, lr_ax) = plt.subplots(2, 1, figsize=(8, 7), sharex=True,
                                          gridspec_kw={"height_ratios": [2, 1]})
-    print(f"{'run':<24}{'steps':>7}{'minutes':>9}{'last BLEU':>11}{'best (step)':>16}")
+    runs = []
     for spec in args.run:
         label, sep, folder = spec.partition("=")
         if not sep or not label:
             raise SystemExit(f"error: --run {spec!r}: write it LABEL=FOLDER")
-        train, bleu = load_run(Path(folder))
+        runs.append((label, Path(folder)))
+    width = max(len(label) for label, _ in runs) + 2
+    print(f"{'run':<{width}}{'steps':>7}{'minutes':>9}{'last BLEU':>11}{'best (step)':>16}")
+    for label, folder in runs:
+        train, bleu = load_run(folder)
         best = bleu.loc[bleu["valid_bleu"].idxmax()]
         last = bleu.iloc[-1]
-        print(f"{label:<24}{int(train['step'].iloc[-1]):>7}{train['minutes'].iloc[-1]:>9.1f}"
+        print(f"{label:<{width}}{int(train['step'].iloc[-1]):>7}{train['minutes'].iloc[-1]:>9.1f}"
               f"{last['valid_bleu']:>11.2f}{best['valid_bleu']:>10.2f} ({int(best['step'])})")
         line, = bleu_ax.plot(bleu["minutes"], bleu["valid_bleu"], marker="o", ms=3, label=label)
         lr_ax.plot(train["minutes"], train["lr"], color=line.get_color())
