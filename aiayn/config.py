@@ -238,7 +238,9 @@ class TrainConfig(Strict):
     average_last: int = Field(5, gt=0, description="checkpoints averaged by the average stage")
     average: Literal["last", "best"] = Field(
         "last", description="last: the last train.average_last checkpoints (the paper); best: "
-        "the train.average_last with the best validation BLEU (needs train.valid_bleu_every)")
+        "the train.average_last with the best validation BLEU, chosen among the checkpoints "
+        "written at validation-BLEU steps (needs train.valid_bleu_every, a multiple of "
+        "train.checkpoint_every_steps)")
     valid_bleu_every: int = Field(
         0, ge=0, description="steps between validation-BLEU passes: the valid set translated "
         "with the current weights and scored with sacreBLEU; 0: off")
@@ -263,12 +265,16 @@ class TrainConfig(Strict):
                 raise ValueError("average is 'best' but valid_bleu_every is 0: the best "
                                  "checkpoints are those with the best validation BLEU; set "
                                  "valid_bleu_every (e.g. to checkpoint_every_steps)")
+            # Only scored checkpoints can be chosen, so every validation-BLEU step must
+            # write one; checkpoints in between are simply never chosen.
             if not self.checkpoint_every_steps or \
-                    self.checkpoint_every_steps % self.valid_bleu_every:
+                    self.valid_bleu_every % self.checkpoint_every_steps:
                 raise ValueError(
-                    f"average is 'best', so every checkpoint needs a validation BLEU: "
-                    f"checkpoint_every_steps ({self.checkpoint_every_steps}) must be a multiple "
-                    f"of valid_bleu_every ({self.valid_bleu_every})")
+                    f"average is 'best', so every validation-BLEU step must write a checkpoint: "
+                    f"valid_bleu_every ({self.valid_bleu_every}) must be a multiple of "
+                    f"checkpoint_every_steps ({self.checkpoint_every_steps}, 0 = by time only); "
+                    f"e.g. set valid_bleu_every to {self.checkpoint_every_steps or 'it'} or a "
+                    "multiple of it")
         if not all(0.0 <= b < 1.0 for b in self.adam_betas):
             raise ValueError(f"adam_betas {self.adam_betas} must lie in [0, 1)")
         return self

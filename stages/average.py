@@ -120,7 +120,7 @@ def _best(found: list[Path], wanted: int, folder: Path) -> tuple[list[Path], lis
     if not scored:
         raise DataError(
             f"train.average is 'best' but none of the {len(found)} checkpoints in {folder} "
-            "has a validation BLEU; train with train.valid_bleu_every set (a divisor of "
+            "has a validation BLEU; train with train.valid_bleu_every set (a multiple of "
             "train.checkpoint_every_steps), or set train.average: last")
     best = sorted(scored, key=lambda path: (metas[path]["valid_bleu"], checkpoint_step(path)),
                   reverse=True)[:wanted]

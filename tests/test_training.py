@@ -643,6 +643,38 @@ def test_average_best_needs_scored_checkpoints(toy_workspace, tmp_path):
     with pytest.raises(ParamsError, match="valid_bleu_every is 0"):
         load_params(write_params(tmp_path / "a.yaml", {"train": {"average": "best",
                                                                  "valid_bleu_every": 0}}))
-    with pytest.raises(ParamsError, match=r"checkpoint_every_steps \(3\) must be a multiple"):
+    # BLEU at step 2 but checkpoints at 3, 6, ...: the scored weights would not be kept.
+    with pytest.raises(ParamsError, match=r"valid_bleu_every \(2\) must be a multiple of "
+                                          r"checkpoint_every_steps \(3"):
         load_params(write_params(tmp_path / "b.yaml", {"train": {"average": "best",
                                                                  "valid_bleu_every": 2}}))
+    with pytest.raises(ParamsError, match="must be a multiple"):  # checkpoints by time only
+        load_params(write_params(tmp_path / "c.yaml", {"train": {
+            "average": "best", "valid_bleu_every": 3, "checkpoint_every_steps": 0,
+            "checkpoint_every_minutes": 5}}))
+
+
+def test_average_best_chooses_among_scored_checkpoints_only(toy_workspace, tmp_path):
+    """BLEU every 6 steps, checkpoints every 3 (the multi30k preset's shape: 200 and 100):
+    the unscored checkpoints 3 and 9 are never chosen, however recent."""
+    from typer.testing import CliRunner
+
+    from aiayn.checkpoint import load_model_files
+    from stages.average import app
+
+    scores = {6: 30.0, 12: 20.0}
+    changes = {"train": {"valid_bleu_every": 6, "average": "best", "average_last": 2,
+                         "keep_checkpoints": 4}}
+    trainer = make_trainer(toy_workspace, tmp_path, changes)
+    trainer.valid_bleu = lambda model, device, amp: scores[trainer.state.step]
+    trainer.fit()
+    kept = [int(c.stem.split("-")[1]) for c in list_checkpoints(tmp_path / "checkpoints")]
+    assert kept == [3, 6, 9, 12]
+    result = CliRunner().invoke(app, [
+        "--params", str(tmp_path / "params.yaml"), "--checkpoints", str(tmp_path / "checkpoints"),
+        "--tokenizer", str(toy_workspace / "data/vocab/tokenizer.json"),
+        "--out", str(tmp_path / "model"), "--no-mlflow"])
+    assert result.exit_code == 0, result.output
+    _, config = load_model_files(tmp_path / "model")
+    assert config["averaged_steps"] == [6, 12]
+    assert config["averaged_valid_bleu"] == [30.0, 20.0]
