@@ -202,7 +202,19 @@ class Tracker:
                     self._client = client
                     self._run_id = run.info.run_id
                     _retry_locked(self._log_params, run, flatten_params(params))
-                    _retry_locked(self._log_tags, {**_default_tags(), **(tags or {})})
+                    new_tags = {**_default_tags(), **(tags or {})}
+                    owner = run.data.tags.get("dvc_experiment")
+                    if owner and new_tags.get("dvc_experiment", owner) != owner:
+                        # A run belongs to the experiment that made it. Another one that
+                        # resumes it (its train stage re-ran on the same checkpoints, e.g.
+                        # after a code change, and found the training finished) must not
+                        # take it over: its later stages would then log their scores into
+                        # this run instead of a child run of it.
+                        log.info("MLflow: run %s belongs to experiment %s; %s resumes it "
+                                 "without taking it over", self._run_id, owner,
+                                 new_tags["dvc_experiment"])
+                        del new_tags["dvc_experiment"]
+                    _retry_locked(self._log_tags, new_tags)
             except Exception as e:
                 self._fail("start", e)
                 return None

@@ -470,3 +470,38 @@ def test_an_experiment_that_reuses_a_training_logs_into_a_child_run(tmp_path, mo
     assert parent.info.status == "FINISHED" and kid.info.status == "FINISHED"
     monkeypatch.delenv("DVC_EXP_NAME")  # `dvc repro`, no experiment: the training run
     assert log_into_run(run_file, "score", {"test/sacrebleu": 30.5}) == base
+
+
+def test_an_experiment_whose_train_stage_resumes_a_finished_run_does_not_take_it_over(
+        tmp_path, monkeypatch):
+    # `dvc exp run -n best -S train.average=best` after a change to the trainer's code: DVC
+    # re-runs the train stage, which resumes the finished run (nothing to train) and then
+    # average, translate and score. Their scores belong in a child run named `best`; the
+    # training run keeps its name and its own scores.
+    from aiayn.tracking import log_into_run
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    run_file = tmp_path / "mlflow_run.json"
+    monkeypatch.setenv("DVC_EXP_NAME", "base")
+    train = Tracker()
+    base = train.start("base", {"train": {"average": "last"}})
+    train.end()
+    save_run_id(run_file, base, uri)
+    assert log_into_run(run_file, "score", {"test/sacrebleu": 30.0}) == base
+
+    monkeypatch.setenv("DVC_EXP_NAME", "best")
+    params = {"train": {"average": "best"}}
+    again = Tracker()
+    assert again.start("best", params, tags={"stage": "train"}, run_id=base) == base
+    again.log_metrics({"final/steps": 12.0})
+    again.end()
+    child = log_into_run(run_file, "score", {"test/sacrebleu": 29.0}, params=params)
+    assert child not in (None, base)
+
+    client = MlflowClient(uri)
+    parent, kid = client.get_run(base), client.get_run(child)
+    assert parent.data.tags["dvc_experiment"] == "base"
+    assert parent.data.metrics["test/sacrebleu"] == 30.0
+    assert kid.info.run_name == "best" and kid.data.tags["mlflow.parentRunId"] == base
+    assert kid.data.metrics == {"test/sacrebleu": 29.0}
