@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -489,7 +490,7 @@ def test_under_a_time_budget_the_cooldown_follows_the_clock(toy_workspace, tmp_p
     rows = train_log(tmp_path)
     assert len(rows) >= 10
     cooled = 0
-    for before, r in zip(rows, rows[1:]):  # step s uses the time spent after step s - 1
+    for before, r in itertools.pairwise(rows):  # step s uses the time spent after step s - 1
         s = int(r["step"])
         progress = max((s - 1) / 10_000, before["elapsed_s"] / budget_s)
         factor = cooldown_factor(progress, 0.5)
@@ -605,27 +606,35 @@ def test_validation_bleu_is_off_at_zero(toy_workspace, tmp_path):
     assert last[-1] == ""  # an empty cell, which DVC's plots skip
 
 
-def test_average_best_takes_the_best_bleu_checkpoints_and_training_keeps_them(
-        toy_workspace, tmp_path):
+def train_with_scripted_bleu(ws: Path, run: Path, scores: dict[int, float],
+                             changes: dict) -> list[int]:
+    """Train the toy run with ``train.average: best`` and a validation-BLEU hook that
+    returns ``scores[step]``, then average it with the stage's CLI; the kept steps."""
     from typer.testing import CliRunner
 
-    from aiayn.checkpoint import load_model_files
     from stages.average import app
 
-    scores = {3: 10.0, 6: 30.0, 9: 20.0, 12: 5.0}  # by step: a scripted hook
-    changes = {"train": {"valid_bleu_every": 3, "average": "best", "average_last": 2,
-                         "keep_checkpoints": 2}}
-    trainer = make_trainer(toy_workspace, tmp_path, changes)
+    trainer = make_trainer(ws, run, {"train": {"average": "best", **changes}})
     trainer.valid_bleu = lambda model, device, amp: scores[trainer.state.step]
     trainer.fit()
-    # keep_checkpoints 2 keeps 9 and 12 (the newest); 6, the best, is kept beyond those.
-    kept = [int(c.stem.split("-")[1]) for c in list_checkpoints(tmp_path / "checkpoints")]
-    assert kept == [6, 9, 12]
+    kept = [int(c.stem.split("-")[1]) for c in list_checkpoints(run / "checkpoints")]
     result = CliRunner().invoke(app, [
-        "--params", str(tmp_path / "params.yaml"), "--checkpoints", str(tmp_path / "checkpoints"),
-        "--tokenizer", str(toy_workspace / "data/vocab/tokenizer.json"),
-        "--out", str(tmp_path / "model"), "--no-mlflow"])
+        "--params", str(run / "params.yaml"), "--checkpoints", str(run / "checkpoints"),
+        "--tokenizer", str(ws / "data/vocab/tokenizer.json"),
+        "--out", str(run / "model"), "--no-mlflow"])
     assert result.exit_code == 0, result.output
+    return kept
+
+
+def test_average_best_takes_the_best_bleu_checkpoints_and_training_keeps_them(
+        toy_workspace, tmp_path):
+    from aiayn.checkpoint import load_model_files
+
+    kept = train_with_scripted_bleu(
+        toy_workspace, tmp_path, {3: 10.0, 6: 30.0, 9: 20.0, 12: 5.0},
+        {"valid_bleu_every": 3, "average_last": 2, "keep_checkpoints": 2})
+    # keep_checkpoints 2 keeps 9 and 12 (the newest); 6, the best, is kept beyond those.
+    assert kept == [6, 9, 12]
     weights, config = load_model_files(tmp_path / "model")
     assert config["average"] == "best" and config["averaged_steps"] == [6, 9]
     assert config["averaged_valid_bleu"] == [30.0, 20.0]
@@ -657,24 +666,12 @@ def test_average_best_needs_scored_checkpoints(toy_workspace, tmp_path):
 def test_average_best_chooses_among_scored_checkpoints_only(toy_workspace, tmp_path):
     """BLEU every 6 steps, checkpoints every 3 (the multi30k preset's shape: 200 and 100):
     the unscored checkpoints 3 and 9 are never chosen, however recent."""
-    from typer.testing import CliRunner
-
     from aiayn.checkpoint import load_model_files
-    from stages.average import app
 
-    scores = {6: 30.0, 12: 20.0}
-    changes = {"train": {"valid_bleu_every": 6, "average": "best", "average_last": 2,
-                         "keep_checkpoints": 4}}
-    trainer = make_trainer(toy_workspace, tmp_path, changes)
-    trainer.valid_bleu = lambda model, device, amp: scores[trainer.state.step]
-    trainer.fit()
-    kept = [int(c.stem.split("-")[1]) for c in list_checkpoints(tmp_path / "checkpoints")]
+    kept = train_with_scripted_bleu(toy_workspace, tmp_path, {6: 30.0, 12: 20.0},
+                                    {"valid_bleu_every": 6, "average_last": 2,
+                                     "keep_checkpoints": 4})
     assert kept == [3, 6, 9, 12]
-    result = CliRunner().invoke(app, [
-        "--params", str(tmp_path / "params.yaml"), "--checkpoints", str(tmp_path / "checkpoints"),
-        "--tokenizer", str(toy_workspace / "data/vocab/tokenizer.json"),
-        "--out", str(tmp_path / "model"), "--no-mlflow"])
-    assert result.exit_code == 0, result.output
     _, config = load_model_files(tmp_path / "model")
     assert config["averaged_steps"] == [6, 12]
     assert config["averaged_valid_bleu"] == [30.0, 20.0]
