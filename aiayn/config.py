@@ -273,8 +273,9 @@ class TrainConfig(Strict):
                     f"average is 'best', so every validation-BLEU step must write a checkpoint: "
                     f"valid_bleu_every ({self.valid_bleu_every}) must be a multiple of "
                     f"checkpoint_every_steps ({self.checkpoint_every_steps}, 0 = by time only); "
-                    f"e.g. set valid_bleu_every to {self.checkpoint_every_steps or 'it'} or a "
-                    "multiple of it")
+                    + (f"set valid_bleu_every to {self.checkpoint_every_steps} or a multiple of it"
+                       if self.checkpoint_every_steps else
+                       f"set checkpoint_every_steps, e.g. to {self.valid_bleu_every}"))
         if not all(0.0 <= b < 1.0 for b in self.adam_betas):
             raise ValueError(f"adam_betas {self.adam_betas} must lie in [0, 1)")
         return self
