@@ -139,6 +139,7 @@ class Tracker:
         self._client: Any = None
         self._run_id: str | None = None
         self._ended = False
+        self._found_end_time: int | None = None
 
     # -- state -------------------------------------------------------------------------------
 
@@ -179,6 +180,7 @@ class Tracker:
             self.end()
         self._run_id = None
         self._ended = False
+        self._found_end_time = None
         # One process at a time creates (or migrates) a SQLite store and its experiment:
         # parallel experiments (`dvc queue start -j 2`) may all start on a fresh mlflow.db.
         with _store_lock(self.tracking_uri):
@@ -201,6 +203,8 @@ class Tracker:
                             self._experiment_id, client), run_name=run_name)
                     self._client = client
                     self._run_id = run.info.run_id
+                    if run_id and run.info.run_id == run_id and run.info.status != "RUNNING":
+                        self._found_end_time = run.info.end_time
                     _retry_locked(self._log_params, run, flatten_params(params))
                     new_tags = {**_default_tags(), **(tags or {})}
                     owner = run.data.tags.get("dvc_experiment")
@@ -256,11 +260,17 @@ class Tracker:
         except Exception as e:
             self._fail("set_tags", e)
 
-    def end(self, status: str = "FINISHED") -> None:
-        """Mark the run ``status`` (FINISHED, FAILED or KILLED); the run id stays readable."""
+    def end(self, status: str = "FINISHED", unchanged: bool = False) -> None:
+        """Mark the run ``status`` (FINISHED, FAILED or KILLED); the run id stays readable.
+
+        ``unchanged``: this session added nothing to a run that had ended before it was
+        resumed (a train stage that found the training finished), so the run keeps its end
+        time and the MLflow UI its duration, instead of counting the hours until the resume.
+        """
         if not self.active:
             return
-        self._call("end", self._client.set_terminated, self._run_id, status)
+        end_time = self._found_end_time if unchanged else None
+        self._call("end", self._client.set_terminated, self._run_id, status, end_time)
         self._ended = True
 
     def __enter__(self) -> Tracker:

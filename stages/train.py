@@ -121,6 +121,7 @@ def train(
             save_run_id(run_file, run_id)
         signal.signal(signal.SIGTERM, request_stop)
         signal.signal(signal.SIGINT, request_stop)
+        resumed_at = trainer.state.step
         summary = trainer.fit(should_stop=lambda: stop["requested"])
         trainer.write_logs()
         trainer.write_summary(summary)
@@ -139,7 +140,7 @@ def train(
                      _round(summary["valid_loss"]), _round(summary["valid_ppl"]),
                      summary["tokens_per_s"])
         done = summary["steps"] >= p.train.steps or summary["stopped_by"] == "time budget"
-        tracker.end("FINISHED" if done else "KILLED")
+        tracker.end("FINISHED" if done else "KILLED", unchanged=summary["steps"] == resumed_at)
     except AiaynError:
         tracker.end("FAILED")
         raise

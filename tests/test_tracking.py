@@ -492,10 +492,14 @@ def test_an_experiment_whose_train_stage_resumes_a_finished_run_does_not_take_it
 
     monkeypatch.setenv("DVC_EXP_NAME", "best")
     params = {"train": {"average": "best"}}
+    ended = MlflowClient(uri).get_run(base).info.end_time
+    time.sleep(0.05)
     again = Tracker()
     assert again.start("best", params, tags={"stage": "train"}, run_id=base) == base
+    assert MlflowClient(uri).get_run(base).info.status == "RUNNING"
     again.log_metrics({"final/steps": 12.0})
-    again.end()
+    again.end(unchanged=True)  # it trained nothing: the run keeps its duration
+    assert MlflowClient(uri).get_run(base).info.end_time == ended
     child = log_into_run(run_file, "score", {"test/sacrebleu": 29.0}, params=params)
     assert child not in (None, base)
 
@@ -505,3 +509,21 @@ def test_an_experiment_whose_train_stage_resumes_a_finished_run_does_not_take_it
     assert parent.data.metrics["test/sacrebleu"] == 30.0
     assert kid.info.run_name == "best" and kid.data.tags["mlflow.parentRunId"] == base
     assert kid.data.metrics == {"test/sacrebleu": 29.0}
+    assert parent.info.status == "FINISHED" and parent.info.end_time == ended
+
+
+def test_a_resumed_run_that_goes_on_ends_at_its_new_end(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    first = Tracker(uri)
+    run_id = first.start("run", {"train": {"steps": 10}})
+    first.end()
+    ended = MlflowClient(uri).get_run(run_id).info.end_time
+    time.sleep(0.05)
+    again = Tracker(uri)  # more steps: the training goes on in the same run
+    assert again.start("run", {"train": {"steps": 20}}, run_id=run_id) == run_id
+    again.end()
+    assert MlflowClient(uri).get_run(run_id).info.end_time > ended
+    fresh = Tracker(uri)  # unchanged on a run this session created: nothing to keep
+    new_id = fresh.start("other", {})
+    fresh.end(unchanged=True)
+    assert MlflowClient(uri).get_run(new_id).info.end_time is not None
