@@ -7,6 +7,7 @@ Usage (from the repository root)::
     .venv/bin/python bench/train_throughput.py --contenders fast+drop,nn+drop
     .venv/bin/python bench/train_throughput.py --profile fast                # where time goes
     .venv/bin/python bench/train_throughput.py --contenders fast -S model.d_model=128  # a recipe
+    .venv/bin/python bench/train_throughput.py --contenders fast,fast@2048           # batch size
     .venv/bin/python bench/train_throughput.py --help
 
 What runs
@@ -37,6 +38,11 @@ checkpoints and logs are not timed.
   dropout placement (residual and embedding only: its attention and activation dropout set
   to 0, as ``fast``), ``nn+drop`` torch's (0.1 on attention probabilities and FFN
   activations too, as ``fast+drop``). Same batches, in the same order, as the trainers;
+* ``NAME@N`` - any trainer contender above with batches of ``N`` tokens: ``shard.max_tokens``
+  and ``train.tokens_per_step`` set to ``N`` (its own shards, made once in the work folder),
+  e.g. ``fast@2048`` against ``fast``: what a batch size costs or buys in tokens/s, side by
+  side. Such a contender takes its own batches (the same sampler seed over its own shards),
+  so its tokens and FLOPs per round are counted on its own batches;
 * ``matmul`` - the machine's fp32 matmul rate in the same run: products of 2048x2048x2048
   and 4096x256x1024 into preallocated outputs; reported as GFLOP/s, the mean of the two is
   the denominator of "fraction of the matmul rate".
@@ -357,15 +363,37 @@ class Worker:
 # =========================================================================== data and FLOPs
 
 
-def prepare_data(args) -> tuple[Path, Path, Path]:
-    """(params file, shards, tokenizer): given, or made once in the work folder."""
+def split_contender(name: str) -> tuple[str, int | None]:
+    """``fast@2048`` -> ("fast", 2048); ``fast`` -> ("fast", None)."""
+    base, at, tokens = name.partition("@")
+    if not at:
+        return name, None
+    if base not in TRAINERS or not tokens.isdigit() or int(tokens) < 16:
+        raise SystemExit(f"error: contender {name}: NAME@N needs a trainer contender "
+                         f"({', '.join(TRAINERS)}) and a batch size N >= 16 in tokens, "
+                         "e.g. fast@2048")
+    return base, int(tokens)
+
+
+def prepare_data(args, batch_tokens: int | None = None) -> tuple[Path, Path, Path]:
+    """(params file, shards, tokenizer): given, or made once in the work folder; with
+    ``batch_tokens``, the preset with batches (and steps) of that many tokens, in a work
+    folder of its own."""
     import yaml
 
     from stages.params import compose
 
+    overrides = list(args.set)
     work = args.workdir / args.preset
+    if batch_tokens is not None:
+        if args.shards:
+            raise SystemExit("error: a NAME@N contender makes its own shards; leave out "
+                             "--shards (or measure batch sizes with shards made for each)")
+        overrides += [f"shard.max_tokens={batch_tokens}",
+                      f"train.tokens_per_step={batch_tokens}"]
+        work = args.workdir / f"{args.preset}@{batch_tokens}"
     params = work / "params.yaml"
-    raw = yaml.safe_load(compose(REPO / "conf", args.preset, list(args.set)))
+    raw = yaml.safe_load(compose(REPO / "conf", args.preset, overrides))
     if raw["data"]["source"] == "local":
         corpus = args.corpus or (REPO / raw["data"]["local"]["dir"]).resolve()
         if not Path(corpus).is_dir():
@@ -440,7 +468,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contenders", default=None,
                     help=f"comma-separated from {', '.join([*TRAINERS, *OTHERS])} (default "
-                         f"{DEFAULT}, plus main with --baseline)")
+                         f"{DEFAULT}, plus main with --baseline); a trainer contender with "
+                         "@N (e.g. fast@2048) runs batches of N tokens")
     ap.add_argument("--baseline", default=None, metavar="REF",
                     help="git commit whose trainer runs as contender 'main' (e.g. 9852772)")
     ap.add_argument("--preset", default="multi30k", help="conf/experiment preset (multi30k)")
@@ -487,21 +516,27 @@ def main(argv: list[str] | None = None) -> dict:
     from bench.machine import cpu_model
 
     names = (args.contenders or DEFAULT + (",main" if args.baseline else "")).split(",")
-    unknown = [n for n in names if n not in TRAINERS and n not in OTHERS]
+    variant = {n: split_contender(n)[1] for n in names}  # batch tokens, None: the preset's
+    unknown = [n for n in names if split_contender(n)[0] not in TRAINERS and n not in OTHERS]
     if unknown:
         raise SystemExit(f"error: unknown contender(s) {', '.join(unknown)}; choose from "
                          f"{', '.join([*TRAINERS, *OTHERS])}")
-    if "main" in names and not args.baseline:
+    if any(split_contender(n)[0] == "main" for n in names) and not args.baseline:
         raise SystemExit("error: contender main needs --baseline REF")
     if args.profile and args.profile not in names:
         names.append(args.profile)
+        variant[args.profile] = split_contender(args.profile)[1]
     threads = args.threads or torch.get_num_threads()
-    params, shards, tokenizer = prepare_data(args)
-    if args.precision:
-        raw = yaml.safe_load(params.read_text())
-        raw["train"]["precision"] = args.precision
-        params = params.with_name(f"params-{args.precision}.yaml")
-        params.write_text(yaml.safe_dump(raw, sort_keys=False))
+    data = {}  # batch tokens (None: the preset's) -> (params file, shards, tokenizer)
+    for v in dict.fromkeys([None, *variant.values()]):
+        params, shards, tokenizer = prepare_data(args, v)
+        if args.precision:
+            raw = yaml.safe_load(params.read_text())
+            raw["train"]["precision"] = args.precision
+            params = params.with_name(f"params-{args.precision}.yaml")
+            params.write_text(yaml.safe_dump(raw, sort_keys=False))
+        data[v] = (params, shards, tokenizer)
+    params, shards, tokenizer = data[None]
     p = parse_params(yaml.safe_load(params.read_text()))
     cfg = model_config(p, load_tokenizer(tokenizer).get_vocab_size())
     bf16 = cpu_has_native_bf16()
@@ -526,34 +561,40 @@ def main(argv: list[str] | None = None) -> dict:
     scratch = Path(tempfile.mkdtemp(prefix="run-", dir=args.workdir))
     env = dict(os.environ, PYTHONPATH=str(REPO))
     trees = {n: str(REPO) for n in names}
-    if "main" in names:
-        trees["main"] = str(extract_tree(args.baseline, scratch / "baseline"))
+    if any(split_contender(n)[0] == "main" for n in names):
+        baseline_tree = str(extract_tree(args.baseline, scratch / "baseline"))
+        trees.update({n: baseline_tree for n in names if split_contender(n)[0] == "main"})
     workers: dict[str, Worker] = {}
     try:
         t0 = time.perf_counter()
         for n in names:
-            spec = {"name": n, "tree": trees[n], "params": str(params), "shards": str(shards),
-                    "tokenizer": str(tokenizer), "scratch": str(scratch), "threads": threads,
-                    "train": TRAINERS.get(n, {})}
+            n_params, n_shards, n_tokenizer = data[variant[n]]
+            spec = {"name": n, "tree": trees[n], "params": str(n_params),
+                    "shards": str(n_shards), "tokenizer": str(n_tokenizer),
+                    "scratch": str(scratch), "threads": threads,
+                    "train": TRAINERS.get(split_contender(n)[0], {})}
             workers[n] = Worker(spec, env)
-            if n == "main":
-                print(f"main: {workers[n].info['aiayn']} (git {args.baseline}); params it does "
+            if split_contender(n)[0] == "main":
+                print(f"{n}: {workers[n].info['aiayn']} (git {args.baseline}); params it does "
                       f"not know, dropped: {', '.join(workers[n].info['dropped_params']) or '-'}")
         for n, w in workers.items():  # warm-up: allocator, kernels, Adam state, compilation
             t = time.perf_counter()
             w.ask(f"run {args.warmup}")
             print(f"warm-up {n}: {time.perf_counter() - t:.0f} s", flush=True)
         runs: dict[str, list[dict]] = {n: [] for n in names}
-        flops, tokens = [], []
+        flops = {v: [] for v in data}  # per batch size: the round's model FLOPs and tokens
+        tokens = {v: [] for v in data}
         for r in range(args.rounds):
-            batches = round_batches(params, shards, args.steps, args.warmup + r * args.steps)
-            flops.append(sum(train_flops(cfg, s, t) for s, t, _ in batches))
-            tokens.append(sum(n for *_, n in batches))
+            for v, (v_params, v_shards, _) in data.items():
+                batches = round_batches(v_params, v_shards, args.steps,
+                                        args.warmup + r * args.steps)
+                flops[v].append(sum(train_flops(cfg, s, t) for s, t, _ in batches))
+                tokens[v].append(sum(n for *_, n in batches))
             order = names[r % len(names):] + names[:r % len(names)]
             for n in order:
                 runs[n].append(workers[n].ask(f"run {args.steps}"))
-            line = "  ".join(f"{n} {tokens[r] / runs[n][-1]['wall']:.0f}" for n in names
-                             if n != "matmul")
+            line = "  ".join(f"{n} {tokens[variant[n]][r] / runs[n][-1]['wall']:.0f}"
+                             for n in names if n != "matmul")
             if "matmul" in names:
                 line += "  matmul " + "/".join(f"{v:.0f}" for v in
                                                runs["matmul"][-1]["gflops"].values()) + " GFLOP/s"
@@ -572,9 +613,11 @@ def main(argv: list[str] | None = None) -> dict:
     for n in names:
         if n == "matmul":
             continue
-        tps[n] = [tokens[r] / x["wall"] for r, x in enumerate(runs[n])]
-        results[n] = {"tokens_per_s": med(tps[n]),
-                      "gflop_per_s": med(flops[r] / x["wall"] / 1e9 for r, x in enumerate(runs[n])),
+        n_tokens, n_flops = tokens[variant[n]], flops[variant[n]]
+        tps[n] = [n_tokens[r] / x["wall"] for r, x in enumerate(runs[n])]
+        results[n] = {"tokens_per_s": med(tps[n]), "batch_tokens": variant[n],
+                      "gflop_per_s": med(n_flops[r] / x["wall"] / 1e9
+                                         for r, x in enumerate(runs[n])),
                       "wall_s_per_step": med(x["wall"] for x in runs[n]) / args.steps,
                       "cpu_s_per_step": med(x["cpu"] for x in runs[n]) / args.steps,
                       "tokens_per_s_rounds": tps[n],
@@ -587,7 +630,7 @@ def main(argv: list[str] | None = None) -> dict:
                   "shapes": {k: med(x["gflops"][k] for x in runs["matmul"])
                              for k in runs["matmul"][0]["gflops"]}}
         for n, res in results.items():
-            res["matmul_fraction"] = med(flops[r] / x["wall"] / 1e9 / per_round[r]
+            res["matmul_fraction"] = med(flops[variant[n]][r] / x["wall"] / 1e9 / per_round[r]
                                          for r, x in enumerate(runs[n]))
 
     def ratio(a: str, b: str) -> float:
@@ -598,12 +641,18 @@ def main(argv: list[str] | None = None) -> dict:
                                  ("fast+compile", "fast"), ("fast+compile", "main"),
                                  ("fast+drop", "fast"), ("nn+drop", "nn"))
              if a in tps and b in tps]
+    pairs += [(n, split_contender(n)[0]) for n in tps  # each batch size against the preset's
+              if variant[n] is not None and split_contender(n)[0] in tps]
     ratios = {f"{a} / {b}": ratio(a, b) for a, b in pairs}
 
     width = max(len(n) for n in names) + 2
-    per_step = statistics.fmean(tokens) / args.steps
-    print(f"\n{total / 60:.1f} min; {per_step:.0f} non-pad target tokens and "
-          f"{statistics.fmean(flops) / args.steps / 1e9:.1f} GFLOP (model FLOPs) per step")
+    print(f"\n{total / 60:.1f} min")
+    for v in data:
+        if v is not None or any(variant[n] is None for n in names):
+            print(f"batches of <= {v or p.shard.max_tokens} tokens: "
+                  f"{statistics.fmean(tokens[v]) / args.steps:.0f} non-pad target tokens and "
+                  f"{statistics.fmean(flops[v]) / args.steps / 1e9:.1f} GFLOP (model FLOPs) "
+                  "per step")
     head = f"{'contender':<{width}}{'target tok/s':>13}{'GFLOP/s':>9}"
     head += f"{'of matmul':>11}" if matmul else ""
     print(head + f"{'wall s/step':>13}{'CPU s/step':>12}{'tok/s over rounds':>22}")
@@ -624,7 +673,9 @@ def main(argv: list[str] | None = None) -> dict:
         for k, v in ratios.items():
             print(f"  {k:<{2 * width + 3}}{v:6.2f}x")
     out = {"info": info, "results": results, "matmul": matmul, "ratios": ratios,
-           "round_tokens": tokens, "round_flops": flops, "runs": runs}
+           "round_tokens": {str(v or p.shard.max_tokens): x for v, x in tokens.items()},
+           "round_flops": {str(v or p.shard.max_tokens): x for v, x in flops.items()},
+           "runs": runs}
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
         print(f"\nwrote {args.json}")
