@@ -516,16 +516,16 @@ def main(argv: list[str] | None = None) -> dict:
     from bench.machine import cpu_model
 
     names = (args.contenders or DEFAULT + (",main" if args.baseline else "")).split(",")
+    if args.profile and args.profile not in names:
+        names.append(args.profile)
+    base = {n: split_contender(n)[0] for n in names}  # the contender without its @N
     variant = {n: split_contender(n)[1] for n in names}  # batch tokens, None: the preset's
-    unknown = [n for n in names if split_contender(n)[0] not in TRAINERS and n not in OTHERS]
+    unknown = [n for n in names if base[n] not in TRAINERS and n not in OTHERS]
     if unknown:
         raise SystemExit(f"error: unknown contender(s) {', '.join(unknown)}; choose from "
                          f"{', '.join([*TRAINERS, *OTHERS])}")
-    if any(split_contender(n)[0] == "main" for n in names) and not args.baseline:
+    if "main" in base.values() and not args.baseline:
         raise SystemExit("error: contender main needs --baseline REF")
-    if args.profile and args.profile not in names:
-        names.append(args.profile)
-        variant[args.profile] = split_contender(args.profile)[1]
     threads = args.threads or torch.get_num_threads()
     data = {}  # batch tokens (None: the preset's) -> (params file, shards, tokenizer)
     for v in dict.fromkeys([None, *variant.values()]):
@@ -561,9 +561,9 @@ def main(argv: list[str] | None = None) -> dict:
     scratch = Path(tempfile.mkdtemp(prefix="run-", dir=args.workdir))
     env = dict(os.environ, PYTHONPATH=str(REPO))
     trees = {n: str(REPO) for n in names}
-    if any(split_contender(n)[0] == "main" for n in names):
+    if "main" in base.values():
         baseline_tree = str(extract_tree(args.baseline, scratch / "baseline"))
-        trees.update({n: baseline_tree for n in names if split_contender(n)[0] == "main"})
+        trees.update({n: baseline_tree for n in names if base[n] == "main"})
     workers: dict[str, Worker] = {}
     try:
         t0 = time.perf_counter()
@@ -572,9 +572,9 @@ def main(argv: list[str] | None = None) -> dict:
             spec = {"name": n, "tree": trees[n], "params": str(n_params),
                     "shards": str(n_shards), "tokenizer": str(n_tokenizer),
                     "scratch": str(scratch), "threads": threads,
-                    "train": TRAINERS.get(split_contender(n)[0], {})}
+                    "train": TRAINERS.get(base[n], {})}
             workers[n] = Worker(spec, env)
-            if split_contender(n)[0] == "main":
+            if base[n] == "main":
                 print(f"{n}: {workers[n].info['aiayn']} (git {args.baseline}); params it does "
                       f"not know, dropped: {', '.join(workers[n].info['dropped_params']) or '-'}")
         for n, w in workers.items():  # warm-up: allocator, kernels, Adam state, compilation
@@ -641,8 +641,8 @@ def main(argv: list[str] | None = None) -> dict:
                                  ("fast+compile", "fast"), ("fast+compile", "main"),
                                  ("fast+drop", "fast"), ("nn+drop", "nn"))
              if a in tps and b in tps]
-    pairs += [(n, split_contender(n)[0]) for n in tps  # each batch size against the preset's
-              if variant[n] is not None and split_contender(n)[0] in tps]
+    pairs += [(n, base[n]) for n in tps  # each batch size against the preset's
+              if variant[n] is not None and base[n] in tps]
     ratios = {f"{a} / {b}": ratio(a, b) for a, b in pairs}
 
     width = max(len(n) for n in names) + 2
