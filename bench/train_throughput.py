@@ -528,7 +528,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("error: contender main needs --baseline REF")
     threads = args.threads or torch.get_num_threads()
     data = {}  # batch tokens (None: the preset's) -> (params file, shards, tokenizer)
-    for v in dict.fromkeys([None, *variant.values()]):
+    # only the batch sizes some contender uses; the preset's first, where one uses it
+    for v in sorted(set(variant.values()), key=lambda v: (v is not None, v or 0)):
         params, shards, tokenizer = prepare_data(args, v)
         if args.precision:
             raw = yaml.safe_load(params.read_text())
@@ -536,7 +537,7 @@ def main(argv: list[str] | None = None) -> dict:
             params = params.with_name(f"params-{args.precision}.yaml")
             params.write_text(yaml.safe_dump(raw, sort_keys=False))
         data[v] = (params, shards, tokenizer)
-    params, shards, tokenizer = data[None]
+    params, shards, tokenizer = data[next(iter(data))]  # one model config in each
     p = parse_params(yaml.safe_load(params.read_text()))
     cfg = model_config(p, load_tokenizer(tokenizer).get_vocab_size())
     bf16 = cpu_has_native_bf16()
@@ -648,11 +649,9 @@ def main(argv: list[str] | None = None) -> dict:
     width = max(len(n) for n in names) + 2
     print(f"\n{total / 60:.1f} min")
     for v in data:
-        if v is not None or any(variant[n] is None for n in names):
-            print(f"batches of <= {v or p.shard.max_tokens} tokens: "
-                  f"{statistics.fmean(tokens[v]) / args.steps:.0f} non-pad target tokens and "
-                  f"{statistics.fmean(flops[v]) / args.steps / 1e9:.1f} GFLOP (model FLOPs) "
-                  "per step")
+        print(f"batches of <= {v or p.shard.max_tokens} tokens: "
+              f"{statistics.fmean(tokens[v]) / args.steps:.0f} non-pad target tokens and "
+              f"{statistics.fmean(flops[v]) / args.steps / 1e9:.1f} GFLOP (model FLOPs) per step")
     head = f"{'contender':<{width}}{'target tok/s':>13}{'GFLOP/s':>9}"
     head += f"{'of matmul':>11}" if matmul else ""
     print(head + f"{'wall s/step':>13}{'CPU s/step':>12}{'tok/s over rounds':>22}")
@@ -673,8 +672,8 @@ def main(argv: list[str] | None = None) -> dict:
         for k, v in ratios.items():
             print(f"  {k:<{2 * width + 3}}{v:6.2f}x")
     out = {"info": info, "results": results, "matmul": matmul, "ratios": ratios,
-           "round_tokens": {str(v or p.shard.max_tokens): x for v, x in tokens.items()},
-           "round_flops": {str(v or p.shard.max_tokens): x for v, x in flops.items()},
+           "round_tokens": {"preset" if v is None else str(v): x for v, x in tokens.items()},
+           "round_flops": {"preset" if v is None else str(v): x for v, x in flops.items()},
            "runs": runs}
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
