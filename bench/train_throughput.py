@@ -43,9 +43,10 @@ checkpoints and logs are not timed.
   e.g. ``fast@2048`` against ``fast``: what a batch size costs or buys in tokens/s, side by
   side. Such a contender takes its own batches (the same sampler seed over its own shards),
   so its tokens and FLOPs per round are counted on its own batches;
-* ``matmul`` - the machine's fp32 matmul rate in the same run: products of 2048x2048x2048
-  and 4096x256x1024 into preallocated outputs; reported as GFLOP/s, the mean of the two is
-  the denominator of "fraction of the matmul rate".
+* ``matmul`` - the machine's matmul rate in the same run, in the precision the trainers
+  compute in (fp32, or bf16 where ``train.precision`` resolves to bf16 autocast): products
+  of 2048x2048x2048 and 4096x256x1024 into preallocated outputs; reported as GFLOP/s, the
+  mean of the two is the denominator of "fraction of the matmul rate".
 
 Protocol
 --------
@@ -262,15 +263,18 @@ class TorchNNWorker:
 
 
 class MatmulWorker:
-    """Each 'step' is one product of each shape in MATMULS; reports GFLOP/s per shape."""
+    """Each 'step' is one product of each shape in MATMULS, in the dtype the trainers'
+    matmuls run in (spec["matmul_dtype"]: float32 or bfloat16); reports GFLOP/s per shape."""
 
     def __init__(self, spec: dict):
         import torch
 
         self.torch = torch
+        dtype = getattr(torch, spec.get("matmul_dtype", "float32"))
         self.ops = []
         for m, k, n in MATMULS:
-            a, b, out = torch.randn(m, k), torch.randn(k, n), torch.empty(m, n)
+            a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+            out = torch.empty(m, n, dtype=dtype)
             self.ops.append((f"{m}x{k}x{n}", a, b, out, 2.0 * m * k * n))
         self.seconds = {name: 0.0 for name, *_ in self.ops}
         self.products = 0
@@ -509,7 +513,7 @@ def main(argv: list[str] | None = None) -> dict:
     import yaml
 
     from aiayn.config import parse_params
-    from aiayn.precision import cpu_has_native_bf16
+    from aiayn.precision import autocast_dtype, cpu_has_native_bf16
     from aiayn.tokenizer import load_tokenizer
     from aiayn.trainer import model_config
     from bench.flops import train_flops
@@ -541,11 +545,14 @@ def main(argv: list[str] | None = None) -> dict:
     p = parse_params(yaml.safe_load(params.read_text()))
     cfg = model_config(p, load_tokenizer(tokenizer).get_vocab_size())
     bf16 = cpu_has_native_bf16()
+    amp = autocast_dtype(p.train.precision, torch.device("cpu"))
+    matmul_dtype = "bfloat16" if amp == torch.bfloat16 else "float32"
     info = {"cpu": cpu_model(), "native_bf16": bf16, "logical_cpus": os.cpu_count(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": threads,
             "torch": torch.__version__, "python": platform.python_version(),
             "preset": args.preset, "overrides": list(args.set),
-            "precision": p.train.precision, "model": cfg.to_dict(),
+            "precision": p.train.precision, "matmul_dtype": matmul_dtype,
+            "model": cfg.to_dict(),
             "contenders": names, "baseline": args.baseline, "rounds": args.rounds,
             "steps": args.steps, "warmup": args.warmup, "command": " ".join(sys.argv),
             "load_average": os.getloadavg()}
@@ -573,7 +580,7 @@ def main(argv: list[str] | None = None) -> dict:
             spec = {"name": n, "tree": trees[n], "params": str(n_params),
                     "shards": str(n_shards), "tokenizer": str(n_tokenizer),
                     "scratch": str(scratch), "threads": threads,
-                    "train": TRAINERS.get(base[n], {})}
+                    "matmul_dtype": matmul_dtype, "train": TRAINERS.get(base[n], {})}
             workers[n] = Worker(spec, env)
             if base[n] == "main":
                 print(f"{n}: {workers[n].info['aiayn']} (git {args.baseline}); params it does "
@@ -665,7 +672,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(line)
     if matmul:
         shapes = ", ".join(f"{k} {v:.0f}" for k, v in matmul["shapes"].items())
-        print(f"{'matmul':<{width}}{'':>13}{matmul['gflop_per_s']:>9.1f}   (fp32 products: "
+        kind = "bf16" if matmul_dtype == "bfloat16" else "fp32"
+        print(f"{'matmul':<{width}}{'':>13}{matmul['gflop_per_s']:>9.1f}   ({kind} products: "
               f"{shapes} GFLOP/s)")
     if ratios:
         print("\nratios of target tokens/s (median over rounds of the per-round ratio):")
