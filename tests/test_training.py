@@ -372,40 +372,40 @@ def test_out_of_memory_names_the_batch_budget_and_the_param(toy_workspace, tmp_p
 # --------------------------------------------------------------------------- fast path
 
 
+def fast_and_plain_without_dropout(ws: Path, tmp_path: Path, precision: str, rel: float):
+    """Train the toy model with the fast and with the plain kernels, no dropout, in
+    ``precision``; check both logged the same steps and tokens, and losses (per logged step
+    and on valid) within ``rel``. Returns (trainer, summary) of fast, then of plain."""
+    runs = []
+    for kernels in ("fast", "plain"):
+        trainer = make_trainer(ws, tmp_path / kernels,
+                               {"model": {"dropout": 0.0},
+                                "train": {"kernels": kernels, "precision": precision}})
+        runs.append((trainer, trainer.fit()))
+    (fast, a), (plain, b) = runs
+    assert a["kernels"] == "fast" and b["kernels"] == "plain"
+    for ra, rb in zip(fast.state.train_rows, plain.state.train_rows, strict=True):
+        assert ra[0] == rb[0] and ra[5] == rb[5]  # step, tokens seen
+        assert ra[1] == pytest.approx(rb[1], rel=rel)  # loss
+    assert a["valid_loss"] == pytest.approx(b["valid_loss"], rel=rel)
+    return runs
+
+
 @pytest.mark.skipif(not cpu_has_native_bf16(),
                     reason="no native bf16 here: bf16 autocast would be emulated, ~100x slower")
 def test_fast_and_plain_kernels_learn_alike_under_bf16_autocast(toy_workspace, tmp_path):
     """The path a CPU with native bf16 trains on (precision auto = bf16 autocast): the fast
     kernels' losses follow the plain path's to bf16 rounding. Measured on an AVX512-BF16
     CPU: at most 3.1e-4 apart over the 12 steps; a wrong loss or gradient moves them by %."""
-    runs = {}
-    for kernels in ("fast", "plain"):
-        trainer = make_trainer(toy_workspace, tmp_path / kernels,
-                               {"model": {"dropout": 0.0},
-                                "train": {"kernels": kernels, "precision": "bf16"}})
-        runs[kernels] = (trainer, trainer.fit())
-    (fast, a), (plain, b) = runs["fast"], runs["plain"]
+    (_, a), (_, b) = fast_and_plain_without_dropout(toy_workspace, tmp_path, "bf16", rel=5e-3)
     assert a["precision"] == b["precision"] == "bf16"
-    for ra, rb in zip(fast.state.train_rows, plain.state.train_rows, strict=True):
-        assert ra[0] == rb[0] and ra[5] == rb[5]  # step, tokens seen
-        assert ra[1] == pytest.approx(rb[1], rel=5e-3)  # loss
-    assert a["valid_loss"] == pytest.approx(b["valid_loss"], rel=5e-3)
 
 
 def test_fast_and_plain_kernels_learn_the_same_without_dropout(toy_workspace, tmp_path):
     """Without dropout (the only random difference) the two paths compute one function:
     the same losses and the same outputs after training, up to float rounding."""
-    runs = {}
-    for kernels in ("fast", "plain"):
-        trainer = make_trainer(toy_workspace, tmp_path / kernels,
-                               {"model": {"dropout": 0.0}, "train": {"kernels": kernels, **FP32}})
-        runs[kernels] = (trainer, trainer.fit())
-    (fast, a), (plain, b) = runs["fast"], runs["plain"]
-    assert a["kernels"] == "fast" and b["kernels"] == "plain"
-    for ra, rb in zip(fast.state.train_rows, plain.state.train_rows, strict=True):
-        assert ra[0] == rb[0] and ra[5] == rb[5]  # step, tokens seen
-        assert ra[1] == pytest.approx(rb[1], rel=1e-5)  # loss
-    assert a["valid_loss"] == pytest.approx(b["valid_loss"], rel=1e-5)
+    (fast, a), (plain, b) = fast_and_plain_without_dropout(toy_workspace, tmp_path,
+                                                           FP32["precision"], rel=1e-5)
     # Outputs, not weights: the key part of each attention bias has a true gradient of 0
     # (softmax ignores a constant added to all scores), so Adam turns rounding noise there
     # into full steps that differ between the paths, without changing the function.
