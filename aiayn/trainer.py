@@ -11,6 +11,10 @@
   ends bitwise where an uninterrupted one ends (CPU);
 * ``train.max_minutes`` is a time budget over all sessions of a run: when it is spent the
   run validates, writes a checkpoint and stops (as fairseq's --stop-time-hours);
+* with ``train.cooldown``, a run whose end (``train.steps``, ``train.max_minutes``) changes
+  after its cooldown began goes on from its last checkpoint before the cooldown, which is
+  kept for that: a longer run is the run it would have been from scratch (the
+  warmup-stable-decay branching of Hagele et al. 2024);
 * ``train.kernels: fast`` computes the same step with aiayn.kernels (fused output-projection
   loss, cheap dropout masks) and fused Adam; ``plain`` with torch's own operators;
 * the next batches are read by a background thread (pinned for a GPU), and loss sums and
@@ -44,6 +48,7 @@ from aiayn.checkpoint import (
     file_sha256,
     latest_checkpoint,
     list_checkpoints,
+    load_checkpoint,
     save_checkpoint,
 )
 from aiayn.config import Params, TrainConfig
@@ -97,6 +102,7 @@ class RunState:
     valid_rows: list[list[float | None]] = field(default_factory=list)  # BLEU None: not run
     mlflow_run_id: str | None = None
     bleu_seconds: float = 0.0  # time spent in validation BLEU (inside elapsed_s)
+    stable_step: int | None = None  # the newest checkpoint taken at the full rate (no cooldown)
     stopped_by: str | None = None  # "steps", "time budget" or "interrupted"
 
 
@@ -118,6 +124,16 @@ def pick_device(choice: str, world: World) -> torch.device:
         torch.cuda.set_device(world.local_rank)
         return torch.device("cuda", world.local_rank)
     return torch.device("cpu")
+
+
+def lr_multiplier(t: TrainConfig, step: int, elapsed_s: float) -> float:
+    """train.cooldown's lr multiplier for the step after ``step`` steps and ``elapsed_s``
+    seconds of training: how much is done is the steps taken of train.steps, or the time
+    spent of train.max_minutes if further on."""
+    progress = step / t.steps
+    if t.max_minutes:
+        progress = max(progress, elapsed_s / (60 * t.max_minutes))
+    return cooldown_factor(progress, t.cooldown)
 
 
 def accumulation_steps(tokens_per_step: int, world_size: int, max_tokens: int) -> int:
@@ -216,6 +232,7 @@ class Trainer:
         self._pending_from = 1  # first step the pending sums cover
         self._grad_norm: torch.Tensor | None = None
         self._lr = 0.0
+        self.branched_from: dict | None = None  # set by _branch_point
         self.identity = self.run_identity()
         self._resume()
         # Dropout differs between ranks; the seed offset keeps it reproducible per rank.
@@ -280,19 +297,29 @@ class Trainer:
         identity["shards_sha256"] = digest.hexdigest()
         return identity
 
-    def _set_aside(self, changes: list[str]) -> None:
-        """Move a run made with other settings out of the way (never delete it)."""
+    def _move_aside(self, items: list[Path]) -> Path:
+        """Move ``items`` of the checkpoint folder to ``checkpoints.replaced/<time>/``: a
+        run's files are never deleted. Every rank has read them before, and waits after."""
         folder = self.paths.checkpoints
         dest = folder.with_name(folder.name + ".replaced") / time.strftime("%Y%m%d-%H%M%S")
-        if self.world.is_main:
-            dest.mkdir(parents=True, exist_ok=True)
-            for item in sorted(folder.iterdir()):
-                shutil.move(str(item), str(dest / item.name))
-            log.warning("train: the run in %s was made with other settings (%s); it does not "
-                        "resume. Its files were moved to %s (delete them when no longer "
-                        "needed) and a new run starts.", folder, "; ".join(changes), dest)
         if self.world.distributed:
             torch.distributed.barrier()
+        if self.world.is_main:
+            dest.mkdir(parents=True, exist_ok=True)
+            for item in items:
+                shutil.move(str(item), str(dest / item.name))
+        if self.world.distributed:
+            torch.distributed.barrier()
+        return dest
+
+    def _set_aside(self, why: str) -> None:
+        """Move a run that cannot go on out of the way; a new run starts."""
+        folder = self.paths.checkpoints
+        dest = self._move_aside(sorted(folder.iterdir()))
+        if self.world.is_main:
+            log.warning("train: the run in %s %s; it does not resume. Its files were moved to "
+                        "%s (delete them when no longer needed) and a new run starts.",
+                        folder, why, dest)
 
     def _resume(self) -> None:
         found = latest_checkpoint(self.paths.checkpoints, map_location=self.device)
@@ -307,8 +334,12 @@ class Trainer:
         if saved != now:
             changes = [f"{k}: {saved.get(k, '(absent)')!r} -> {now.get(k, '(absent)')!r}"
                        for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
-            self._set_aside(changes)
+            self._set_aside(f"was made with other settings ({'; '.join(changes)})")
             return
+        found = self._branch_point(path, ckpt)
+        if found is None:
+            return
+        path, ckpt = found
         if ckpt["meta"].get("world_size") != self.world.size:
             log.warning("resuming a run made with %s processes on %d: the data order changes "
                         "from here on", ckpt["meta"].get("world_size"), self.world.size)
@@ -325,11 +356,72 @@ class Trainer:
                               valid_rows=[r + [None] * (width - len(r))
                                           for r in run["valid_rows"]],
                               mlflow_run_id=ckpt["meta"].get("mlflow_run_id"),
-                              bleu_seconds=run.get("bleu_seconds", 0.0))
+                              bleu_seconds=run.get("bleu_seconds", 0.0),
+                              stable_step=run.get("stable_step"))
         rngs = ckpt["rng"]
         set_rng_state(rngs[self.world.rank] if self.world.rank < len(rngs) else rngs[0])
         log.info("resumed from %s (step %d, %d target tokens seen)", path, self.state.step,
                  self.state.tokens_seen)
+
+    def _schedule_moved(self, ckpt: dict) -> bool:
+        """Whether a checkpoint took rates that this run's end would not give: the lr
+        multiplier it recorded for its next step is not the one train.steps and
+        train.max_minutes give now at its step and time. (Checkpoints written before the
+        multiplier was recorded: no.)"""
+        recorded = (ckpt["meta"].get("schedule") or {}).get("lr_factor")
+        if recorded is None:
+            return False
+        run = ckpt["run"]
+        return abs(lr_multiplier(self.p.train, run["step"], run["elapsed_s"]) - recorded) > 1e-9
+
+    def _branch_point(self, path: Path, ckpt: dict) -> tuple[Path, dict] | None:
+        """The checkpoint a run goes on from when its end moved after its cooldown began.
+
+        Its checkpoints since the cooldown began took rates for the old end, so they are not
+        part of the run the new end makes. Up to the cooldown the rate did not depend on the
+        end: the newest checkpoint taken at the full rate under both ends (the trainer keeps
+        one for this) is where the longer run from scratch would have been, and the run goes
+        on from it, in a new MLflow run that repeats its history. The later checkpoints (and
+        the old MLflow run's id) are moved aside. None: no such checkpoint, the run is set
+        aside and a new one starts.
+        """
+        if not self._schedule_moved(ckpt):
+            return path, ckpt
+        folder, step = self.paths.checkpoints, checkpoint_step(path)
+        old = ckpt["meta"].get("schedule") or {}
+        ends = (f"train.steps {old.get('steps')} -> {self.p.train.steps}, train.max_minutes "
+                f"{old.get('max_minutes')} -> {self.p.train.max_minutes}")
+        stable = ckpt["run"].get("stable_step")
+        for earlier in reversed(list_checkpoints(folder)):
+            at = checkpoint_step(earlier)
+            if at >= step or (stable is not None and at > stable):
+                continue
+            try:
+                found = load_checkpoint(earlier, self.device)
+            except DataError as exc:
+                log.warning("skipping checkpoint: %s", exc)
+                continue
+            factor = (found["meta"].get("schedule") or {}).get("lr_factor")
+            if factor != 1.0 or self._schedule_moved(found):
+                continue
+            later = [q for q in list_checkpoints(folder) if checkpoint_step(q) > at]
+            run_file = [q for q in (folder / "mlflow_run.json",) if q.exists()]
+            dest = self._move_aside(later + run_file)
+            if self.world.is_main:
+                log.warning(
+                    "train: the end of the run in %s moved (%s) after its cooldown began, "
+                    "so its checkpoints since took rates for the old end. It goes on from "
+                    "step %d, its last checkpoint before the cooldown, where the longer run "
+                    "from scratch would be; the %d later checkpoint(s) were moved to %s "
+                    "(delete them when no longer needed), and a new MLflow run continues "
+                    "it.", folder, ends, at, len(later), dest)
+            self.branched_from = {"mlflow_run_id": found["meta"].get("mlflow_run_id"),
+                                  "step": at}
+            found["meta"]["mlflow_run_id"] = None
+            return earlier, found
+        self._set_aside(f"took its cooldown's rates for another end of training ({ends}) and "
+                        "keeps no checkpoint from before its cooldown")
+        return None
 
     def _check_same_checkpoint(self, path: Path | None) -> None:
         """Every process must resume from the same step: on several machines the checkpoint
@@ -409,15 +501,10 @@ class Trainer:
         self.state.step += 1
 
     def cooldown_factor(self) -> float:
-        """train.cooldown's lr multiplier for the next step, from how much of training is
-        done: steps taken of train.steps, or time spent of train.max_minutes if further on
-        (rank 0's clock, so every rank agrees). The time part makes a budgeted run's rates
-        depend on the machine's speed, as its last step already does."""
-        p, s = self.p.train, self.state
-        progress = s.step / p.steps
-        if p.max_minutes:
-            progress = max(progress, s.elapsed_s / (60 * p.max_minutes))
-        return cooldown_factor(progress, p.cooldown)
+        """train.cooldown's lr multiplier for the next step (:func:`lr_multiplier`), from rank
+        0's clock, so every rank agrees. The time part makes a budgeted run's rates depend on
+        the machine's speed, as its last step already does."""
+        return lr_multiplier(self.p.train, self.state.step, self.state.elapsed_s)
 
     def _logs_at(self, step: int) -> bool:
         return step % self.p.train.log_every == 0 or step == self.p.train.steps
@@ -480,9 +567,12 @@ class Trainer:
     def checkpoint(self) -> Path | None:
         self._flush()  # collective; refuses to write after a non-finite loss
         rngs = self._gather_rng()  # collective: every rank calls it
+        s = self.state
+        factor = self.cooldown_factor()  # the next step's, under the end that made this one
+        if factor == 1.0:
+            s.stable_step = s.step
         if not self.world.is_main:
             return None
-        s = self.state
         state = {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -491,16 +581,22 @@ class Trainer:
             "rng": rngs,
             "run": {"step": s.step, "tokens_seen": s.tokens_seen, "elapsed_s": s.elapsed_s,
                     "train_rows": s.train_rows, "valid_rows": s.valid_rows,
-                    "bleu_seconds": s.bleu_seconds},
+                    "bleu_seconds": s.bleu_seconds, "stable_step": s.stable_step},
             "meta": {**self.fingerprint, "identity": self.identity,
                      "mlflow_run_id": s.mlflow_run_id, "step": s.step,
                      "tokens_seen": s.tokens_seen, "world_size": self.world.size,
-                     "valid_bleu": self._bleu_at(s.step)},
+                     "valid_bleu": self._bleu_at(s.step),
+                     "schedule": {"steps": self.p.train.steps,
+                                  "max_minutes": self.p.train.max_minutes, "lr_factor": factor}},
         }
+        # With a cooldown, the last checkpoint before it stays: a run whose end moves later
+        # goes on from there (_branch_point).
+        protect = self._best_steps()
+        if self.p.train.cooldown > 0 and s.stable_step is not None:
+            protect |= {s.stable_step}
         try:
             return save_checkpoint(self.paths.checkpoints, s.step, state,
-                                   keep=self.p.train.keep_checkpoints,
-                                   protect=self._best_steps())
+                                   keep=self.p.train.keep_checkpoints, protect=protect)
         except OutputError as exc:
             found = list_checkpoints(self.paths.checkpoints)
             resume = f"step {checkpoint_step(found[-1])}" if found else "the start"
@@ -542,6 +638,13 @@ class Trainer:
     def _track(self, metrics: dict, step: int) -> None:
         if self.tracker is not None and self.world.is_main:
             self.tracker.log_metrics(metrics, step=step)
+
+    def replay_history(self) -> None:
+        """Log the curves of the steps already taken (a new MLflow run of a resumed run)."""
+        for row in self.state.train_rows:
+            self._track(train_metrics(row), int(row[0]))
+        for row in self.state.valid_rows:
+            self._track(valid_metrics(row), int(row[0]))
 
     # -- the run --------------------------------------------------------------------------
 
@@ -643,8 +746,7 @@ class Trainer:
         row = [s.step, loss / max(tokens, 1), nll / max(tokens, 1), self._lr, grad_norm,
                s.tokens_seen, tps, s.elapsed_s]
         s.train_rows.append(row)
-        self._track({"train/loss": row[1], "train/nll": row[2], "train/lr": row[3],
-                     "train/grad_norm": row[4], "train/tokens_per_s": tps}, s.step)
+        self._track(train_metrics(row), s.step)
         if bar is not None:
             bar.set_postfix(loss=f"{row[1]:.3f}", lr=f"{row[3]:.2e}", tok_s=f"{tps:,.0f}",
                             refresh=False)
@@ -655,10 +757,7 @@ class Trainer:
         score = self._valid_bleu() if bleu else None
         s.valid_rows.append([s.step, v["valid_loss"], v["valid_nll"], v["valid_ppl"],
                              v["tokens"], score])
-        self._track({"valid/loss": v["valid_loss"], "valid/nll": v["valid_nll"],
-                     "valid/ppl": v["valid_ppl"]}, s.step)
-        if score is not None:
-            self._track({"valid/sacrebleu": score}, s.step)
+        self._track(valid_metrics(s.valid_rows[-1]), s.step)
         if self.world.is_main:
             log.info("step %d: valid loss %.4f, nll %.4f, ppl %.2f%s", s.step, v["valid_loss"],
                      v["valid_nll"], v["valid_ppl"],
@@ -715,6 +814,20 @@ class Trainer:
     def write_summary(self, summary: dict) -> None:
         if self.world.is_main:
             write_json(self.paths.metrics, summary)
+
+
+def train_metrics(row: list) -> dict:
+    """The MLflow metrics of a train_log row (TRAIN_LOG_COLUMNS)."""
+    return {"train/loss": row[1], "train/nll": row[2], "train/lr": row[3],
+            "train/grad_norm": row[4], "train/tokens_per_s": row[6]}
+
+
+def valid_metrics(row: list) -> dict:
+    """The MLflow metrics of a valid_log row (VALID_LOG_COLUMNS); BLEU where measured."""
+    out = {"valid/loss": row[1], "valid/nll": row[2], "valid/ppl": row[3]}
+    if row[5] is not None:
+        out["valid/sacrebleu"] = row[5]
+    return out
 
 
 def identity_default(key: str):

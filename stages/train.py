@@ -119,6 +119,13 @@ def train(
         if world.is_main:
             trainer.state.mlflow_run_id = run_id
             save_run_id(run_file, run_id)
+            if trainer.branched_from is not None and run_id is not None:
+                # A run that goes on from before its cooldown: the new MLflow run gets the
+                # curves up to there, and names the run it branched from.
+                trainer.replay_history()
+                old = trainer.branched_from
+                tracker.set_tags({"branched_from_run": str(old["mlflow_run_id"]),
+                                  "branched_at_step": str(old["step"])})
         signal.signal(signal.SIGTERM, request_stop)
         signal.signal(signal.SIGINT, request_stop)
         resumed_at = trainer.state.step

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from aiayn.checkpoint import file_sha256, list_checkpoints, load_checkpoint
+from aiayn.checkpoint import checkpoint_step, file_sha256, list_checkpoints, load_checkpoint
 from aiayn.config import load_params
 from aiayn.distributed import World
 from aiayn.errors import DataError
@@ -347,6 +347,38 @@ def test_train_stage_logs_one_mlflow_run_and_a_resume_continues_it(toy_workspace
     assert logged.data.tags["precision"] in ("fp32", "bf16")
 
 
+@pytest.mark.slow
+def test_a_run_that_goes_on_from_before_its_cooldown_gets_a_new_mlflow_run_with_its_curves(
+        toy_workspace, tmp_path):
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    env = {**env_for_subprocess(), "MLFLOW_TRACKING_URI": uri}
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "stages.train",
+           *[a for a in train_cmd(write_params(tmp_path / "p.yaml",
+                                               {"train": {**COOL, "steps": 12}}),
+                                  run, toy_workspace) if a != "--no-mlflow"]]
+    subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=300, cwd=tmp_path)
+    first = json.loads((run / "checkpoints/mlflow_run.json").read_text())["run_id"]
+    cmd[cmd.index("--params") + 1] = str(write_params(tmp_path / "p.yaml",
+                                                      {"train": {**COOL, "steps": 24}}))
+    subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=300, cwd=tmp_path)
+    second = json.loads((run / "checkpoints/mlflow_run.json").read_text())["run_id"]
+    assert second != first
+    client = MlflowClient(uri)
+    logged = client.get_run(second)
+    assert logged.data.tags["branched_from_run"] == first
+    assert logged.data.tags["branched_at_step"] == "6"
+    assert logged.data.params["train.steps"] == "24"
+    old = client.get_metric_history(first, "train/loss")
+    new = client.get_metric_history(second, "train/loss")
+    assert [m.step for m in old] == list(range(2, 13, 2))  # the first run is left as it was
+    assert [m.step for m in new] == list(range(2, 25, 2))  # its curve up to step 6, then on
+    assert [m.value for m in new[:3]] == [m.value for m in old[:3]]
+    assert [m.step for m in client.get_metric_history(second, "valid/loss")] == [6, 12, 18, 24]
+
+
 def test_out_of_memory_names_the_batch_budget_and_the_param(toy_workspace, tmp_path,
                                                             monkeypatch):
     from aiayn.trainer import OutOfMemory
@@ -474,6 +506,67 @@ def test_the_time_budget_stops_at_a_checkpoint_and_a_larger_one_resumes(toy_work
     done = longer.fit()
     assert done["steps"] == 12 and done["stopped_by"] == "steps"
     assert done["wall_time_s"] > spent  # the time of both sessions
+
+
+def checkpoint_steps(folder: Path) -> list[int]:
+    return [checkpoint_step(c) for c in list_checkpoints(folder)]
+
+
+COOL = {"cooldown": 0.5, "keep_checkpoints": 2, "average_last": 2}
+
+
+def test_a_longer_end_after_the_cooldown_began_goes_on_from_before_it_as_a_fresh_run_would(
+        toy_workspace, tmp_path, caplog):
+    short = make_trainer(toy_workspace, tmp_path / "ext", {"train": {**COOL, "steps": 12}})
+    short.fit()
+    # Checkpoints every 3 steps; the rate falls after step 6 (half of 12). The last
+    # checkpoint at the full rate is kept beside the newest two.
+    assert checkpoint_steps(tmp_path / "ext/checkpoints") == [6, 9, 12]
+    longer = make_trainer(toy_workspace, tmp_path / "ext", {"train": {**COOL, "steps": 24}})
+    assert longer.state.step == 6 and longer.branched_from["step"] == 6
+    assert "train.steps 12 -> 24" in caplog.text and "goes on from step 6" in caplog.text
+    moved = sorted(q.name for q in (tmp_path / "ext/checkpoints.replaced").glob("*/*.pt"))
+    assert moved == ["step-00000009.pt", "step-00000012.pt"]  # kept, not deleted
+    assert [r[0] for r in longer.state.train_rows] == [2, 4, 6]  # the logs rewind too
+    longer.fit()
+    fresh = make_trainer(toy_workspace, tmp_path / "fresh", {"train": {**COOL, "steps": 24}})
+    fresh.fit()
+    last = "checkpoints/step-00000024.pt"
+    a, b = load_checkpoint(tmp_path / "ext" / last), load_checkpoint(tmp_path / "fresh" / last)
+    assert_bitwise_equal(a["model"], b["model"])  # the 24-step run from scratch, exactly
+    assert [r[:6] for r in a["run"]["train_rows"]] == [r[:6] for r in b["run"]["train_rows"]]
+    assert a["run"]["valid_rows"] == b["run"]["valid_rows"]
+
+
+def test_an_unchanged_end_or_one_that_changes_no_rate_resumes_from_the_newest_checkpoint(
+        toy_workspace, tmp_path):
+    # Interrupted in its cooldown, the same settings resume where it stopped.
+    part = make_trainer(toy_workspace, tmp_path / "cut", {"train": {**COOL, "steps": 12}})
+    part.fit(should_stop=lambda: part.state.step == 8)
+    again = make_trainer(toy_workspace, tmp_path / "cut", {"train": {**COOL, "steps": 12}})
+    assert again.state.step == 8 and again.branched_from is None
+    # A run whose time budget set its rates (spent at step 1: the rate there is already 0)
+    # keeps them when only train.steps rises: it resumes, and has nothing left to train.
+    timed = {**COOL, "max_minutes": 1e-6}
+    first = make_trainer(toy_workspace, tmp_path / "timed", {"train": timed})
+    assert first.fit()["stopped_by"] == "time budget"
+    more = make_trainer(toy_workspace, tmp_path / "timed", {"train": {**timed, "steps": 24}})
+    assert more.state.step == 1 and more.branched_from is None
+    assert more.fit()["steps"] == 1
+    assert not list(tmp_path.glob("*/checkpoints.replaced"))
+
+
+def test_a_moved_end_without_a_checkpoint_before_the_cooldown_starts_a_new_run(
+        toy_workspace, tmp_path, caplog):
+    # A cooldown over all of training: the rate falls from the first step on.
+    make_trainer(toy_workspace, tmp_path, {"train": {**COOL, "cooldown": 1.0}}).fit()
+    longer = make_trainer(toy_workspace, tmp_path, {"train": {**COOL, "cooldown": 1.0,
+                                                              "steps": 24}})
+    assert longer.state.step == 0 and longer.branched_from is None
+    assert "keeps no checkpoint from before its cooldown" in caplog.text
+    assert list_checkpoints(tmp_path / "checkpoints") == []
+    assert sorted(q.name for q in (tmp_path / "checkpoints.replaced").glob("*/*.pt")) == [
+        "step-00000009.pt", "step-00000012.pt"]
 
 
 def train_log(run: Path) -> list[dict]:
