@@ -46,6 +46,10 @@ from torch import Tensor
 # Rows of logits formed at once: chunk x vocab floats stay at about 32 MiB, so the buffer is
 # reused from glibc's heap instead of being mapped afresh (see aiayn.memory).
 CHUNK_BYTES = 32 << 20
+# Rows of the softmax and its gradient at once: 256 x vocab fp32 (8 MB at 8k) stay in the
+# last-level cache between the passes over them. Under bf16 autocast on a 2-core EPYC this
+# made the loss 1.25x faster (bench/README.md); fp32 is unchanged.
+SOFTMAX_ROWS = 256
 
 
 # --------------------------------------------------------------------------- the loss
@@ -79,27 +83,37 @@ class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32,
                                       device=weight.device) if need_grad else None
             buf = torch.empty(min(chunk_rows, n), vocab, dtype=dtype, device=rows.device)
+            # Under autocast the chunk's logits are bf16; the softmax runs in fp32 on blocks of
+            # SOFTMAX_ROWS rows in one reused buffer that stays in cache, and the gradient
+            # goes back into ``buf`` in place, ready for the two products.
+            wide = None if dtype == torch.float32 else torch.empty(
+                min(SOFTMAX_ROWS, n), vocab, dtype=torch.float32, device=rows.device)
             # The mean logit of a row is its dot product with the mean embedding row.
             mean_all = rows.float() @ weight.float().mean(dim=0)  # (N,)
             off = torch.tensor(-epsilon / vocab, dtype=torch.float32, device=rows.device)
             for start in range(0, n, chunk_rows):
                 end = min(start + chunk_rows, n)
-                a_c, y = a[start:end], labels[start:end, None]
-                z = torch.mm(a_c, w.t(), out=buf[:end - start]).float()  # (c, V) logits
-                target = z.gather(1, y).squeeze(1)
-                mean = mean_all[start:end]
-                top = z.amax(dim=1, keepdim=True)
-                z.sub_(top).exp_()
-                total = z.sum(dim=1)
-                lse = top.squeeze(1) + total.log()
-                nll[start:end] = lse - target
-                # -sum_v q_v log p_v with q = (1 - eps) onehot + eps / V
-                loss[start:end] = lse - (1.0 - epsilon) * target - epsilon * mean
+                a_c = a[start:end]
+                g = torch.mm(a_c, w.t(), out=buf[:end - start])  # (c, V) logits
+                for lo in range(start, end, SOFTMAX_ROWS):
+                    hi = min(lo + SOFTMAX_ROWS, end)
+                    z_c, y = g[lo - start:hi - start], labels[lo:hi, None]
+                    z = z_c if wide is None else wide[:hi - lo].copy_(z_c)
+                    target = z.gather(1, y).squeeze(1)
+                    top = z.amax(dim=1, keepdim=True)
+                    z.sub_(top).exp_()
+                    total = z.sum(dim=1)
+                    lse = top.squeeze(1) + total.log()
+                    nll[lo:hi] = lse - target
+                    # -sum_v q_v log p_v with q = (1 - eps) onehot + eps / V
+                    loss[lo:hi] = lse - (1.0 - epsilon) * target - epsilon * mean_all[lo:hi]
+                    if need_grad:
+                        # d loss / d logits = softmax - (1 - eps) onehot - eps / V, in place.
+                        torch.addcmul(off, z, total.reciprocal().unsqueeze(1), out=z)
+                        z.scatter_add_(1, y, torch.full_like(y, -(1.0 - epsilon), dtype=z.dtype))
+                        if wide is not None:
+                            z_c.copy_(z)
                 if need_grad:
-                    # d loss / d logits = softmax - (1 - eps) onehot - eps / V, in place.
-                    torch.addcmul(off, z, total.reciprocal().unsqueeze(1), out=z)
-                    z.scatter_add_(1, y, torch.full_like(y, -(1.0 - epsilon), dtype=z.dtype))
-                    g = z.to(dtype)
                     grad_rows[start:end] = torch.mm(g, w)
                     if dtype == torch.float32:
                         grad_weight.addmm_(g.t(), a_c)

@@ -298,6 +298,8 @@ class MatmulWorker:
 
 def worker_main(spec: dict) -> None:
     """Serve 'run N' requests on stdin with one JSON line each on stdout."""
+    import resource
+
     import torch
 
     torch.set_num_threads(spec["threads"])
@@ -326,11 +328,14 @@ def worker_main(spec: dict) -> None:
                                               max_name_column_width=55)
             print(json.dumps({"profile": table}), file=out, flush=True)
             continue
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         cpu, wall = time.process_time(), time.perf_counter()
         for _ in range(n):
             worker.step()
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-        print(json.dumps({"wall": wall, "cpu": cpu, **worker.extra()}), file=out, flush=True)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+        print(json.dumps({"wall": wall, "cpu": cpu, "faults": faults, **worker.extra()}),
+              file=out, flush=True)
 
 
 class Worker:
@@ -628,6 +633,7 @@ def main(argv: list[str] | None = None) -> dict:
                                          for r, x in enumerate(runs[n])),
                       "wall_s_per_step": med(x["wall"] for x in runs[n]) / args.steps,
                       "cpu_s_per_step": med(x["cpu"] for x in runs[n]) / args.steps,
+                      "page_faults_per_step": med(x["faults"] for x in runs[n]) / args.steps,
                       "tokens_per_s_rounds": tps[n],
                       **{k: runs[n][-1][k] for k in ("graphs", "graph_breaks")
                          if k in runs[n][-1]}}
@@ -661,11 +667,13 @@ def main(argv: list[str] | None = None) -> dict:
               f"{statistics.fmean(flops[v]) / args.steps / 1e9:.1f} GFLOP (model FLOPs) per step")
     head = f"{'contender':<{width}}{'target tok/s':>13}{'GFLOP/s':>9}"
     head += f"{'of matmul':>11}" if matmul else ""
-    print(head + f"{'wall s/step':>13}{'CPU s/step':>12}{'tok/s over rounds':>22}")
+    print(head + f"{'wall s/step':>13}{'CPU s/step':>12}{'faults/step':>13}"
+          f"{'tok/s over rounds':>22}")
     for n, res in results.items():
         line = f"{n:<{width}}{res['tokens_per_s']:>13.0f}{res['gflop_per_s']:>9.1f}"
         line += f"{res['matmul_fraction']:>10.0%} " if matmul else ""
         line += (f"{res['wall_s_per_step']:>13.2f}{res['cpu_s_per_step']:>12.2f}"
+                 f"{res['page_faults_per_step']:>13.0f}"
                  f"{min(tps[n]):>13.0f} .. {max(tps[n]):.0f}")
         if res.get("graphs"):
             line += f"   compiled graphs {res['graphs']}, graph breaks {res['graph_breaks']}"

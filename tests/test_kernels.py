@@ -29,8 +29,11 @@ def padded_labels(batch: int, length: int, vocab: int, seed: int = 0) -> torch.T
 
 
 @pytest.mark.parametrize("epsilon", [0.0, 0.1, 0.3])
-@pytest.mark.parametrize("chunk_rows", [3, 7, 1000])
-def test_projected_loss_equals_the_plain_loss_of_the_logits(epsilon, chunk_rows):
+@pytest.mark.parametrize("chunk_rows,softmax_rows", [(3, 256), (7, 256), (1000, 256),
+                                                      (7, 2), (1000, 4)])
+def test_projected_loss_equals_the_plain_loss_of_the_logits(epsilon, chunk_rows, softmax_rows,
+                                                            monkeypatch):
+    monkeypatch.setattr(kernels, "SOFTMAX_ROWS", softmax_rows)
     torch.manual_seed(0)
     hidden = torch.randn(5, 9, 16, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(40, 16, dtype=torch.float64, requires_grad=True)
@@ -94,6 +97,26 @@ def test_projected_loss_under_bf16_autocast_stays_close_to_fp32():
     assert grad.dtype == weight.dtype
     torch.testing.assert_close(loss, ref, rtol=2e-2, atol=0)
     torch.testing.assert_close(grad, ref_grad, rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("softmax_rows", [1, 3, 5])
+def test_projected_loss_under_bf16_is_the_same_whatever_the_softmax_blocks(softmax_rows,
+                                                                            monkeypatch):
+    """Rows are independent: blocks of any size give the same bits as one block per chunk."""
+    torch.manual_seed(4)
+    hidden = torch.randn(4, 7, 32, requires_grad=True)
+    weight = (0.2 * torch.randn(50, 32)).requires_grad_()
+    labels = padded_labels(4, 7, 50)
+
+    def run(rows):
+        monkeypatch.setattr(kernels, "SOFTMAX_ROWS", rows)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, nll, _ = kernels.projected_label_smoothed_loss(hidden, weight, labels, 0.1,
+                                                                 PAD, chunk_rows=11)
+        return (loss, nll, *torch.autograd.grad(loss, (hidden, weight)))
+
+    for got, want in zip(run(softmax_rows), run(1000), strict=True):
+        assert torch.equal(got, want)
 
 
 # --------------------------------------------------------------------------- dropout

@@ -159,3 +159,40 @@ def test_config_rejects_bad_shapes():
         TransformerConfig(vocab_size=10, d_model=30, heads=4)
     with pytest.raises(ValueError, match="max_positions"):
         tiny()(torch.ones(1, 70, dtype=torch.long), torch.ones(1, 3, dtype=torch.long))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("explicit", [True, False])
+def test_cpu_bf16_attention_matches_a_float64_reference(causal, explicit, monkeypatch):
+    """bf16 attention on CPU (explicit fp32 scores, or flash past the length limit) against
+    softmax(q k^T / sqrt(d)) v computed in float64 from the same bf16 inputs."""
+    from aiayn import model as model_mod
+
+    monkeypatch.setattr(model_mod, "EXPLICIT_ATTENTION_KEYS", 128 if explicit else 4)
+    g = torch.Generator().manual_seed(5)
+    b, h, t, d = 3, 2, 9, 16
+    q, k, v = (torch.randn(b, h, t, d, generator=g).bfloat16().requires_grad_()
+               for _ in range(3))
+    lengths = torch.tensor([9, 5, 1])
+    mask = (torch.arange(t)[None, :] < lengths[:, None])[:, None, None, :]  # (B, 1, 1, T)
+    upstream = torch.randn(b, h, t, d, generator=g)
+
+    def reference():
+        q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+        scores = q64 @ k64.transpose(-2, -1) / math.sqrt(d)
+        allowed = mask.expand(b, 1, t, t)
+        if causal:
+            allowed = allowed & torch.ones(t, t, dtype=torch.bool).tril()
+        out = scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v64
+        out.backward(upstream.double())
+        return out, (q64.grad, k64.grad, v64.grad)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model_mod.attend(q, k, v, mask, 0.0, causal)
+    assert out.dtype == torch.bfloat16
+    out.float().backward(upstream)
+    ref, ref_grads = reference()
+    # bf16 output and bf16 weights in the weighted sum: a few bf16 ulps of the result.
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+    for got, want in zip((q.grad, k.grad, v.grad), ref_grads, strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=5e-2, atol=5e-2)
