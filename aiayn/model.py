@@ -6,7 +6,8 @@ Readable top to bottom against the paper:
        LayerNorm(x + Dropout(Sublayer(x)))  (post-LN, the paper) or, as an option,
        x + Dropout(Sublayer(LayerNorm(x)))  (pre-LN, with a final LayerNorm per stack);
 * 3.2  multi-head scaled dot-product attention, through
-       ``torch.nn.functional.scaled_dot_product_attention`` (fused kernels where available),
+       ``torch.nn.functional.scaled_dot_product_attention`` (fused kernels where available;
+       under CPU bf16 autocast fp32 scores and softmax written out, see :func:`attend`),
        with an explicit path that also returns the attention weights for plots;
 * 3.3  position-wise feed-forward network  max(0, xW1 + b1)W2 + b2;
 * 3.4  one weight matrix shared by the source embedding, the target embedding and the
@@ -86,8 +87,9 @@ def sinusoidal_positions(length: int, d_model: int) -> Tensor:
     return pe.float()
 
 
-# Longest key sequence for which CPU bf16 attention takes the explicit path below (measured
-# up to 128: forward + backward 2.0x faster than fp32 flash attention at 23 keys, 1.0x at 128).
+# Longest key sequence for which CPU bf16 attention takes the explicit path below (forward +
+# backward against fp32 flash attention, bench/attention.py: 1.9x at 23 keys, 1.1-1.2x at
+# 128, even at 160).
 EXPLICIT_ATTENTION_KEYS = 128
 
 
@@ -101,8 +103,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: floa
     sentence-level batches hold (Multi30k: ~23 tokens). So under CPU bf16 autocast, up to
     :data:`EXPLICIT_ATTENTION_KEYS` keys, the scores and the softmax are computed in fp32
     (as precise as the flash kernel's) and only the weighted sum of the values multiplies
-    bf16 (the weights rounded to bf16, as autocast rounds any product's inputs): 2.0x faster
-    than fp32 flash attention at 23 keys, forward + backward, and the training step 1.08x
+    bf16 (the weights rounded to bf16, as autocast rounds any product's inputs, and as
+    FlashAttention rounds them on GPUs): 1.9x faster than fp32 flash attention at 23 keys,
+    forward + backward, and the training step 1.09x with the loss change of the same commit
     (bench/README.md). Longer sequences take fp32 flash attention. With dropout, CPU
     attention takes PyTorch's math path, which computes in fp32 anyway. fp32 inputs and
     other devices take the plain call.

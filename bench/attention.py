@@ -1,0 +1,137 @@
+"""CPU attention under bf16 autocast: the trainer's explicit path against flash attention.
+
+``aiayn.model.attend`` computes attention on CPU under bf16 autocast (up to
+``EXPLICIT_ATTENTION_KEYS`` keys) as fp32 scores and softmax followed by a bf16 weighted sum
+of the values; past that length, and before, PyTorch's flash kernel in fp32. This script
+times forward + backward of each, side by side in one process, for sentence-level batches
+of ``--tokens`` tokens (B = tokens // T sequences of T tokens, the shard stage's buckets),
+encoder self-attention (key padding mask) and decoder self-attention (causal):
+
+* ``explicit`` - ``attend`` as the trainer calls it (the explicit path where it applies);
+* ``flash32``  - ``attend`` with the explicit path off: fp32 flash attention, the code before;
+* ``flash16``  - ``F.scaled_dot_product_attention`` on the bf16 tensors (PyTorch's bf16 kernel).
+
+Contenders take turns within every round and the order rotates, so a noisy machine's drift
+hits all alike; the table gives medians, and ratios are medians of per-round ratios. Each
+contender's output is compared with a float64 reference of the same inputs.
+
+    .venv/bin/python bench/attention.py                    # lengths 16..160, 4096 tokens
+    .venv/bin/python bench/attention.py --lengths 23 --rounds 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from aiayn import model as model_mod  # noqa: E402
+
+
+def contenders() -> dict:
+    def explicit(q, k, v, mask, causal):
+        return model_mod.attend(q, k, v, mask, 0.0, causal)
+
+    def flash32(q, k, v, mask, causal):
+        saved = model_mod.EXPLICIT_ATTENTION_KEYS
+        model_mod.EXPLICIT_ATTENTION_KEYS = -1
+        try:
+            return model_mod.attend(q, k, v, mask, 0.0, causal)
+        finally:
+            model_mod.EXPLICIT_ATTENTION_KEYS = saved
+
+    def flash16(q, k, v, mask, causal):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+
+    return {"explicit": explicit, "flash32": flash32, "flash16": flash16}
+
+
+def inputs(length: int, tokens: int, heads: int, d_head: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    b = max(1, tokens // length)
+    q, k, v = (torch.randn(b, heads, length, d_head, generator=g).bfloat16().requires_grad_()
+               for _ in range(3))
+    lengths = torch.randint(max(1, length // 3), length + 1, (b,), generator=g)
+    lengths[0] = length
+    mask = (torch.arange(length)[None, :] < lengths[:, None])[:, None, None, :]
+    upstream = torch.randn(b, heads, length, d_head, generator=g).bfloat16()
+    return q, k, v, mask, upstream
+
+
+def reference(q, k, v, mask, causal) -> torch.Tensor:
+    q64, k64, v64 = (x.detach().double() for x in (q, k, v))
+    t = q.shape[-2]
+    scores = q64 @ k64.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    allowed = mask.expand(-1, 1, t, t) if mask is not None else torch.ones(t, t, dtype=bool)
+    if causal:
+        allowed = allowed & torch.ones(t, t, dtype=torch.bool).tril()
+    return scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v64
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", default="16,23,32,64,128,160",
+                    help="sequence lengths T (comma-separated); 23 is Multi30k's mean")
+    ap.add_argument("--tokens", type=int, default=4096, help="tokens per batch (B = tokens//T)")
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--d-head", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    fns = contenders()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"explicit path up to {model_mod.EXPLICIT_ATTENTION_KEYS} keys; batches of "
+          f"{args.tokens} tokens, {args.heads} heads of {args.d_head}; forward + backward")
+    results = {}
+    head = f"{'case':<14}" + "".join(f"{n + ' ms':>13}" for n in fns)
+    head += f"{'flash32/explicit':>18}{'max |err| explicit/flash32':>29}"
+    print(head)
+    for length in lengths:
+        for kind, causal in (("encoder", False), ("decoder", True)):
+            q, k, v, mask, upstream = inputs(length, args.tokens, args.heads, args.d_head, length)
+            mask = mask if not causal else None
+            ref = reference(q, k, v, mask, causal)
+            errors, times = {}, {n: [] for n in fns}
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                with torch.no_grad():  # warm-up, and the error against float64
+                    for n, f in fns.items():
+                        errors[n] = float((f(q, k, v, mask, causal).double() - ref).abs().max())
+                names = list(fns)
+                for r in range(args.rounds):
+                    for n in names[r % len(names):] + names[:r % len(names)]:
+                        for x in (q, k, v):
+                            x.grad = None
+                        t0 = time.perf_counter()
+                        fns[n](q, k, v, mask, causal).backward(upstream)
+                        times[n].append(time.perf_counter() - t0)
+            ratio = statistics.median(a / b for a, b in zip(times["flash32"], times["explicit"],
+                                                            strict=True))
+            case = f"{kind} T={length}"
+            med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
+            results[case] = {"ms": med, "flash32_over_explicit": ratio, "max_abs_error": errors}
+            print(f"{case:<14}" + "".join(f"{med[n]:>13.1f}" for n in fns)
+                  + f"{ratio:>17.2f}x{errors['explicit']:>16.4f} / {errors['flash32']:.4f}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+        print(f"wrote {args.json}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
