@@ -118,12 +118,16 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: floa
                 return out.to(q.dtype)
             scores = torch.matmul(q.float(), k.float().transpose(-2, -1))
             scores.mul_(1.0 / math.sqrt(q.shape[-1]))
+            # The lowest finite float, not -inf: a row with no key allowed (a batch's empty
+            # sequence) then averages the values instead of turning NaN, as it would in
+            # both directions through the softmax; flash attention skips such rows.
+            low = torch.finfo(scores.dtype).min
             if is_causal:  # queries and keys line up (no cache): the upper triangle is out
                 tq, tk = scores.shape[-2:]
                 scores.masked_fill_(torch.ones(tq, tk, dtype=torch.bool,
-                                               device=q.device).triu(1), float("-inf"))
+                                               device=q.device).triu(1), low)
             if mask is not None:
-                scores.masked_fill_(~mask, float("-inf"))
+                scores.masked_fill_(~mask, low)
             return torch.matmul(scores.softmax(dim=-1).to(q.dtype), v)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                           is_causal=is_causal)

@@ -196,3 +196,22 @@ def test_cpu_bf16_attention_matches_a_float64_reference(causal, explicit, monkey
     torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
     for got, want in zip((q.grad, k.grad, v.grad), ref_grads, strict=True):
         torch.testing.assert_close(got.double(), want, rtol=5e-2, atol=5e-2)
+
+
+def test_cpu_bf16_attention_keeps_a_sequence_with_no_key_finite():
+    """An empty sequence in a batch (every key masked) must not turn the step NaN: its rows
+    stay finite forward and backward, and the other sequences' rows are untouched."""
+    from aiayn import model as model_mod
+
+    g = torch.Generator().manual_seed(6)
+    b, h, t, d = 3, 2, 5, 8
+    q, k, v = (torch.randn(b, h, t, d, generator=g).bfloat16().requires_grad_()
+               for _ in range(3))
+    mask = (torch.arange(t)[None, :] < torch.tensor([5, 0, 3])[:, None])[:, None, None, :]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model_mod.attend(q, k, v, mask, 0.0, False)
+        alone = model_mod.attend(q[[0, 2]], k[[0, 2]], v[[0, 2]], mask[[0, 2]], 0.0, False)
+    out.float().sum().backward()
+    assert torch.isfinite(out).all()
+    assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
+    assert torch.equal(out[[0, 2]], alone)
