@@ -47,8 +47,9 @@ from torch import Tensor
 # reused from glibc's heap instead of being mapped afresh (see aiayn.memory).
 CHUNK_BYTES = 32 << 20
 # Rows of the softmax and its gradient at once: 256 x vocab fp32 (8 MB at 8k) stay in the
-# last-level cache between the passes over them. Under bf16 autocast on a 2-core EPYC this
-# made the loss 1.25x faster (bench/README.md); fp32 is unchanged.
+# last-level cache between the passes over them. Under bf16 autocast on a 2-core AMD EPYC
+# with native bf16 (AVX512-BF16) this made the loss 1.25x faster (bench/README.md); fp32 is
+# unchanged (within noise there; not measured on an AVX2-only CPU).
 SOFTMAX_ROWS = 256
 
 

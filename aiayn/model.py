@@ -88,8 +88,8 @@ def sinusoidal_positions(length: int, d_model: int) -> Tensor:
 
 
 # Longest key sequence for which CPU bf16 attention takes the explicit path below (forward +
-# backward against fp32 flash attention, bench/attention.py: 1.9x at 23 keys, 1.1-1.2x at
-# 128, even at 160).
+# backward against fp32 flash attention, bench/attention.py on a 2-core AMD EPYC with native
+# bf16: 1.9x at 23 keys, 1.1-1.2x at 128, even at 160).
 EXPLICIT_ATTENTION_KEYS = 128
 
 
@@ -106,9 +106,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: floa
     bf16 (the weights rounded to bf16, as autocast rounds any product's inputs, and as
     FlashAttention rounds them on GPUs): 1.9x faster than fp32 flash attention at 23 keys,
     forward + backward, and the training step 1.09x with the loss change of the same commit
-    (bench/README.md). Longer sequences take fp32 flash attention. With dropout, CPU
-    attention takes PyTorch's math path, which computes in fp32 anyway. fp32 inputs and
-    other devices take the plain call.
+    (both on a 2-core AMD EPYC with native bf16; bench/README.md). Longer sequences take
+    fp32 flash attention. With dropout, CPU attention takes PyTorch's math path, which
+    computes in fp32 anyway. fp32 inputs and other devices take the plain call.
     """
     if q.device.type == "cpu" and q.dtype == torch.bfloat16 and dropout_p == 0.0:
         with torch.autocast("cpu", enabled=False):  # autocast would cast back to bf16
