@@ -253,6 +253,11 @@ class TrainConfig(Strict):
     # Not in the paper; left at 0 they are off. See aiayn/model.py.
     attention_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     activation_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    subword_split: float = Field(
+        0.0, ge=0.0, lt=1.0, description="probability that a merged BPE token of a training "
+        "batch is replaced by the two tokens it was merged from (again for each part), a new "
+        "segmentation each epoch; a subword regulariser after BPE-dropout (aiayn/subword.py). "
+        "Validation and decoding keep the plain segmentation; 0: off")
 
     @model_validator(mode="after")
     def _average(self) -> TrainConfig:

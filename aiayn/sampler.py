@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,8 +25,13 @@ import torch
 
 from aiayn.errors import DataError
 from aiayn.shards import FORMAT, FORMAT_VERSION
+from aiayn.subword import SubwordSplitter
 
 EMPTY = -1  # the batch index of an empty batch
+SIDES = ("src", "tgt")
+
+# (flat tokens, lengths, side) -> (flat tokens, lengths): a rewrite of a batch's sequences.
+Resegment = Callable[[np.ndarray, np.ndarray, str], tuple[np.ndarray, np.ndarray]]
 
 _META_KEYS = ("split", "src_lang", "tgt_lang", "vocab_size", "dtype", "pad_id", "bos_id",
               "eos_id", "num_pairs", "num_batches", "shards")
@@ -187,8 +192,13 @@ class ShardDataset:
     def __len__(self) -> int:
         return self.num_batches
 
-    def batch(self, index: int) -> Batch:
-        """Batch ``index`` as padded tensors; ``EMPTY`` (-1) gives a 0-pair batch."""
+    def batch(self, index: int, resegment: Resegment | None = None) -> Batch:
+        """Batch ``index`` as padded tensors; ``EMPTY`` (-1) gives a 0-pair batch.
+
+        ``resegment(flat, lengths, side)`` may rewrite the token sequences of each side
+        (``"src"``: source + EOS, ``"tgt"``: BOS + target + EOS) before they are padded,
+        e.g. :class:`aiayn.subword.SubwordSplitter`.
+        """
         if index == EMPTY:
             return Batch.empty(self.pad_id)
         if not 0 <= index < self.num_batches:
@@ -197,6 +207,9 @@ class ShardDataset:
         shard = self.shards[shard_id]
         src, src_len = self._sequences(shard, "src", start, end)
         tgt, tgt_len = self._sequences(shard, "tgt", start, end)
+        if resegment is not None:
+            src, src_len = resegment(src, src_len, "src")
+            tgt, tgt_len = resegment(tgt, tgt_len, "tgt")
         full = pad_rows(tgt, tgt_len, self.pad_id)  # [B, T+1]: BOS ... EOS
         tgt_out = full[:, 1:]
         # Decoder input drops each row's last real token (its EOS), not just the last column.
@@ -316,16 +329,25 @@ class BatchLoader:
     """
 
     def __init__(self, dataset: ShardDataset, sampler: TokenBudgetSampler,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, splitter: SubwordSplitter | None = None):
         if sampler.num_batches != dataset.num_batches:
             raise ValueError(f"sampler has {sampler.num_batches} batches, dataset "
                              f"{dataset.path} has {dataset.num_batches}")
         self.dataset = dataset
         self.sampler = sampler
         self.pin_memory = pin_memory
+        self.splitter = splitter
+
+    def build(self, index: int, epoch: int) -> Batch:
+        """Batch ``index`` as epoch ``epoch`` sees it (the splitter's draws depend on both)."""
+        resegment = None
+        if self.splitter is not None:
+            def resegment(flat, lengths, side):
+                return self.splitter(flat, lengths, (epoch, index, SIDES.index(side)))
+        return self.dataset.batch(index, resegment)
 
     def _load(self, index: int) -> Batch:
-        batch = self.dataset.batch(index)
+        batch = self.build(index, self.sampler.epoch)
         return batch.pin_memory() if self.pin_memory else batch
 
     def __iter__(self) -> Iterator[Batch]:
@@ -368,10 +390,10 @@ class PrefetchLoader:
         self._thread: threading.Thread | None = None
 
     def _produce(self) -> None:
-        sampler, dataset = self.loader.sampler, self.loader.dataset
+        sampler = self.loader.sampler
         try:
             for index in sampler:
-                batch = dataset.batch(index)
+                batch = self.loader.build(index, sampler.epoch)
                 if self.pin_memory:
                     batch = batch.pin_memory()
                 item = (batch, sampler.state_dict())

@@ -61,6 +61,7 @@ from aiayn.model import Packing, Transformer, TransformerConfig, count_parameter
 from aiayn.objective import cooldown_factor, label_smoothed_loss, make_optimizer
 from aiayn.precision import autocast_dtype, slow_bf16_warning
 from aiayn.sampler import Batch, BatchLoader, PrefetchLoader, ShardDataset, TokenBudgetSampler
+from aiayn.subword import SubwordSplitter
 
 log = logging.getLogger("aiayn")
 
@@ -190,9 +191,11 @@ def _as_tuple(x):
 class Trainer:
     def __init__(self, p: Params, vocab_size: int, tokenizer_sha256: str, paths: TrainPaths,
                  world: World, tracker=None, progress: bool = True,
-                 valid_bleu: Callable[..., float] | None = None):
+                 valid_bleu: Callable[..., float] | None = None,
+                 merges: np.ndarray | None = None):
         """``valid_bleu(model, device, amp_dtype) -> score`` is called by rank 0 every
-        ``train.valid_bleu_every`` steps (aiayn.translation.ValidationBleu)."""
+        ``train.valid_bleu_every`` steps (aiayn.translation.ValidationBleu). ``merges``
+        (aiayn.subword.merge_parents of the tokenizer) is needed by train.subword_split."""
         self.p, self.paths, self.world, self.tracker = p, paths, world, tracker
         self.valid_bleu = valid_bleu
         self.progress = progress and world.is_main
@@ -220,7 +223,8 @@ class Trainer:
         self._check_vocab(vocab_size)
         self.sampler = TokenBudgetSampler(self.train_data.num_batches, world.rank, world.size,
                                           seed=p.seed)
-        self.loader = PrefetchLoader(BatchLoader(self.train_data, self.sampler),
+        self.loader = PrefetchLoader(BatchLoader(self.train_data, self.sampler,
+                                                 splitter=self._splitter(merges, vocab_size)),
                                      pin_memory=self.device.type == "cuda")
         # Varied batch shapes fragment glibc's heap on CPU; trimming keeps RSS flat.
         self.heap = HeapTrimmer(enabled=self.device.type == "cpu")
@@ -269,6 +273,18 @@ class Trainer:
                     f"{self.paths.shards / name}/meta.json: shards were made with a vocabulary "
                     f"of {ds.meta['vocab_size']} tokens, the tokenizer has {vocab_size}; re-run "
                     "`aiayn survey` and `aiayn shard` (or `dvc repro`)")
+
+    def _splitter(self, merges: np.ndarray | None, vocab_size: int) -> SubwordSplitter | None:
+        """train.subword_split's re-segmentation of training batches (aiayn/subword.py)."""
+        if self.p.train.subword_split == 0:
+            return None
+        if merges is None or merges.shape != (vocab_size, 2):
+            raise ValueError("train.subword_split needs the tokenizer's merges "
+                             "(aiayn.subword.merge_parents) for all "
+                             f"{vocab_size} tokens, got "
+                             f"{None if merges is None else list(merges.shape)}")
+        return SubwordSplitter(merges, self.p.train.subword_split, self.p.seed,
+                               max_len=self.cfg.max_positions)
 
     def run_identity(self) -> dict:
         """Every setting that shapes the computation of the steps already taken.
@@ -656,7 +672,9 @@ class Trainer:
                      "accumulation %d (<= %d tokens per batch, %d per step)%s",
                      f"{count_parameters(self.model):,}", self.world.size, self.device,
                      "bf16 autocast" if self.amp_dtype else "fp32", p.kernels,
-                     ", compiled" if p.compile else "", self.accum,
+                     (", compiled" if p.compile else "")
+                     + (f", subword split {p.subword_split:g}" if p.subword_split else ""),
+                     self.accum,
                      int(self.train_data.meta["max_tokens"]), p.tokens_per_step,
                      f", time budget {p.max_minutes:g} min" if p.max_minutes else "")
         if s.step < p.steps and s.elapsed_s >= budget_s:
@@ -795,6 +813,7 @@ class Trainer:
             "precision": "bf16" if self.amp_dtype else "fp32",
             "kernels": self.p.train.kernels,
             "compile": self.p.train.compile,
+            "subword_split": self.p.train.subword_split,
             "max_minutes": self.p.train.max_minutes,
             "stopped_by": s.stopped_by,
             **self._bleu_summary(),

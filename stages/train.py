@@ -15,6 +15,7 @@ from aiayn import distributed
 from aiayn.checkpoint import file_sha256
 from aiayn.distributed import world_from_env
 from aiayn.errors import AiaynError
+from aiayn.subword import merge_parents
 from aiayn.tokenizer import load_tokenizer
 from aiayn.tracking import Tracker, default_run_name, load_run_id, save_run_id
 from aiayn.trainer import Trainer, TrainPaths
@@ -106,8 +107,9 @@ def train(
     try:
         hook = validation_bleu(p, raw, tok) if p.train.valid_bleu_every and world.is_main \
             else None
+        merges = merge_parents(tok) if p.train.subword_split else None
         trainer = Trainer(p, tok.get_vocab_size(), file_sha256(tokenizer), paths, world,
-                          tracker=tracker, progress=progress, valid_bleu=hook)
+                          tracker=tracker, progress=progress, valid_bleu=hook, merges=merges)
         run_file = checkpoints / "mlflow_run.json"
         run_id = tracker.start(
             default_run_name(), p.model_dump(mode="json"),

@@ -296,11 +296,11 @@ def test_prefetching_reports_the_errors_of_its_thread(dataset, monkeypatch):
     calls = {"n": 0}
     real = dataset.batch
 
-    def failing(index):
+    def failing(index, resegment=None):
         calls["n"] += 1
         if calls["n"] == 3:
             raise DataError("shard-00000.src.npy: truncated")
-        return real(index)
+        return real(index, resegment)
 
     monkeypatch.setattr(dataset, "batch", failing)
     it = iter(loader)

@@ -21,6 +21,7 @@ from aiayn.errors import DataError
 from aiayn.model import Transformer, TransformerConfig
 from aiayn.objective import cooldown_factor, label_smoothed_loss, noam_lr
 from aiayn.precision import cpu_has_native_bf16
+from aiayn.subword import merge_parents
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, decode, load_tokenizer
 from aiayn.toy import generate_pairs
 from aiayn.trainer import Trainer, TrainingDiverged, TrainPaths, accumulation_steps
@@ -43,8 +44,9 @@ def make_trainer(ws: Path, run: Path, changes: dict | None = None) -> Trainer:
     run.mkdir(parents=True, exist_ok=True)
     p = load_params(write_params(run / "params.yaml", changes))
     tok = ws / "data/vocab/tokenizer.json"
-    return Trainer(p, load_tokenizer(tok).get_vocab_size(), file_sha256(tok), paths(ws, run),
-                   World(), progress=False)
+    tokenizer = load_tokenizer(tok)
+    return Trainer(p, tokenizer.get_vocab_size(), file_sha256(tok), paths(ws, run),
+                   World(), progress=False, merges=merge_parents(tokenizer))
 
 
 def model_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -137,13 +139,15 @@ def test_a_run_writes_logs_metrics_and_checkpoints(toy_workspace, tmp_path):
     assert summary["tokens_seen"] == load_checkpoint(ckpts[-1])["meta"]["tokens_seen"]
 
 
-def test_an_interrupted_run_resumes_bitwise(toy_workspace, tmp_path):
-    full = make_trainer(toy_workspace, tmp_path / "full")
+@pytest.mark.parametrize("split", [0.0, 0.3], ids=["plain", "subword_split"])
+def test_an_interrupted_run_resumes_bitwise(toy_workspace, tmp_path, split):
+    changes = {"train": {"subword_split": split}}
+    full = make_trainer(toy_workspace, tmp_path / "full", changes)
     full.fit()
-    part = make_trainer(toy_workspace, tmp_path / "part")
+    part = make_trainer(toy_workspace, tmp_path / "part", changes)
     part.fit(should_stop=lambda: part.state.step == 5)  # Ctrl-C after step 5
     assert list_checkpoints(tmp_path / "part/checkpoints")[-1].name == "step-00000005.pt"
-    resumed = make_trainer(toy_workspace, tmp_path / "part")
+    resumed = make_trainer(toy_workspace, tmp_path / "part", changes)
     assert resumed.state.step == 5
     resumed.fit()
     last = "checkpoints/step-00000012.pt"
@@ -151,6 +155,21 @@ def test_an_interrupted_run_resumes_bitwise(toy_workspace, tmp_path):
     assert_bitwise_equal(a["model"], b["model"])
     assert a["run"]["train_rows"][-1][:6] == b["run"]["train_rows"][-1][:6]
     assert a["run"]["valid_rows"] == b["run"]["valid_rows"]
+
+
+def test_subword_split_trains_on_more_target_tokens_of_the_same_batches(toy_workspace,
+                                                                         tmp_path):
+    seen = {}
+    for split in (0.0, 0.3):
+        trainer = make_trainer(toy_workspace, tmp_path / str(split),
+                               {"train": {"steps": 3, "subword_split": split}})
+        seen[split] = trainer.fit()["tokens_seen"]
+    assert seen[0.3] > seen[0.0] > 0
+    tok = toy_workspace / "data/vocab/tokenizer.json"
+    p = load_params(write_params(tmp_path / "params.yaml", {"train": {"subword_split": 0.3}}))
+    with pytest.raises(ValueError, match="needs the tokenizer's merges"):
+        Trainer(p, load_tokenizer(tok).get_vocab_size(), file_sha256(tok),
+                paths(toy_workspace, tmp_path / "none"), World(), progress=False)
 
 
 def test_a_changed_model_or_training_setting_starts_a_new_run_and_keeps_the_old(
