@@ -94,7 +94,7 @@ EXPLICIT_ATTENTION_KEYS = 128
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float,
-           is_causal: bool) -> Tensor:
+           is_causal: bool, fast: bool = False) -> Tensor:
     """``F.scaled_dot_product_attention``, or under CPU bf16 autocast fp32 scores and softmax.
 
     Without dropout, PyTorch's CPU kernel (flash attention) is about 2x slower in bf16 than
@@ -107,10 +107,15 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: floa
     FlashAttention rounds them on GPUs): 1.9x faster than fp32 flash attention at 23 keys,
     forward + backward, and the training step 1.09x with the loss change of the same commit
     (both on a 2-core AMD EPYC with native bf16; bench/README.md). Longer sequences take
-    fp32 flash attention. With dropout, CPU attention takes PyTorch's math path, which
-    computes in fp32 anyway. fp32 inputs and other devices take the plain call.
+    fp32 flash attention. Attention dropout (``dropout_p > 0``, in training) drops the fp32
+    weights before they are rounded, with :func:`aiayn.kernels.dropout`'s masks when ``fast``
+    and ``F.dropout``'s otherwise, as PyTorch's math path (which CPU attention with dropout
+    takes) would; past the length limit, attention with dropout takes that math path. fp32
+    inputs and other devices take the plain call.
     """
-    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and dropout_p == 0.0:
+    # (Shapes are read only on this path: compiled fp32 and GPU graphs get no guard on them.)
+    if (q.device.type == "cpu" and q.dtype == torch.bfloat16
+            and (dropout_p == 0.0 or k.shape[-2] <= EXPLICIT_ATTENTION_KEYS)):
         with torch.autocast("cpu", enabled=False):  # autocast would cast back to bf16
             if k.shape[-2] > EXPLICIT_ATTENTION_KEYS:
                 out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
@@ -128,7 +133,13 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: floa
                                                device=q.device).triu(1), low)
             if mask is not None:
                 scores.masked_fill_(~mask, low)
-            return torch.matmul(scores.softmax(dim=-1).to(q.dtype), v)
+            weights = scores.softmax(dim=-1)
+            if dropout_p > 0.0:
+                # Compiled, F.dropout becomes Inductor's own fused mask (as in Dropout).
+                weights = (kernels.dropout(weights, dropout_p)
+                           if fast and not torch.compiler.is_compiling()
+                           else F.dropout(weights, dropout_p))
+            return torch.matmul(weights.to(q.dtype), v)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                           is_causal=is_causal)
 
@@ -190,6 +201,8 @@ class Packing:
 class MultiHeadAttention(nn.Module):
     """Section 3.2.2: h heads of scaled dot-product attention over d_model/h dimensions."""
 
+    fast = False  # attention dropout masks from aiayn.kernels.dropout (see attend)
+
     def __init__(self, d_model: int, heads: int, dropout: float, cross: bool):
         super().__init__()
         self.heads, self.d_head, self.dropout, self.cross = heads, d_model // heads, dropout, cross
@@ -250,7 +263,8 @@ class MultiHeadAttention(nn.Module):
             # Without a cache queries and keys line up (training; shapes may be symbolic
             # under torch.compile, so no test on them); a single query after a cached prefix
             # sees every key.
-            out = attend(q, k, v, mask, drop, causal if cache is None else causal and tk == tq)
+            out = attend(q, k, v, mask, drop, causal if cache is None else causal and tk == tq,
+                         self.fast)
             weights = None
         out = out.transpose(1, 2).reshape(b, tq, -1)  # (B, Tq, H * d_head)
         if packing is not None:
@@ -363,7 +377,7 @@ class Transformer(nn.Module):
         self.decoder_norm = nn.LayerNorm(cfg.d_model) if pre else nn.Identity()
         self.reset_parameters()
         for module in self.modules():
-            if isinstance(module, Dropout | Linear):
+            if isinstance(module, Dropout | Linear | MultiHeadAttention):
                 module.fast = fast
 
     def reset_parameters(self) -> None:

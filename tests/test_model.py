@@ -215,3 +215,74 @@ def test_cpu_bf16_attention_keeps_a_sequence_with_no_key_finite():
     assert torch.isfinite(out).all()
     assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
     assert torch.equal(out[[0, 2]], alone)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_cpu_bf16_attention_dropout_matches_a_float64_reference_with_the_same_masks(fast):
+    """Attention dropout on the explicit bf16 path: softmax(q k^T / sqrt(d)) * M / (1 - p) v
+    in float64, with M the masks the same generator state gives ``aiayn.kernels.dropout``
+    (fast) or ``F.dropout`` (plain) on a tensor of the weights' shape; forward and backward."""
+    import torch.nn.functional as F
+
+    from aiayn import kernels
+    from aiayn import model as model_mod
+
+    g = torch.Generator().manual_seed(8)
+    b, h, t, d, p = 3, 2, 9, 16, 0.3
+    q, k, v = (torch.randn(b, h, t, d, generator=g).bfloat16().requires_grad_()
+               for _ in range(3))
+    mask = (torch.arange(t)[None, :] < torch.tensor([9, 6, 2])[:, None])[:, None, None, :]
+    upstream = torch.randn(b, h, t, d, generator=g)
+
+    torch.manual_seed(21)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model_mod.attend(q, k, v, mask, p, True, fast)
+    out.float().backward(upstream)
+    torch.manual_seed(21)
+    ones = torch.ones(b, h, t, t)
+    scaled_keep = kernels.dropout(ones, p) if fast else F.dropout(ones, p)
+    dropped = (scaled_keep == 0).float().mean().item()
+    assert 0.2 < dropped < 0.4  # the masks really drop, at about p
+
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    allowed = mask.expand(b, 1, t, t) & torch.ones(t, t, dtype=torch.bool).tril()
+    weights = (q64 @ k64.transpose(-2, -1) / math.sqrt(d)).masked_fill(~allowed, float("-inf"))
+    ref = (weights.softmax(-1) * scaled_keep.double()) @ v64
+    ref.backward(upstream.double())
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), ref, rtol=3e-2, atol=3e-2)
+    for got, want in zip((q.grad, k.grad, v.grad), (q64.grad, k64.grad, v64.grad), strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=6e-2, atol=6e-2)
+
+
+def test_training_with_attention_dropout_under_cpu_bf16_skips_torch_attention(monkeypatch):
+    """A fast model with attention dropout trains under CPU bf16 autocast on the explicit
+    path (PyTorch's CPU attention would take its slow math path with dropout); in eval mode
+    it gives the same output as the model without attention dropout."""
+    from aiayn import model as model_mod
+
+    torch.manual_seed(0)
+    cfg = TransformerConfig(vocab_size=50, d_model=32, heads=4, encoder_layers=2,
+                            decoder_layers=2, d_ff=64, max_positions=64, dropout=0.0,
+                            attention_dropout=0.2)
+    model = Transformer(cfg, fast=True)
+    plain = Transformer(TransformerConfig(**{**cfg.to_dict(), "attention_dropout": 0.0}))
+    plain.load_state_dict(model.state_dict())
+    src, tgt = batch()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch's attention was called")
+
+    monkeypatch.setattr(model_mod.F, "scaled_dot_product_attention", refuse)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model.train()
+        first, second = model(src, tgt), model(src, tgt)
+        first.float().sum().backward()
+        model.eval()
+        evaluated = model(src, tgt)
+        plain.eval()
+        reference = plain(src, tgt)
+    assert model.embedding.weight.grad is not None
+    assert torch.isfinite(model.embedding.weight.grad).all()
+    assert not torch.equal(first, second)  # fresh attention masks each call (no other dropout)
+    assert torch.equal(evaluated, reference)
