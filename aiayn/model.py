@@ -144,6 +144,21 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: floa
                                           is_causal=is_causal)
 
 
+def avoid_cudnn_attention(device: torch.device) -> None:
+    """On a CUDA device, take cuDNN's kernel out of ``F.scaled_dot_product_attention``'s
+    choice, leaving flash, memory-efficient and math attention.
+
+    Where PyTorch prefers it (Hopper GPUs, torch 2.11), cuDNN attention builds an execution
+    plan for every new shape, about 20 ms of host time per call on an H200, and
+    token-bucket batches and decoding bring new shapes all the time: the paper's base
+    model stepped 10x slower on batches of shapes not met before (bench/README.md,
+    "gpu_step.py"). The other kernels have no per-shape cost. A process-wide switch,
+    so that compiled graphs see it too; nothing happens on other devices.
+    """
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 class Linear(nn.Linear):
     """``nn.Linear``; with ``fast`` its forward product is ``aiayn.kernels.linear``."""
 

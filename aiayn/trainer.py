@@ -57,7 +57,13 @@ from aiayn.errors import AiaynError, DataError, OutputError
 from aiayn.io import atomic_path, free_bytes, human_bytes, write_json
 from aiayn.kernels import projected_label_smoothed_loss
 from aiayn.memory import HeapTrimmer
-from aiayn.model import Packing, Transformer, TransformerConfig, count_parameters
+from aiayn.model import (
+    Packing,
+    Transformer,
+    TransformerConfig,
+    avoid_cudnn_attention,
+    count_parameters,
+)
 from aiayn.objective import cooldown_factor, label_smoothed_loss, make_optimizer
 from aiayn.precision import autocast_dtype, slow_bf16_warning
 from aiayn.sampler import Batch, BatchLoader, PrefetchLoader, ShardDataset, TokenBudgetSampler
@@ -123,7 +129,9 @@ def pick_device(choice: str, world: World) -> torch.device:
             raise AiaynError("train.device is 'cuda' but no GPU is visible; set train.device: "
                              "auto or cpu")
         torch.cuda.set_device(world.local_rank)
-        return torch.device("cuda", world.local_rank)
+        device = torch.device("cuda", world.local_rank)
+        avoid_cudnn_attention(device)
+        return device
     return torch.device("cpu")
 
 

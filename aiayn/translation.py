@@ -18,7 +18,7 @@ from torch import Tensor
 
 from aiayn.beam import BeamConfig, beam_search
 from aiayn.errors import DataError
-from aiayn.model import Transformer, TransformerConfig
+from aiayn.model import Transformer, TransformerConfig, avoid_cudnn_attention
 from aiayn.precision import autocast_dtype, slow_bf16_warning
 from aiayn.tokenizer import EOS_ID, PAD_ID, decode, encode_ids, load_tokenizer
 
@@ -159,6 +159,7 @@ def load_translator(model_dir: Path, device: str = "auto", precision: str = "fp3
     model = Transformer(cfg)
     model.load_state_dict(state)
     model.to(dev).eval()
+    avoid_cudnn_attention(dev)
     if warning := slow_bf16_warning(precision, dev, "--precision"):
         log.warning(warning)
     return Translator(model, tok, dev, autocast_dtype(precision, dev))

@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from aiayn.model import Transformer, TransformerConfig, count_parameters, sinusoidal_positions
+from aiayn.model import (
+    Transformer,
+    TransformerConfig,
+    avoid_cudnn_attention,
+    count_parameters,
+    sinusoidal_positions,
+)
 
 PAD = 0
 
@@ -286,3 +292,22 @@ def test_training_with_attention_dropout_under_cpu_bf16_skips_torch_attention(mo
     assert torch.isfinite(model.embedding.weight.grad).all()
     assert not torch.equal(first, second)  # fresh attention masks each call (no other dropout)
     assert torch.equal(evaluated, reference)
+
+
+def test_avoid_cudnn_attention_takes_out_cudnn_alone_and_only_for_cuda():
+    """cuDNN attention builds a plan per new shape (bench/README.md, gpu_step.py): on CUDA the
+    trainer and the translator take it out of SDPA's choice, leaving the other kernels."""
+    backends = torch.backends.cuda
+    flags = {name: getattr(backends, f"{name}_sdp_enabled")()
+             for name in ("cudnn", "flash", "mem_efficient", "math")}
+    try:
+        backends.enable_cudnn_sdp(True)
+        avoid_cudnn_attention(torch.device("cpu"))
+        assert backends.cudnn_sdp_enabled()  # nothing changes for CPU work
+        avoid_cudnn_attention(torch.device("cuda", 0))
+        assert not backends.cudnn_sdp_enabled()
+        for name in ("flash", "mem_efficient", "math"):
+            assert getattr(backends, f"{name}_sdp_enabled")() == flags[name]
+    finally:
+        for name, on in flags.items():
+            getattr(backends, f"enable_{name}_sdp")(on)
