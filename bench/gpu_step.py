@@ -6,20 +6,27 @@ Usage (from the repository root)::
     .venv/bin/python bench/gpu_step.py --configs base --steps 30 --compile
     .venv/bin/python bench/gpu_step.py --estimate           # the table only, no measuring
     .venv/bin/python bench/gpu_step.py --device cpu --configs tiny --steps 3   # smoke test
+    torchrun --standalone --nproc-per-node 1 bench/gpu_step.py --ddp --compile --configs base
 
 With a CUDA device it measures, for the paper's base and big configurations (Table 3, shared
 37k BPE vocabulary), the step the trainer takes with the defaults: ``train.kernels: fast``
 (a decoder without padding, the fused output-projection loss; ``aiayn/kernels.py``), bf16
 autocast where the GPU has it natively, fused Adam, gradient accumulation over batches of
 ``--max-tokens`` (6250) up to ``--tokens-per-step`` (25000: the paper's), optionally
-``torch.compile``. Batches are token buckets of WMT-like lengths (lognormal, median 26 BPE
-tokens, 2..256, target = source x N(1, 0.1)), made once, random ids. It prints target
-tokens/s, the step's time split into forward + loss (the fused loss also forms its own
-gradients there), backward and optimizer (CUDA events, read once per step),
-peak memory, and MFU: model FLOPs (``bench/flops.py``: weight matmuls, attention and the
-tied projection of the real tokens, x3 for forward + backward) per second over the GPU's
-dense bf16 peak (H100 SXM/H200 989, H100 PCIe 756, A100 312, L4 121, A10 125 TFLOP/s;
-``--peak-tflops`` for others).
+``torch.compile``, optionally inside ``DistributedDataParallel`` (``--ddp``, under
+torchrun: NCCL on GPUs, gloo on CPU; compiled after wrapping, as the trainer does), with
+cuDNN attention out of SDPA's choice as in the trainer (``--cudnn-attention`` leaves it in:
+it builds a plan per new shape). Batches are token buckets of WMT-like lengths (lognormal,
+median 26 BPE tokens, 2..256, target = source x N(1, 0.1)), made once, random ids, each
+step's new (``--reuse``: the measured steps cycle through the warm-up's, shapes met
+before). It prints target tokens/s, the step's time split into forward + loss (the fused
+loss also forms its own gradients there), backward and optimizer (CUDA events, read once
+per step), peak memory, and MFU: model FLOPs (``bench/flops.py``: weight matmuls,
+attention and the tied projection of the real tokens, x3 for forward + backward) per
+second over the GPU's dense bf16 peak (H100 SXM/H200 989, H100 PCIe 756, A100 312, L4 121,
+A10 125 TFLOP/s; ``--peak-tflops`` for others). With ``--compile`` it also counts the
+graphs Dynamo made and its graph breaks over all the batch shapes it met; ``--profile``
+prints torch.profiler's top operators of the first and the last step (not measured).
 
 Without a GPU (or with ``--estimate``) it measures nothing and says so, and prints an
 estimate from the counted FLOPs: the time the paper's schedules (100k base steps and 300k
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -37,12 +45,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from aiayn.model import Transformer, TransformerConfig  # noqa: E402
+from aiayn.model import Transformer, TransformerConfig, avoid_cudnn_attention  # noqa: E402
 from aiayn.objective import make_optimizer  # noqa: E402
 from aiayn.precision import autocast_dtype  # noqa: E402
 from aiayn.sampler import Batch  # noqa: E402
@@ -159,20 +168,26 @@ def measure(name: str, args, device: torch.device) -> dict:
     model = Transformer(cfg, fast=True).to(device).train()
     optimizer, scheduler = make_optimizer(model, (0.9, 0.98), 1e-9, cfg.d_model, 4000, 1.0,
                                           fused=True)
-    net = torch.compile(model) if args.compile else model
+    net: torch.nn.Module = model
+    if args.ddp:  # as the trainer wraps it: DDP first, then compile (graphs split at buckets)
+        net = torch.nn.parallel.DistributedDataParallel(
+            net, device_ids=[device.index] if device.type == "cuda" else None)
+    if args.compile:
+        torch._dynamo.utils.counters.clear()
+        net = torch.compile(net)
     amp = autocast_dtype(args.precision, device)
     accum = max(1, -(-args.tokens_per_step // args.max_tokens))
-    batches = make_batches((args.warmup + args.steps) * accum, args.max_tokens, 1, device)
+    # --reuse: the measured steps cycle through the warm-up's batches, whose shapes were met.
+    fresh = args.warmup + (0 if args.reuse else args.steps)
+    batches = make_batches(fresh * accum, args.max_tokens, 1, device)
     timer = Timer(device)
     parts = {"forward+loss": [], "backward": [], "optimizer": [], "step": []}
     tokens, flops = [], []
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    for step in range(args.warmup + args.steps):
-        group = batches[step * accum:(step + 1) * accum]
-        total = sum(b.tgt_tokens for b in group)
+
+    def run_step(group: list[Batch]) -> tuple:
         t0 = timer.mark()
         marks = []  # (before forward, after forward + loss, after backward) per micro-batch
+        total = sum(b.tgt_tokens for b in group)
         for b in group:
             b = b.to(device, non_blocking=True)
             a = timer.mark()
@@ -184,29 +199,66 @@ def measure(name: str, args, device: torch.device) -> dict:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        t1 = timer.mark()
+        return t0, marks, o, timer.mark()
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for step in range(args.warmup + args.steps):
+        at = step if step < fresh else step % max(1, args.warmup)
+        group = batches[at * accum:(at + 1) * accum]
+        if args.profile and step in (0, args.warmup + args.steps - 1):
+            profile(run_step, group, device, "first step, shapes new" if step == 0
+                    else f"last step, shapes {'met before' if args.reuse else 'new'}")
+            continue
+        t0, marks, o, t1 = run_step(group)
         if step >= args.warmup:  # read the events once per step, after it was queued
             parts["step"].append(timer.seconds(t0, t1))
             parts["forward+loss"].append(sum(timer.seconds(a, m) for a, m, _ in marks))
             parts["backward"].append(sum(timer.seconds(m, e) for _, m, e in marks))
             parts["optimizer"].append(timer.seconds(o, t1))
-            tokens.append(total)
+            tokens.append(sum(b.tgt_tokens for b in group))
             flops.append(sum(train_flops(cfg, (b.src != 0).sum(1).numpy(),
                                          (b.tgt_out != 0).sum(1).numpy()) for b in group))
+    shapes = {tuple(b.src.shape) + tuple(b.tgt_in.shape) for b in batches}
     step_s = statistics.median(parts["step"])
     achieved = statistics.fmean(f / s for f, s in zip(flops, parts["step"], strict=True))
     result = {"config": name, "accumulation": accum, "precision": "bf16" if amp else "fp32",
-              "compile": args.compile, "step_s": step_s,
+              "compile": args.compile, "ddp": args.ddp, "reuse": args.reuse,
+              "cudnn_attention": torch.backends.cuda.cudnn_sdp_enabled(),
+              "batch_shapes": len(shapes),
+              "step_s": step_s,
               "tokens_per_s": statistics.fmean(t / s for t, s in zip(tokens, parts["step"],
                                                                       strict=True)),
               "tflops": achieved / 1e12,
               "split_s": {k: statistics.median(v) for k, v in parts.items()}}
+    if args.compile:
+        counters = torch._dynamo.utils.counters
+        result["graphs"] = int(counters["stats"].get("unique_graphs", 0))
+        result["graph_breaks"] = int(sum(counters["graph_break"].values()))
     if device.type == "cuda":
         result["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
         peak = args.peak_tflops or peak_tflops(torch.cuda.get_device_name(device))
         result["mfu"] = achieved / (peak * 1e12) if peak else None
         result["hours_for_paper_steps"] = PAPER_STEPS[name] * step_s / 3600
     return result
+
+
+def profile(run_step, group: list[Batch], device: torch.device, title: str) -> None:
+    """One step under torch.profiler: where host and device time go, top operators."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                           if device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        run_step(group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    table = prof.key_averages()
+    print(f"\nprofile of one step ({title}):")
+    print(table.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50))
+    if device.type == "cuda":
+        print(table.table(sort_by="self_cuda_time_total", row_limit=8,
+                          max_name_column_width=50))
 
 
 def peak_tflops(device_name: str) -> float | None:
@@ -223,6 +275,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default=None, help="cuda (default when there is one) or cpu")
     ap.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"))
     ap.add_argument("--compile", action="store_true", help="torch.compile the model")
+    ap.add_argument("--cudnn-attention", action="store_true",
+                    help="leave cuDNN attention in SDPA's choice (the trainer takes it out)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="measured steps reuse the warm-up's batches (shapes met before)")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile the first and the last step (not measured)")
+    ap.add_argument("--ddp", action="store_true",
+                    help="wrap the model in DistributedDataParallel (run under torchrun)")
     ap.add_argument("--steps", type=int, default=20, help="measured optimizer steps")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--tokens-per-step", type=int, default=25_000)
@@ -233,7 +293,20 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    out: dict = {"estimate": None, "measured": []}
+    if args.ddp:
+        if "LOCAL_RANK" not in os.environ:
+            ap.error("--ddp needs torchrun: torchrun --standalone --nproc-per-node N "
+                     "bench/gpu_step.py --ddp ...")
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if not args.cudnn_attention:
+        avoid_cudnn_attention(device)  # as the trainer and the translator do
+    out: dict = {"estimate": None, "measured": [], "torch": torch.__version__,
+                 "device": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                            else "CPU"),
+                 "world_size": dist.get_world_size() if args.ddp else 1}
     if args.estimate or (device.type != "cuda" and args.device is None):
         print("No GPU here (torch.cuda.is_available() is False): nothing was measured on a GPU."
               if device.type != "cuda" else "--estimate: nothing was measured.")
@@ -243,7 +316,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"measuring on {where}; torch {torch.__version__}; "
               f"{args.tokens_per_step:,} target tokens per step in batches of "
               f"<= {args.max_tokens} tokens; kernels fast; fused Adam"
-              + ("; torch.compile" if args.compile else ""))
+              + ("; torch.compile" if args.compile else "")
+              + ("; cuDNN attention allowed" if args.cudnn_attention else "")
+              + (f"; DDP over {dist.get_world_size()} process(es), "
+                 f"{dist.get_backend()}" if args.ddp else ""))
         for name in args.configs.split(","):
             r = measure(name, args, device)
             out["measured"].append(r)
@@ -251,6 +327,9 @@ def main(argv: list[str] | None = None) -> dict:
             line = (f"{name}: {r['precision']}, accumulation {r['accumulation']}, "
                     f"{r['tokens_per_s']:,.0f} target tokens/s, {r['tflops']:.1f} TFLOP/s; "
                     f"{split}")
+            if "graphs" in r:
+                line += (f"; {r['graphs']} graph(s), {r['graph_breaks']} graph break(s) over "
+                         f"{r['batch_shapes']} batch shapes")
             if "peak_memory_gib" in r:
                 mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "unknown peak"
                 line += (f"; peak memory {r['peak_memory_gib']:.1f} GiB; MFU {mfu}; "
@@ -258,8 +337,10 @@ def main(argv: list[str] | None = None) -> dict:
             print(line, flush=True)
         if device.type == "cuda":
             out["estimate"] = print_estimate(args.tokens_per_step)
-    if args.json:
+    if args.json and (not args.ddp or dist.get_rank() == 0):
         args.json.write_text(json.dumps(out, indent=2))
+    if args.ddp:
+        dist.destroy_process_group()
     return out
 
 

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# The GPU checks as one prepared run, for a GPU machine lent for a few minutes.
+#
+#   bash bench/gpu_session.sh prepare   # here, with .venv: wheels, multi30k data and params
+#   bash bench/gpu_session.sh           # there, from the repository root ($OUT: results)
+#
+# `prepare` fills two git-ignored folders that travel with the working tree:
+#   .whl/       wheels of what the pipeline needs beyond a CUDA PyTorch image (pydantic and
+#               sacremoses; MLflow and DVC are not needed: stages run without --mlflow)
+#   .gpu/m30k/  the multi30k preset's params.yaml (a step budget: STEPS, with a MINUTES
+#               guard) and data/{raw,vocab,shards}, built by the pipeline's own stages.
+# The run then, each part under its own time limit so that one failure leaves the others:
+#   1. bench/gpu_step.py, base and big, bf16, eager: tokens/s, split, MFU; base again with
+#      cuDNN attention allowed (the baseline of avoid_cudnn_attention), and on batch shapes
+#      met before, profiled
+#   2. base with torch.compile inside DDP under torchrun (NCCL), graphs counted
+#   3. the multi30k preset trained on the GPU by the train stage (bf16, fused Adam, pinned
+#      prefetch, validation BLEU), then average, translate (valid, test) and score.
+# Results: $OUT/session.log, $OUT/gpu_step_*.json, $OUT/m30k.tar.gz (metrics/, params.yaml).
+# About 9 minutes on an H200 (the machine's start not counted).
+set -u
+STEPS=${STEPS:-4000}
+MINUTES=${MINUTES:-3}
+PY=${PY:-python3}
+M30K=${M30K:-../shared/data/multi30k}  # the corpus (prepare only): {train,val,test2016}.{en,de}
+PARTS=${PARTS:-123}                     # which parts to run
+WORK=${WORK:-.gpu/m30k}                 # part 3's folder
+
+if [ "${1:-}" = prepare ]; then
+    set -e
+    rm -rf .whl .gpu/m30k && mkdir -p .gpu/m30k
+    for d in .whl .gpu; do grep -qx "/$d/" .git/info/exclude || echo "/$d/" >> .git/info/exclude; done
+    # Python 3.12 wheels for the CUDA image (versions as this project's .venv resolves them)
+    .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 -d .whl \
+        $(.venv/bin/python -m pip list --format=freeze 2>/dev/null | grep -iE \
+          '^(pydantic|pydantic[-_]core|annotated[-_]types|typing[-_]inspection|typing[-_]extensions|sacremoses)==')
+    .venv/bin/aiayn params multi30k train.max_minutes="$MINUTES" train.steps="$STEPS" \
+        data.local.dir="$(realpath "$M30K")" --out .gpu/m30k/params.yaml
+    (cd .gpu/m30k && for s in download vocab survey shard; do
+        ../../.venv/bin/aiayn "$s" --params params.yaml; done)
+    rm -rf .gpu/m30k/data/survey .gpu/m30k/metrics
+    du -sh .whl .gpu
+    exit 0
+fi
+
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+exec > >(tee "$OUT/session.log") 2>&1
+export PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+part() { echo; echo "=== $1 ($(date -u +%T))"; }
+
+part "machine"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+$PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+torch.cuda.get_device_name(), 'bf16', torch.cuda.is_bf16_supported())"
+nproc
+
+case $PARTS in *1*)
+part "1a. gpu_step: base and big, bf16, eager, new batch shapes every step"
+timeout 150 $PY bench/gpu_step.py --configs base,big --json "$OUT/gpu_step_eager.json" \
+    || echo "PART 1a FAILED ($?)"
+part "1b. the same for base with cuDNN attention left in SDPA's choice (the baseline)"
+timeout 60 $PY bench/gpu_step.py --configs base --warmup 3 --steps 8 --cudnn-attention \
+    --json "$OUT/gpu_step_cudnn.json" || echo "PART 1b FAILED ($?)"
+part "1c. base on shapes met before (--reuse), first and last step profiled"
+timeout 120 $PY bench/gpu_step.py --configs base --warmup 30 --steps 10 --reuse --profile \
+    --json "$OUT/gpu_step_reuse.json" | grep -v "^USDT" || echo "PART 1c FAILED ($?)";;
+esac
+
+case $PARTS in *2*)
+part "2. gpu_step: base, torch.compile inside DDP (torchrun, NCCL)"
+timeout 240 $PY -m torch.distributed.run --standalone --nproc-per-node 1 bench/gpu_step.py --ddp --compile \
+    --configs base --warmup 8 --json "$OUT/gpu_step_compile_ddp.json" || echo "PART 2 FAILED ($?)";;
+esac
+
+case $PARTS in *3*)
+part "3. multi30k preset on the GPU: train, average, translate, score"
+m30k() {  # each step only after the one before it succeeded
+    cd "$WORK" && rm -rf data/checkpoints data/model data/translations metrics \
+    && timeout $((MINUTES * 60 + 120)) $PY -m stages.train --no-progress --no-mlflow \
+    && $PY -m stages.average --no-mlflow \
+    && $PY -m stages.translate --split valid --no-progress \
+    && $PY -m stages.translate --split test --no-progress \
+    && $PY -m stages.score --split valid --metrics metrics/bleu_valid.json --no-mlflow \
+    && $PY -m stages.score --no-mlflow
+}
+(m30k) || echo "PART 3 FAILED ($?)"
+(cd "$WORK" && tar czf "$OUT/m30k.tar.gz" params.yaml metrics data/translations \
+    data/model/config.json 2>/dev/null)
+[ -f "$WORK/metrics/bleu.json" ] && cat "$WORK/metrics/train.json" "$WORK/metrics/bleu.json";;
+esac
+part "done"
