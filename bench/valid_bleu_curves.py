@@ -1,4 +1,4 @@
-"""Validation BLEU and learning rate of several trainings against training minutes.
+"""Validation BLEU and learning rate of several trainings against training minutes or steps.
 
 Usage::
 
@@ -10,8 +10,10 @@ lr and elapsed seconds) and ``valid_bleu.tsv`` (step and greedy validation BLEU)
 train stage writes them into ``metrics/``; ``git show REV:metrics/train_log.tsv`` (or
 ``dvc exp show``'s revision of an experiment) gives them for runs that are no longer in
 the workspace. Steps are turned into training minutes through the elapsed time logged at
-each train-log step, so runs at different speeds line up by the time they cost. Prints
-each run's last and best validation BLEU, and writes one picture: BLEU above, lr below.
+each train-log step, so runs at different speeds line up by the time they cost; ``--x
+steps`` lines them up by step instead (runs with a budget in steps, ``train.max_minutes:
+0``, whose minutes say more of the machine's load than of the run). Prints each run's
+last and best validation BLEU, and writes one picture: BLEU above, lr below.
 """
 
 from __future__ import annotations
@@ -43,8 +45,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--run", action="append", required=True, metavar="LABEL=FOLDER",
                     help="a training's metrics folder, with the label it gets (repeatable)")
     ap.add_argument("--out", type=Path, required=True, help="the picture (.png)")
-    ap.add_argument("--title", default="greedy validation BLEU against training time")
+    ap.add_argument("--x", choices=("minutes", "steps"), default="minutes",
+                    help="the horizontal axis: training minutes (default) or steps")
+    ap.add_argument("--title", default=None,
+                    help="default: greedy validation BLEU against training time (or steps)")
     args = ap.parse_args(argv)
+    x = "step" if args.x == "steps" else "minutes"
+    title = args.title or ("greedy validation BLEU against training "
+                           + ("steps" if x == "step" else "time"))
 
     import matplotlib
 
@@ -67,12 +75,13 @@ def main(argv: list[str] | None = None) -> None:
         last = bleu.iloc[-1]
         print(f"{label:<{width}}{int(train['step'].iloc[-1]):>7}{train['minutes'].iloc[-1]:>9.1f}"
               f"{last['valid_bleu']:>11.2f}{best['valid_bleu']:>10.2f} ({int(best['step'])})")
-        line, = bleu_ax.plot(bleu["minutes"], bleu["valid_bleu"], marker="o", ms=3, label=label)
-        lr_ax.plot(train["minutes"], train["lr"], color=line.get_color())
-    bleu_ax.set(ylabel="valid sacreBLEU (greedy)", title=args.title)
+        line, = bleu_ax.plot(bleu[x], bleu["valid_bleu"], marker="o", ms=3, label=label)
+        lr_ax.plot(train[x], train["lr"], color=line.get_color())
+    bleu_ax.set(ylabel="valid sacreBLEU (greedy)", title=title)
     bleu_ax.grid(alpha=0.3)
     bleu_ax.legend()
-    lr_ax.set(xlabel="training minutes", ylabel="learning rate")
+    lr_ax.set(xlabel="training " + ("steps" if x == "step" else "minutes"),
+              ylabel="learning rate")
     lr_ax.grid(alpha=0.3)
     fig.tight_layout()
     args.out.parent.mkdir(parents=True, exist_ok=True)
