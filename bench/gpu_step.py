@@ -204,7 +204,7 @@ def measure(name: str, args, device: torch.device) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for step in range(args.warmup + args.steps):
-        at = step if step < fresh else step % max(1, args.warmup)
+        at = step if step < fresh else step % args.warmup
         group = batches[at * accum:(at + 1) * accum]
         if args.profile and step in (0, args.warmup + args.steps - 1):
             profile(run_step, group, device, "first step, shapes new" if step == 0
@@ -292,6 +292,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--estimate", action="store_true", help="only print the estimate table")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.profile and args.steps < 2:
+        ap.error("--profile takes the last step out of the measured ones: give --steps 2 or more")
+    if args.reuse and args.warmup < 1:
+        ap.error("--reuse cycles through the warm-up's batches: give --warmup 1 or more")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.ddp:
         if "LOCAL_RANK" not in os.environ:
