@@ -150,8 +150,8 @@ def avoid_cudnn_attention(device: torch.device) -> None:
 
     Where PyTorch prefers it (Hopper GPUs, torch 2.11), cuDNN attention builds an execution
     plan for every new shape, about 20 ms of host time per call on an H200, and
-    token-bucket batches and decoding bring new shapes all the time: the paper's base
-    model stepped 10x slower on batches of shapes not met before (bench/README.md,
+    token-bucket batches and decoding bring new shapes all the time: without it the paper's
+    base model stepped 7.2x faster on batches of new shapes, side by side (bench/README.md,
     "gpu_step.py"). The other kernels have no per-shape cost. A process-wide switch,
     so that compiled graphs see it too; nothing happens on other devices.
     """
