@@ -11,11 +11,16 @@ means fp32 there, and an explicit ``bf16`` gets a warning.
 The check reads CPU feature flags instead of timing a product, so that the same machine
 always picks the same precision (a timing on a busy machine could flip between runs, and
 a resumed run would then compute differently from its first part).
+
+oneDNN's ``ONEDNN_MAX_CPU_ISA`` (or ``DNNL_MAX_CPU_ISA``) can cap the instructions oneDNN
+uses below the hardware's, e.g. ``AVX2`` to run as an AVX2-only CPU would; bf16 products
+are then emulated like on such a CPU, so ``auto`` means fp32 under such a cap too.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from pathlib import Path
 
@@ -25,6 +30,10 @@ X86 = {"x86_64", "amd64", "i386", "i686"}
 # /proc/cpuinfo feature names of native bf16 matrix arithmetic (x86 "flags", Arm "Features").
 BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}
 PRECISIONS = ("auto", "fp32", "bf16")
+# oneDNN ISA caps (ONEDNN_MAX_CPU_ISA values) under which oneDNN has no bf16 dot-product
+# instructions: bf16 products are emulated even on a CPU that has them.
+ONEDNN_ISAS_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE",
+                            "AVX512_CORE_VNNI", "AVX512_MIC", "AVX512_MIC_4OPS"}
 
 
 def _cpuinfo_flags(path: Path = Path("/proc/cpuinfo")) -> set[str]:
@@ -40,9 +49,21 @@ def _cpuinfo_flags(path: Path = Path("/proc/cpuinfo")) -> set[str]:
     return flags
 
 
+def onednn_isa_cap() -> str | None:
+    """The ISA cap oneDNN reads from the environment (upper case), or None when uncapped."""
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        value = os.environ.get(name, "").strip()
+        if value:
+            return value.upper()
+    return None
+
+
 @functools.cache
 def cpu_has_native_bf16() -> bool:
-    """True where this CPU multiplies bf16 matrices in hardware (see the module docstring)."""
+    """True where this CPU multiplies bf16 matrices in hardware and oneDNN may use those
+    instructions (see the module docstring)."""
+    if onednn_isa_cap() in ONEDNN_ISAS_WITHOUT_BF16:
+        return False
     if platform.machine().lower() in X86:
         # The checks oneDNN itself relies on; private in torch, hence the fallback.
         checks = [getattr(torch.cpu, name, None)

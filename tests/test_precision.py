@@ -50,7 +50,39 @@ def test_cpuinfo_flags_of_x86_and_arm(tmp_path):
 @pytest.mark.skipif(platform.system() != "Linux", reason="reads /proc/cpuinfo")
 def test_the_answer_agrees_with_the_kernels_cpu_flags():
     flags = _cpuinfo_flags(Path("/proc/cpuinfo"))
-    assert precision.cpu_has_native_bf16() == bool(flags & BF16_FLAGS)
+    uncapped = precision.onednn_isa_cap() not in precision.ONEDNN_ISAS_WITHOUT_BF16
+    assert precision.cpu_has_native_bf16() == (bool(flags & BF16_FLAGS) and uncapped)
+
+
+@pytest.fixture
+def bf16_cpu(monkeypatch):
+    """An x86 CPU whose hardware has AVX512-BF16, with the answer's cache cleared around."""
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    precision.cpu_has_native_bf16.cache_clear()
+    yield monkeypatch
+    precision.cpu_has_native_bf16.cache_clear()
+
+
+@pytest.mark.parametrize("name", ["ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"])
+def test_a_onednn_cap_below_bf16_means_no_native_bf16(bf16_cpu, name):
+    assert precision.cpu_has_native_bf16()  # the hardware's answer, uncapped
+    for cap, native in [("avx2", False), ("AVX512_CORE_VNNI", False), ("SSE41", False),
+                        ("AVX512_CORE_BF16", True), ("AVX512_CORE_AMX", True), ("ALL", True)]:
+        bf16_cpu.setenv(name, cap)
+        precision.cpu_has_native_bf16.cache_clear()
+        assert precision.cpu_has_native_bf16() is native, cap
+        assert (autocast_dtype("auto", CPU) is torch.bfloat16) is native, cap
+
+
+def test_onednn_reads_its_new_name_before_the_old(bf16_cpu):
+    bf16_cpu.setenv("DNNL_MAX_CPU_ISA", "AVX2")
+    bf16_cpu.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert precision.onednn_isa_cap() == "AVX512_CORE_BF16"
+    assert precision.cpu_has_native_bf16()
 
 
 def test_fp32_and_bf16_are_what_they_say(native):
