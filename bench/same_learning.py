@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.machine import cpu_model  # noqa: E402
+from bench.machine import cpu_model, describe_caps, instruction_caps  # noqa: E402
 from bench.train_throughput import prepare_data  # noqa: E402
 
 
@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     params, shards, tokenizer = prepare_data(args)
     out = Path(tempfile.mkdtemp(prefix="same-learning-", dir=args.workdir))
-    print(f"CPU {cpu_model()} ({'native bf16' if cpu_has_native_bf16() else 'no native bf16'})"
+    print(f"CPU {cpu_model()} ({'native bf16' if cpu_has_native_bf16() else 'no native bf16'}"
+          f"{describe_caps()})"
           f"; preset {args.preset}{''.join(' -S ' + o for o in args.set)}, {args.steps} steps, "
           f"runs in {out}", flush=True)
     exe = Path(sys.executable).with_name("aiayn")
@@ -100,8 +101,8 @@ def main(argv: list[str] | None = None) -> dict:
     final = rows[-1]["relative"]
     print(f"\nfinal valid loss: {'within' if abs(final) < 0.005 else 'NOT within'} 0.5% "
           f"({final:+.2%})")
-    result = {"cpu": cpu_model(), "preset": args.preset, "overrides": args.set,
-              "steps": args.steps, "rows": rows,
+    result = {"cpu": cpu_model(), "instruction_caps": instruction_caps(), "preset": args.preset,
+              "overrides": args.set, "steps": args.steps, "rows": rows,
               "runs": runs}
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

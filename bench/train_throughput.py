@@ -522,7 +522,7 @@ def main(argv: list[str] | None = None) -> dict:
     from aiayn.tokenizer import load_tokenizer
     from aiayn.trainer import model_config
     from bench.flops import train_flops
-    from bench.machine import cpu_model
+    from bench.machine import cpu_model, describe_caps, instruction_caps
 
     names = (args.contenders or DEFAULT + (",main" if args.baseline else "")).split(",")
     if args.profile and args.profile not in names:
@@ -553,7 +553,8 @@ def main(argv: list[str] | None = None) -> dict:
     amp = autocast_dtype(p.train.precision, torch.device("cpu"))
     matmul_dtype = "bfloat16" if amp == torch.bfloat16 else "float32"
     info = {"cpu": cpu_model(), "native_bf16": bf16, "logical_cpus": os.cpu_count(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": threads,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "instruction_caps": instruction_caps(), "threads": threads,
             "torch": torch.__version__, "python": platform.python_version(),
             "preset": args.preset, "overrides": list(args.set),
             "precision": p.train.precision, "matmul_dtype": matmul_dtype,
@@ -562,7 +563,8 @@ def main(argv: list[str] | None = None) -> dict:
             "steps": args.steps, "warmup": args.warmup, "command": " ".join(sys.argv),
             "load_average": os.getloadavg()}
     print(f"CPU {info['cpu']} ({info['logical_cpus']} logical CPUs, {info['cpu_capability']}, "
-          f"{'native bf16' if bf16 else 'no native bf16: AVX2-class, bf16 emulated'}); "
+          f"{'native bf16' if bf16 else 'no native bf16: AVX2-class, bf16 emulated'}"
+          f"{describe_caps()}); "
           f"torch {torch.__version__}, {threads} threads; load average "
           + " ".join(f"{x:.1f}" for x in info["load_average"]))
     overrides = "".join(f" -S {o}" for o in args.set)
