@@ -51,6 +51,22 @@ CHUNK_BYTES = 32 << 20
 # with native bf16 (AVX512-BF16) this made the loss 1.25x faster (bench/README.md); fp32 is
 # unchanged (within noise there; not measured on an AVX2-only CPU).
 SOFTMAX_ROWS = 256
+# On a GPU neither reason holds (no CPU cache to stay in, no glibc heap), and each chunk and
+# block costs a handful of kernel launches from a host that already bounds the step: on an
+# H200 the 256-row blocks of the base model's loss took 34 of its 87 ms of GPU time per
+# step (docs/results/gpu-h200/). There a chunk holds up to CUDA_CHUNK_BYTES of logits (a
+# whole 6,250-token batch at a 37k vocabulary) and its softmax runs in one block.
+CUDA_CHUNK_BYTES = 1 << 30
+
+
+def loss_blocks(device: torch.device, vocab: int) -> tuple[int, int]:
+    """(chunk_rows, softmax_rows) of the fused loss on ``device`` for ``vocab`` outputs:
+    sized for the CPU's heap and cache (CHUNK_BYTES, SOFTMAX_ROWS), or on CUDA for few
+    launches (CUDA_CHUNK_BYTES, the whole chunk)."""
+    if device.type == "cuda":
+        chunk = max(64, CUDA_CHUNK_BYTES // (4 * vocab))
+        return chunk, chunk
+    return max(64, CHUNK_BYTES // (4 * vocab)), SOFTMAX_ROWS
 
 
 # --------------------------------------------------------------------------- the loss
@@ -73,7 +89,7 @@ class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows: Tensor, weight: Tensor, labels: Tensor, epsilon: float,
-                chunk_rows: int, dtype: torch.dtype, need_grad: bool):
+                chunk_rows: int, softmax_rows: int, dtype: torch.dtype, need_grad: bool):
         n, vocab = rows.shape[0], weight.shape[0]
         with torch.autocast(rows.device.type, enabled=False):
             a = rows.to(dtype)
@@ -85,10 +101,10 @@ class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
                                       device=weight.device) if need_grad else None
             buf = torch.empty(min(chunk_rows, n), vocab, dtype=dtype, device=rows.device)
             # Under autocast the chunk's logits are bf16; the softmax runs in fp32 on blocks of
-            # SOFTMAX_ROWS rows in one reused buffer that stays in cache, and the gradient
+            # softmax_rows rows in one reused buffer that stays in cache, and the gradient
             # goes back into ``buf`` in place, ready for the two products.
             wide = None if dtype == torch.float32 else torch.empty(
-                min(SOFTMAX_ROWS, n), vocab, dtype=torch.float32, device=rows.device)
+                min(softmax_rows, chunk_rows, n), vocab, dtype=torch.float32, device=rows.device)
             # The mean logit of a row is its dot product with the mean embedding row.
             mean_all = rows.float() @ weight.float().mean(dim=0)  # (N,)
             off = torch.tensor(-epsilon / vocab, dtype=torch.float32, device=rows.device)
@@ -96,8 +112,8 @@ class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
                 end = min(start + chunk_rows, n)
                 a_c = a[start:end]
                 g = torch.mm(a_c, w.t(), out=buf[:end - start])  # (c, V) logits
-                for lo in range(start, end, SOFTMAX_ROWS):
-                    hi = min(lo + SOFTMAX_ROWS, end)
+                for lo in range(start, end, softmax_rows):
+                    hi = min(lo + softmax_rows, end)
                     z_c, y = g[lo - start:hi - start], labels[lo:hi, None]
                     z = z_c if wide is None else wide[:hi - lo].copy_(z_c)
                     target = z.gather(1, y).squeeze(1)
@@ -132,12 +148,14 @@ class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
             raise RuntimeError("projected_label_smoothed_loss was computed without gradients "
                                "(under torch.no_grad) and cannot be backpropagated")
         return (grad_rows * grad_loss.to(grad_rows.dtype),
-                (grad_weight * grad_loss).to(ctx.weight_dtype), None, None, None, None, None)
+                (grad_weight * grad_loss).to(ctx.weight_dtype), None, None, None, None, None,
+                None)
 
 
 def projected_label_smoothed_loss(hidden: Tensor, weight: Tensor, labels: Tensor,
                                   epsilon: float, pad_id: int, chunk_rows: int | None = None,
-                                  positions: Tensor | None = None
+                                  positions: Tensor | None = None,
+                                  softmax_rows: int | None = None
                                   ) -> tuple[Tensor, Tensor, int]:
     """:func:`aiayn.objective.label_smoothed_loss` of the logits ``hidden @ weight.T``.
 
@@ -148,8 +166,8 @@ def projected_label_smoothed_loss(hidden: Tensor, weight: Tensor, labels: Tensor
     (``Batch.tgt_positions``: then nothing waits for a GPU). Returns the same
     (smoothed loss sum, NLL sum, number of non-pad labels), the log-probabilities in fp32,
     the products in autocast's dtype when autocast is on; padding positions are never
-    projected. ``chunk_rows`` defaults to what keeps one chunk's logits at
-    :data:`CHUNK_BYTES`.
+    projected. ``chunk_rows`` and ``softmax_rows`` (rows of logits formed at once, and of
+    their softmax at once) default to :func:`loss_blocks` for the device.
     """
     flat = labels.reshape(-1)
     keep = (flat != pad_id).nonzero().squeeze(1) if positions is None else positions
@@ -160,12 +178,13 @@ def projected_label_smoothed_loss(hidden: Tensor, weight: Tensor, labels: Tensor
     else:
         rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep)  # (N, d)
     dtype = _compute_dtype(hidden.device)
-    if chunk_rows is None:
-        chunk_rows = max(64, CHUNK_BYTES // (4 * weight.shape[0]))
+    default_chunk, default_softmax = loss_blocks(hidden.device, weight.shape[0])
+    chunk_rows = chunk_rows or default_chunk
+    softmax_rows = softmax_rows or default_softmax
     need_grad = torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad)
     loss, nll = _ProjectedLabelSmoothedLoss.apply(rows, weight, flat.index_select(0, keep),
-                                                  float(epsilon), int(chunk_rows), dtype,
-                                                  need_grad)
+                                                  float(epsilon), int(chunk_rows),
+                                                  int(softmax_rows), dtype, need_grad)
     return loss, nll, keep.numel()
 
 

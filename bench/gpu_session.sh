@@ -12,12 +12,13 @@
 # The run then, each part under its own time limit so that one failure leaves the others:
 #   1. bench/gpu_step.py, base and big, bf16, eager: tokens/s, split, MFU; base again with
 #      cuDNN attention allowed (the baseline of avoid_cudnn_attention), and on batch shapes
-#      met before, profiled
+#      met before, profiled, and on them with the loss in the CPU's blocks (the baseline
+#      of aiayn.kernels.loss_blocks on CUDA)
 #   2. base with torch.compile inside DDP under torchrun (NCCL), graphs counted
 #   3. the multi30k preset trained on the GPU by the train stage (bf16, fused Adam, pinned
 #      prefetch, validation BLEU), then average, translate (valid, test) and score.
 # Results: $OUT/session.log, $OUT/gpu_step_*.json, $OUT/m30k.tar.gz (metrics/, params.yaml).
-# About 9 minutes on an H200 (the machine's start not counted).
+# About 10 minutes on an H200 (the machine's start not counted).
 set -u
 STEPS=${STEPS:-4000}
 MINUTES=${MINUTES:-3}
@@ -73,7 +74,10 @@ timeout 60 $PY bench/gpu_step.py --configs base --warmup 3 --steps 8 --cudnn-att
     --json "$OUT/gpu_step_cudnn.json" || echo "PART 1b FAILED ($?)"
 part "1c. base on shapes met before (--reuse), first and last step profiled"
 timeout 120 $PY bench/gpu_step.py --configs base --warmup 30 --steps 10 --reuse --profile \
-    --json "$OUT/gpu_step_reuse.json" | grep -v "^USDT" || echo "PART 1c FAILED ($?)";;
+    --json "$OUT/gpu_step_reuse.json" | grep -v "^USDT" || echo "PART 1c FAILED ($?)"
+part "1d. the same shapes with the loss in the CPU's 256-row blocks (the baseline of loss_blocks)"
+timeout 90 $PY bench/gpu_step.py --configs base --warmup 30 --steps 10 --reuse --cpu-loss-blocks \
+    --json "$OUT/gpu_step_cpu_loss_blocks.json" || echo "PART 1d FAILED ($?)";;
 esac
 
 case $PARTS in *2*)

@@ -16,7 +16,9 @@ autocast where the GPU has it natively, fused Adam, gradient accumulation over b
 ``torch.compile``, optionally inside ``DistributedDataParallel`` (``--ddp``, under
 torchrun: NCCL on GPUs, gloo on CPU; compiled after wrapping, as the trainer does), with
 cuDNN attention out of SDPA's choice as in the trainer (``--cudnn-attention`` leaves it in:
-it builds a plan per new shape). Batches are token buckets of WMT-like lengths (lognormal,
+it builds a plan per new shape), and the fused loss in blocks sized for the device
+(``aiayn.kernels.loss_blocks``; ``--cpu-loss-blocks``: the CPU's 256-row blocks, the
+baseline). Batches are token buckets of WMT-like lengths (lognormal,
 median 26 BPE tokens, 2..256, target = source x N(1, 0.1)), made once, random ids, each
 step's new (``--reuse``: the measured steps cycle through the warm-up's, shapes met
 before). It prints target tokens/s, the step's time split into forward + loss (the fused
@@ -51,6 +53,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from aiayn import kernels  # noqa: E402
 from aiayn.model import Transformer, TransformerConfig, avoid_cudnn_attention  # noqa: E402
 from aiayn.objective import make_optimizer  # noqa: E402
 from aiayn.precision import autocast_dtype  # noqa: E402
@@ -67,6 +70,7 @@ CONFIGS = {
     "tiny": dict(d_model=64, heads=4, encoder_layers=2, decoder_layers=2, d_ff=128,
                  dropout=0.1),  # a smoke test of this script, on any device
 }
+CPU_LOSS_BLOCKS = kernels.loss_blocks  # kept for --cpu-loss-blocks
 PAPER_STEPS = {"base": 100_000, "big": 300_000, "tiny": 1000}
 PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.4, "H200": 989.4, "GH200": 989.4,
                     "A100": 312.0, "A800": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
@@ -225,6 +229,7 @@ def measure(name: str, args, device: torch.device) -> dict:
     result = {"config": name, "accumulation": accum, "precision": "bf16" if amp else "fp32",
               "compile": args.compile, "ddp": args.ddp, "reuse": args.reuse,
               "cudnn_attention": torch.backends.cuda.cudnn_sdp_enabled(),
+              "loss_blocks": kernels.loss_blocks(device, cfg.vocab_size),
               "batch_shapes": len(shapes),
               "step_s": step_s,
               "tokens_per_s": statistics.fmean(t / s for t, s in zip(tokens, parts["step"],
@@ -277,6 +282,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--compile", action="store_true", help="torch.compile the model")
     ap.add_argument("--cudnn-attention", action="store_true",
                     help="leave cuDNN attention in SDPA's choice (the trainer takes it out)")
+    ap.add_argument("--cpu-loss-blocks", action="store_true",
+                    help="the fused loss in the blocks sized for a CPU (32 MiB chunks, 256-row "
+                         "softmax), as before loss_blocks sized them for CUDA: the baseline")
     ap.add_argument("--reuse", action="store_true",
                     help="measured steps reuse the warm-up's batches (shapes met before)")
     ap.add_argument("--profile", action="store_true",
@@ -307,6 +315,8 @@ def main(argv: list[str] | None = None) -> dict:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if not args.cudnn_attention:
         avoid_cudnn_attention(device)  # as the trainer and the translator do
+    if args.cpu_loss_blocks:  # the baseline: whatever the device, the CPU's blocks
+        kernels.loss_blocks = lambda _device, vocab: CPU_LOSS_BLOCKS(torch.device("cpu"), vocab)
     out: dict = {"estimate": None, "measured": [], "torch": torch.__version__,
                  "device": (torch.cuda.get_device_name(device) if device.type == "cuda"
                             else "CPU"),
@@ -322,6 +332,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"<= {args.max_tokens} tokens; kernels fast; fused Adam"
               + ("; torch.compile" if args.compile else "")
               + ("; cuDNN attention allowed" if args.cudnn_attention else "")
+              + ("; the loss in CPU-sized blocks" if args.cpu_loss_blocks else "")
               + (f"; DDP over {dist.get_world_size()} process(es), "
                  f"{dist.get_backend()}" if args.ddp else ""))
         for name in args.configs.split(","):

@@ -53,6 +53,30 @@ def test_projected_loss_equals_the_plain_loss_of_the_logits(epsilon, chunk_rows,
     assert grads[0][labels == PAD].abs().max() == 0  # padding gets no gradient
 
 
+def test_loss_blocks_by_device_and_the_explicit_arguments():
+    vocab = 37_000
+    # CPU: chunks of CHUNK_BYTES of fp32 logits, softmax blocks of SOFTMAX_ROWS.
+    assert kernels.loss_blocks(torch.device("cpu"), vocab) == (
+        kernels.CHUNK_BYTES // (4 * vocab), kernels.SOFTMAX_ROWS)
+    # CUDA: chunks of CUDA_CHUNK_BYTES, whole: a 6,250-token batch in one chunk and block.
+    chunk, block = kernels.loss_blocks(torch.device("cuda"), vocab)
+    assert chunk == block == kernels.CUDA_CHUNK_BYTES // (4 * vocab) >= 6250
+    assert kernels.loss_blocks(torch.device("cpu"), 10) == (kernels.CHUNK_BYTES // 40, 256)
+    # The blocks passed as arguments, not through the module's constants, give the same sums.
+    torch.manual_seed(2)
+    hidden = torch.randn(5, 9, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(40, 16, dtype=torch.float64, requires_grad=True)
+    labels = padded_labels(5, 9, 40)
+    ref = kernels.projected_label_smoothed_loss(hidden, weight, labels, 0.1, PAD)
+    for chunk_rows, softmax_rows in [(7, 2), (64, 64), (3, 1000)]:
+        got = kernels.projected_label_smoothed_loss(hidden, weight, labels, 0.1, PAD,
+                                                    chunk_rows=chunk_rows,
+                                                    softmax_rows=softmax_rows)
+        # per-row losses are kept in fp32 (as in the test above), hence fp32-level agreement
+        torch.testing.assert_close(got[0], ref[0], rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(got[1], ref[1], rtol=1e-6, atol=1e-5)
+
+
 def test_projected_loss_takes_packed_rows_and_known_positions():
     torch.manual_seed(1)
     hidden = torch.randn(4, 6, 8, requires_grad=True)
