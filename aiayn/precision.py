@@ -34,6 +34,13 @@ PRECISIONS = ("auto", "fp32", "bf16")
 # instructions: bf16 products are emulated even on a CPU that has them.
 ONEDNN_ISAS_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE",
                             "AVX512_CORE_VNNI", "AVX512_MIC", "AVX512_MIC_4OPS"}
+# Environment variables that make torch, oneDNN and MKL use fewer instructions than the CPU
+# has: set together (to avx2 / AVX2 / AVX2), a CPU with AVX-512 computes as an AVX2-only
+# CPU would (its clock and caches stay its own). bench/README.md, "Measuring as an
+# AVX2-only CPU". A run records them (metrics/train.json, MLflow tags), so that a figure
+# measured under a cap cannot pass for one of the hardware.
+INSTRUCTION_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA",
+                    "MKL_ENABLE_INSTRUCTIONS")
 
 
 def _cpuinfo_flags(path: Path = Path("/proc/cpuinfo")) -> set[str]:
@@ -47,6 +54,32 @@ def _cpuinfo_flags(path: Path = Path("/proc/cpuinfo")) -> set[str]:
         if key.strip().lower() in ("flags", "features"):
             flags.update(value.split())
     return flags
+
+
+def cpu_model(path: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's model name from /proc/cpuinfo, else what ``platform`` knows."""
+    try:
+        for line in path.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def instruction_caps() -> dict[str, str]:
+    """The instruction-set caps set in the environment (see INSTRUCTION_CAPS); {} if none."""
+    return {name: os.environ[name] for name in INSTRUCTION_CAPS if os.environ.get(name)}
+
+
+def hardware(device: torch.device) -> dict[str, str]:
+    """What a run computed on, for its metrics and MLflow tags: the GPU's or the CPU's name,
+    whether it has native bf16, and the instruction caps in force ('none' without)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
+    caps = instruction_caps()
+    return {"hardware": name,
+            "native_bf16": "yes" if has_native_bf16(device) else "no",
+            "instruction_caps": " ".join(f"{k}={v}" for k, v in caps.items()) or "none"}
 
 
 def onednn_isa_cap() -> str | None:

@@ -65,7 +65,7 @@ from aiayn.model import (
     count_parameters,
 )
 from aiayn.objective import cooldown_factor, label_smoothed_loss, make_optimizer
-from aiayn.precision import autocast_dtype, slow_bf16_warning
+from aiayn.precision import autocast_dtype, hardware, slow_bf16_warning
 from aiayn.sampler import Batch, BatchLoader, PrefetchLoader, ShardDataset, TokenBudgetSampler
 from aiayn.subword import SubwordSplitter
 
@@ -819,6 +819,7 @@ class Trainer:
             "accumulation": self.accum,
             "device": self.device.type,
             "precision": "bf16" if self.amp_dtype else "fp32",
+            **hardware(self.device),
             "kernels": self.p.train.kernels,
             "compile": self.p.train.compile,
             "subword_split": self.p.train.subword_split,

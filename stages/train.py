@@ -15,6 +15,7 @@ from aiayn import distributed
 from aiayn.checkpoint import file_sha256
 from aiayn.distributed import world_from_env
 from aiayn.errors import AiaynError
+from aiayn.precision import hardware
 from aiayn.subword import merge_parents
 from aiayn.tokenizer import load_tokenizer
 from aiayn.tracking import Tracker, default_run_name, load_run_id, save_run_id
@@ -67,7 +68,7 @@ def train(
     RAW/valid.parquet when `train.valid_bleu_every` is on. Writes: CHECKPOINTS/step-*.pt (model, optimizer, schedule, RNG states, data
     cursor; every `train.checkpoint_every_steps` steps and/or `checkpoint_every_minutes`,
     the last `train.keep_checkpoints` kept), METRICS (with the precision `auto` resolved to,
-    the kernels, the steps reached and why training stopped: steps, `train.max_minutes`
+    the CPU or GPU and any instruction caps in the environment, the kernels, the steps reached and why training stopped: steps, `train.max_minutes`
     or an interruption), TRAIN_LOG, VALID_LOG, CURVES, and an
     MLflow run (sqlite:///mlflow.db unless MLFLOW_TRACKING_URI says otherwise) with every
     param, the step curves, the tokenizer and CURVES; its id goes to
@@ -116,6 +117,7 @@ def train(
             tags={"stage": "train", "world_size": str(world.size),
                   # what auto resolved to on this machine, beside the params as written
                   "precision": "bf16" if trainer.amp_dtype else "fp32",
+                  **hardware(trainer.device),  # the CPU or GPU, and any instruction caps
                   "kernels": p.train.kernels, "compile": str(p.train.compile).lower()},
             run_id=trainer.state.mlflow_run_id or load_run_id(run_file))
         if world.is_main:

@@ -16,6 +16,7 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 X86_CPUINFO = """processor\t: 0
 vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC 9R14 96-Core Processor
 flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_tile
 bugs\t\t: sysret_ss_attrs
 
@@ -76,6 +77,32 @@ def test_a_onednn_cap_below_bf16_means_no_native_bf16(bf16_cpu, name):
         precision.cpu_has_native_bf16.cache_clear()
         assert precision.cpu_has_native_bf16() is native, cap
         assert (autocast_dtype("auto", CPU) is torch.bfloat16) is native, cap
+
+
+def test_cpu_model_reads_the_model_name_or_falls_back(tmp_path):
+    (tmp_path / "x86").write_text(X86_CPUINFO)
+    (tmp_path / "arm").write_text(ARM_CPUINFO)  # Arm kernels print no model name
+    assert precision.cpu_model(tmp_path / "x86") == "AMD EPYC 9R14 96-Core Processor"
+    fallback = platform.processor() or platform.machine()
+    assert precision.cpu_model(tmp_path / "arm") == fallback
+    assert precision.cpu_model(tmp_path / "missing") == fallback
+
+
+def test_hardware_records_the_cpu_and_the_caps_in_force(bf16_cpu):
+    for name in precision.INSTRUCTION_CAPS:
+        bf16_cpu.delenv(name, raising=False)
+    assert precision.hardware(CPU) == {"hardware": precision.cpu_model(), "native_bf16": "yes",
+                                       "instruction_caps": "none"}
+    # The caps bench/README.md sets to measure as an AVX2-only CPU, in INSTRUCTION_CAPS order.
+    bf16_cpu.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    bf16_cpu.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    bf16_cpu.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    bf16_cpu.setenv("DNNL_MAX_CPU_ISA", "")  # set but empty: not a cap
+    precision.cpu_has_native_bf16.cache_clear()
+    assert precision.hardware(CPU) == {
+        "hardware": precision.cpu_model(), "native_bf16": "no",
+        "instruction_caps": "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 "
+                            "MKL_ENABLE_INSTRUCTIONS=AVX2"}
 
 
 def test_onednn_reads_its_new_name_before_the_old(bf16_cpu):

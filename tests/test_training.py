@@ -20,7 +20,8 @@ from aiayn.distributed import World
 from aiayn.errors import DataError
 from aiayn.model import Transformer, TransformerConfig
 from aiayn.objective import cooldown_factor, label_smoothed_loss, noam_lr
-from aiayn.precision import cpu_has_native_bf16
+from aiayn.precision import cpu_has_native_bf16, cpu_model
+from aiayn.precision import hardware as precision_hardware
 from aiayn.subword import merge_parents
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, decode, load_tokenizer
 from aiayn.toy import generate_pairs
@@ -336,7 +337,9 @@ def test_train_stage_logs_one_mlflow_run_and_a_resume_continues_it(toy_workspace
     from mlflow import MlflowClient
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    env = {**env_for_subprocess(), "MLFLOW_TRACKING_URI": uri, "DVC_EXP_NAME": "my-exp"}
+    # MKL capped to AVX2 (harmless for fp32): the run must say so in its tags.
+    env = {**env_for_subprocess(), "MLFLOW_TRACKING_URI": uri, "DVC_EXP_NAME": "my-exp",
+           "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
     run = tmp_path / "run"
     bleu = {"valid_bleu_every": 2, "valid_bleu_beam": 1, "valid_bleu_sentences": 10}
     cmd = [sys.executable, "-m", "stages.train",
@@ -364,6 +367,8 @@ def test_train_stage_logs_one_mlflow_run_and_a_resume_continues_it(toy_workspace
     assert logged.data.metrics["final/best_valid_bleu"] == max(m.value for m in bleu_history)
     assert logged.data.tags["kernels"] == "fast" and logged.data.tags["stopped_by"] == "steps"
     assert logged.data.tags["precision"] in ("fp32", "bf16")
+    assert logged.data.tags["hardware"] == cpu_model()
+    assert "MKL_ENABLE_INSTRUCTIONS=AVX2" in logged.data.tags["instruction_caps"].split()
 
 
 @pytest.mark.slow
@@ -435,6 +440,8 @@ def fast_and_plain_without_dropout(ws: Path, tmp_path: Path, precision: str, rel
         runs.append((trainer, trainer.fit()))
     (fast, a), (plain, b) = runs
     assert a["kernels"] == "fast" and b["kernels"] == "plain"
+    hardware = precision_hardware(torch.device("cpu"))  # what train.json says it ran on
+    assert {k: a[k] for k in hardware} == {k: b[k] for k in hardware} == hardware
     for ra, rb in zip(fast.state.train_rows, plain.state.train_rows, strict=True):
         assert ra[0] == rb[0] and ra[5] == rb[5]  # step, tokens seen
         assert ra[1] == pytest.approx(rb[1], rel=rel)  # loss
