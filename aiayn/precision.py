@@ -72,14 +72,18 @@ def instruction_caps() -> dict[str, str]:
     return {name: os.environ[name] for name in INSTRUCTION_CAPS if os.environ.get(name)}
 
 
+def instruction_caps_text() -> str:
+    """The caps in force as 'NAME=VALUE NAME=VALUE', in INSTRUCTION_CAPS order; '' if none."""
+    return " ".join(f"{k}={v}" for k, v in instruction_caps().items())
+
+
 def hardware(device: torch.device) -> dict[str, str]:
     """What a run computed on, for its metrics and MLflow tags: the GPU's or the CPU's name,
     whether it has native bf16, and the instruction caps in force ('none' without)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
-    caps = instruction_caps()
     return {"hardware": name,
             "native_bf16": "yes" if has_native_bf16(device) else "no",
-            "instruction_caps": " ".join(f"{k}={v}" for k, v in caps.items()) or "none"}
+            "instruction_caps": instruction_caps_text() or "none"}
 
 
 def onednn_isa_cap() -> str | None:

@@ -5,12 +5,12 @@ same in a training's metrics."""
 
 from __future__ import annotations
 
-from aiayn.precision import INSTRUCTION_CAPS, cpu_model, instruction_caps
+from aiayn.precision import INSTRUCTION_CAPS, cpu_model, instruction_caps, instruction_caps_text
 
 __all__ = ["INSTRUCTION_CAPS", "cpu_model", "describe_caps", "instruction_caps"]
 
 
 def describe_caps() -> str:
     """'' when nothing is capped, else ', capped by NAME=VALUE ...' for a figure's header."""
-    caps = instruction_caps()
-    return f", capped by {' '.join(f'{k}={v}' for k, v in caps.items())}" if caps else ""
+    caps = instruction_caps_text()
+    return f", capped by {caps}" if caps else ""
