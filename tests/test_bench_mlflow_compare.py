@@ -1,0 +1,80 @@
+"""bench/mlflow_compare.py: which runs it compares and the address it opens (no browser here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from urllib.parse import parse_qs, unquote
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "mlflow_compare.py"
+
+
+@pytest.fixture(scope="module")
+def compare():
+    spec = importlib.util.spec_from_file_location("mlflow_compare", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory):
+    """A sqlite store laid out as the trainer and a decoding experiment leave it."""
+    from mlflow import MlflowClient
+
+    root = tmp_path_factory.mktemp("store")
+    uri = f"sqlite:///{root}/mlflow.db"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("aiayn", artifact_location=(root / "artifacts").as_uri())
+    ids = {}
+    for name in ("ls0.2", "ls0.3"):
+        ids[name] = client.create_run(exp, run_name=name, tags={"dvc_experiment": name}).info.run_id
+    # A decoding experiment: a child run of the training it reused, under its own name.
+    ids["ls0.2-a1.6"] = client.create_run(
+        exp, run_name="ls0.2-a1.6",
+        tags={"dvc_experiment": "ls0.2-a1.6", "mlflow.parentRunId": ids["ls0.2"]}).info.run_id
+    # A name reused: the later run is the one meant.
+    ids["old ls0.3"] = ids["ls0.3"]
+    ids["ls0.3"] = client.create_run(exp, run_name="ls0.3",
+                                     tags={"dvc_experiment": "ls0.3"}).info.run_id
+    # A run of no DVC experiment (stage run by hand): found by its run name.
+    ids["by-hand"] = client.create_run(exp, run_name="by-hand").info.run_id
+    return uri, exp, ids
+
+
+def test_finds_each_name_in_the_order_given(compare, store):
+    uri, exp, ids = store
+    runs = compare.find_runs(uri, "aiayn", ["ls0.3", "ls0.2-a1.6", "by-hand", "ls0.2"])
+    expected = [ids["ls0.3"], ids["ls0.2-a1.6"], ids["by-hand"], ids["ls0.2"]]
+    assert [r.info.run_id for r in runs] == expected
+    assert ids["old ls0.3"] != ids["ls0.3"]
+
+
+def test_unknown_name_is_a_clear_error(compare, store):
+    uri, _, _ = store
+    with pytest.raises(compare.CompareError) as e:
+        compare.find_runs(uri, "aiayn", ["ls0.2", "ls0.5", "ls0.6"])
+    message = str(e.value)
+    assert "ls0.5, ls0.6" in message and "Runs there: by-hand, ls0.2, ls0.2-a1.6, ls0.3" in message
+    with pytest.raises(compare.CompareError, match="no MLflow experiment 'nope'.*aiayn"):
+        compare.find_runs(uri, "nope", ["ls0.2"])
+
+
+def test_compare_url_round_trips(compare):
+    url = compare.compare_url("http://127.0.0.1:5000/", ["b", "a"], ["7", "3", "7"])
+    base, fragment = url.split("/#/compare-runs?")
+    assert base == "http://127.0.0.1:5000"
+    query = parse_qs(fragment)
+    assert json.loads(unquote(query["runs"][0])) == ["b", "a"]
+    assert json.loads(unquote(query["experiments"][0])) == ["3", "7"]
+
+
+def test_missing_store_exits_2_and_writes_nothing(compare, tmp_path, capsys):
+    out = tmp_path / "shot.png"
+    uri = f"sqlite:///{tmp_path}/none.db"
+    code = compare.main(["ls0.2", "--tracking-uri", uri, "--out", str(out)])
+    assert code == 2 and not out.exists()
+    assert "none.db: no MLflow store there" in capsys.readouterr().err
