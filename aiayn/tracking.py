@@ -489,6 +489,71 @@ def sqlite_path(tracking_uri: str) -> Path | None:
     return Path(tracking_uri.removeprefix("sqlite:///").split("?", 1)[0])
 
 
+class ServerError(RuntimeError):
+    """``mlflow server`` exited or did not answer in time (the message ends with its log)."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def local_server(backend_store_uri: str, artifact_root: Path | None = None,
+                 cwd: Path | None = None, timeout: float = 60) -> Iterator[str]:
+    """Run ``mlflow server`` on the store, on a free 127.0.0.1 port; yield its address.
+
+    One worker and job execution off (``MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false``): it
+    starts in seconds. Raises ``ServerError`` with the tail of the server's log if it exits
+    or does not answer ``/health`` within ``timeout`` s; stops the server on exit.
+    """
+    import sys
+    import tempfile
+    import urllib.request
+
+    exe = Path(sys.executable).with_name("mlflow")
+    cmd = [str(exe) if exe.exists() else "mlflow", "server", "--host", "127.0.0.1",
+           "--port", str(port := free_port()), "--backend-store-uri", backend_store_uri,
+           "--workers", "1"]
+    if artifact_root is not None:
+        cmd += ["--default-artifact-root", str(artifact_root)]
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    with tempfile.TemporaryDirectory(prefix="aiayn-mlflow-server-") as tmp:
+        log_path = Path(tmp) / "server.log"
+        with log_path.open("wb") as log_file:
+            proc = subprocess.Popen(cmd, cwd=cwd or tmp, env=env, stdout=log_file,
+                                    stderr=subprocess.STDOUT)
+            try:
+                address = f"http://127.0.0.1:{port}"
+                deadline = time.monotonic() + timeout
+                while True:
+                    if proc.poll() is not None:
+                        raise ServerError(f"mlflow server exited ({proc.returncode}):\n"
+                                          + log_path.read_text(errors="replace")[-3000:])
+                    try:
+                        with urllib.request.urlopen(address + "/health", timeout=2) as r:
+                            if r.status == 200:
+                                break
+                    except OSError:
+                        pass
+                    if time.monotonic() > deadline:
+                        raise ServerError(f"mlflow server not up in {timeout:.0f} s:\n"
+                                          + log_path.read_text(errors="replace")[-3000:])
+                    time.sleep(0.5)
+                yield address
+            finally:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
 @contextlib.contextmanager
 def _store_lock(tracking_uri: str) -> Iterator[None]:
     """An exclusive lock on ``<db>.lock`` beside a SQLite store (nothing for a server)."""

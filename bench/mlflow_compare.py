@@ -23,15 +23,17 @@ import argparse
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import quote
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script: make `aiayn` importable without installing
+    sys.path.insert(0, str(REPO))
+
+from aiayn.tracking import ServerError, local_server  # noqa: E402
 
 
 class CompareError(RuntimeError):
@@ -80,51 +82,6 @@ def compare_url(base: str, run_ids: list[str], experiment_ids: list[str]) -> str
     runs = quote(json.dumps(run_ids, separators=(",", ":")))
     experiments = quote(json.dumps(sorted(set(experiment_ids)), separators=(",", ":")))
     return f"{base.rstrip('/')}/#/compare-runs?runs={runs}&experiments={experiments}"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def mlflow_server(tracking_uri: str, timeout: float = 90):
-    """``mlflow server`` on the store, on a free local port; yields its base address."""
-    port = free_port()
-    exe = Path(sys.executable).with_name("mlflow")
-    cmd = [str(exe) if exe.exists() else "mlflow", "server", "--backend-store-uri", tracking_uri,
-           "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    with tempfile.TemporaryDirectory(prefix="mlflow-compare-") as tmp:
-        log_path = Path(tmp) / "server.log"
-        with log_path.open("wb") as log:
-            proc = subprocess.Popen(cmd, env=env, cwd=tmp, stdout=log, stderr=subprocess.STDOUT)
-            try:
-                base = f"http://127.0.0.1:{port}"
-                deadline = time.monotonic() + timeout
-                while True:
-                    if proc.poll() is not None:
-                        raise CompareError(f"mlflow server exited ({proc.returncode}):\n"
-                                           + log_path.read_text(errors="replace")[-2000:])
-                    try:
-                        with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                            if r.status == 200:
-                                break
-                    except OSError:
-                        pass
-                    if time.monotonic() > deadline:
-                        raise CompareError(f"mlflow server not up in {timeout:.0f} s:\n"
-                                           + log_path.read_text(errors="replace")[-2000:])
-                    time.sleep(0.5)
-                yield base
-            finally:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
 
 
 def _choose(page, index: int, wanted: list[str]) -> None:
@@ -213,13 +170,13 @@ def main(argv: list[str] | None = None) -> int:
         a.tracking_uri = "sqlite:///" + str(db.resolve())
     try:
         runs = find_runs(a.tracking_uri, a.experiment, a.names)
-        with mlflow_server(a.tracking_uri) as base:
+        with local_server(a.tracking_uri, timeout=90) as base:
             url = compare_url(base, [r.info.run_id for r in runs],
                               [r.info.experiment_id for r in runs])
             print(f"compare view: {url}", file=sys.stderr)
             screenshot(url, a.out, [r.info.run_name for r in runs], a.param, a.metric,
                        a.chromium, a.width, a.height)
-    except CompareError as e:
+    except (CompareError, ServerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {a.out} ({len(runs)} runs: {', '.join(a.names)})")

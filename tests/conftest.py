@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
+from aiayn.tracking import ServerError, free_port, local_server  # noqa: F401 (free_port: for tests)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -144,50 +143,14 @@ def toy_workspace(tmp_path_factory) -> Path:
 # --------------------------------------------------------------------------- MLflow server
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def mlflow_server(tmp_path: Path):
-    port = free_port()
-    mlflow_exe = Path(sys.executable).with_name("mlflow")
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    log_file = (tmp_path / "server.log").open("wb")
-    proc = subprocess.Popen(
-        [
-            str(mlflow_exe), "server", "--host", "127.0.0.1", "--port", str(port),
-            "--backend-store-uri", f"sqlite:///{tmp_path}/db.sqlite",
-            "--default-artifact-root", str(tmp_path / "artifacts"), "--workers", "1",
-        ],
-        cwd=tmp_path, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-    )
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"mlflow server exited: {(tmp_path / 'server.log').read_text()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                log = (tmp_path / "server.log").read_text()
-                pytest.fail(f"mlflow server not up in 60 s: {log}")
-            time.sleep(0.5)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log_file.close()
+        with local_server(f"sqlite:///{tmp_path}/db.sqlite", artifact_root=tmp_path / "artifacts",
+                          cwd=tmp_path, timeout=120) as address:
+            yield address
+    except ServerError as e:
+        pytest.fail(str(e))
 
 
 # --------------------------------------------------------------------------- project copies

@@ -360,6 +360,29 @@ def test_real_tracking_server(mlflow_server: str, tmp_path: Path) -> None:
     assert [m.step for m in client.get_metric_history(run_id, "loss")] == [10, 20, 30]
 
 
+def _children() -> list[str]:
+    """Command lines of this process's live children (Linux /proc; [] elsewhere)."""
+    found = []
+    for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid():
+                found.append(Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " "))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+@pytest.mark.slow
+def test_local_server_that_cannot_start_says_why_and_leaves_no_process() -> None:
+    with pytest.raises(tracking.ServerError) as e:
+        with tracking.local_server("nosuchscheme://store", timeout=60):
+            pytest.fail("a server on an unsupported store must not come up")
+    # The message carries the server's own log: the store it could not use.
+    assert "mlflow server exited" in str(e.value) and "nosuchscheme://store" in str(e.value)
+    assert [c for c in _children() if "mlflow" in c] == []
+
+
 def test_the_default_store_is_the_dvc_repository_root_under_dvc(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("DVC_ROOT", raising=False)
