@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from urllib.parse import quote
@@ -33,6 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: make `aiayn` importable without installing
     sys.path.insert(0, str(REPO))
 
+from aiayn.io import atomic_path  # noqa: E402
 from aiayn.tracking import ServerError, local_server  # noqa: E402
 
 
@@ -129,14 +129,9 @@ def screenshot(url: str, out: Path, run_names: list[str], params: list[str], met
                     switch.first.click()
             page.mouse.move(0, 0)
             time.sleep(2)  # the plot redraws after each change
-            out.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".png", delete=False) as tmp:
-                tmp_path = Path(tmp.name)
-            try:
-                page.screenshot(path=str(tmp_path))
-                tmp_path.replace(out)
-            finally:
-                tmp_path.unlink(missing_ok=True)
+            png = page.screenshot(type="png")
+            with atomic_path(out) as tmp:  # whole or not at all, with ordinary permissions
+                tmp.write_bytes(png)
         finally:
             browser.close()
 

@@ -10,8 +10,9 @@ one row per experiment that has scores: its name, the params that differ from th
 row, the valid scores that recipes are chosen by (``metrics/bleu_valid.json``: sacreBLEU and
 lowercased tokenized BLEU when present), the best greedy validation BLEU during training and
 its step, the training minutes, the steps reached and why training stopped. Test scores
-(``metrics/bleu.json``) are printed for the ``--chosen`` row only: recipes are chosen on
-valid, and the test set is read once, for the chosen one. ``--csv`` also writes the rows.
+(``metrics/bleu.json``) are printed for the ``--chosen`` rows only (the chosen recipe, one
+row per seed): recipes are chosen on valid, and the test set is read for the chosen one.
+``--csv`` also writes the rows.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def fmt(x, digits: int = 2) -> str:
     return "–" if x is None else f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
 
-def table(rows: list[dict], chosen: str | None,
+def table(rows: list[dict], chosen: set[str],
           base_name: str | None = None) -> tuple[list[str], list[list[str]]]:
     base = next((r["params"] for r in rows if r["name"] == base_name), rows[0]["params"])
     ignore = ("data.local.dir",)
@@ -78,7 +79,7 @@ def table(rows: list[dict], chosen: str | None,
         changed = [f"{k}={v}" for k, v in row["params"].items()
                    if base.get(k) != v and k not in ignore]
         train = m.get("metrics/train.json") or {}
-        test = row["name"] == chosen
+        test = row["name"] in chosen
         body.append([
             f"**{row['name']}**" if test else row["name"],
             ", ".join(changed) or "(baseline)",
@@ -99,7 +100,9 @@ def main(argv: list[str] | None = None) -> str:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, default=None,
                     help="a saved `dvc exp show --json` (default: run it here)")
-    ap.add_argument("--chosen", default=None, help="the experiment whose test scores to show")
+    ap.add_argument("--chosen", default="",
+                    help="the experiment(s) whose test scores to show: the chosen recipe's "
+                         "trainings (comma-separated, e.g. its seeds)")
     ap.add_argument("--base", default=None,
                     help="the row the changed params are relative to (default: the first)")
     ap.add_argument("--names", default=None,
@@ -112,9 +115,13 @@ def main(argv: list[str] | None = None) -> str:
     if args.json:
         shown = json.loads(args.json.read_text())
     else:
-        done = subprocess.run(["dvc", "exp", "show", "--json", *(["-A"] if args.all_commits
-                                                                   else [])],
-                              capture_output=True, text=True)
+        try:
+            done = subprocess.run(["dvc", "exp", "show", "--json",
+                                   *(["-A"] if args.all_commits else [])],
+                                  capture_output=True, text=True)
+        except FileNotFoundError:
+            sys.exit("error: no `dvc` on PATH: run this with the project's .venv/bin on PATH, "
+                     "or pass a saved `dvc exp show --json` with --json")
         if done.returncode != 0:
             sys.exit(f"error: dvc exp show failed: {done.stderr.strip()}")
         shown = json.loads(done.stdout)
@@ -125,7 +132,7 @@ def main(argv: list[str] | None = None) -> str:
         if missing:
             sys.exit(f"error: no experiment named {', '.join(missing)}")
         rows = [by_name[n] for n in args.names.split(",")]
-    head, body = table(rows, args.chosen, args.base)
+    head, body = table(rows, set(filter(None, args.chosen.split(","))), args.base)
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(cells) + " |" for cells in body]
     text = "\n".join(lines) + "\n"
