@@ -21,8 +21,12 @@ import json
 import logging
 import os
 import re
+import socket
 import subprocess
+import sys
+import tempfile
 import time
+import urllib.request
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -495,8 +499,6 @@ class ServerError(RuntimeError):
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now."""
-    import socket
-
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -511,10 +513,6 @@ def local_server(backend_store_uri: str, artifact_root: Path | None = None,
     starts in seconds. Raises ``ServerError`` with the tail of the server's log if it exits
     or does not answer ``/health`` within ``timeout`` s; stops the server on exit.
     """
-    import sys
-    import tempfile
-    import urllib.request
-
     exe = Path(sys.executable).with_name("mlflow")
     cmd = [str(exe) if exe.exists() else "mlflow", "server", "--host", "127.0.0.1",
            "--port", str(port := free_port()), "--backend-store-uri", backend_store_uri,
