@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import time
@@ -33,7 +32,12 @@ if str(REPO) not in sys.path:  # run as a script: make `aiayn` importable withou
     sys.path.insert(0, str(REPO))
 
 from aiayn.io import atomic_path  # noqa: E402
-from aiayn.tracking import ServerError, local_server  # noqa: E402
+from aiayn.tracking import (  # noqa: E402
+    ServerError,
+    local_server,
+    resolve_tracking_uri,
+    sqlite_path,
+)
 
 
 class CompareError(RuntimeError):
@@ -141,9 +145,9 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("names", nargs="+", help="DVC experiment names (their MLflow runs' names)")
-    ap.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db"),
-                    help="the MLflow store the runs are in (default: $MLFLOW_TRACKING_URI, "
-                         "else sqlite:///mlflow.db, the project's default)")
+    ap.add_argument("--tracking-uri", default=None,
+                    help="the MLflow store the runs are in (default: the stages' own choice, "
+                         "$MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
     ap.add_argument("--experiment", default="aiayn", help="MLflow experiment (default: aiayn)")
     ap.add_argument("--param", action="append", default=[], metavar="NAME",
                     help="a parameter axis of the plot, e.g. train.label_smoothing (repeat)")
@@ -156,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--width", type=int, default=1600, help="viewport width in pixels")
     ap.add_argument("--height", type=int, default=2000, help="viewport height in pixels")
     a = ap.parse_args(argv)
-    if a.tracking_uri.startswith("sqlite:///"):
-        db = Path(a.tracking_uri.removeprefix("sqlite:///"))
+    a.tracking_uri = resolve_tracking_uri(a.tracking_uri)
+    if (db := sqlite_path(a.tracking_uri)) is not None:
         if not db.is_file():
             print(f"error: {db}: no MLflow store there; pass --tracking-uri", file=sys.stderr)
             return 2
