@@ -18,10 +18,18 @@ row per seed): recipes are chosen on valid, and the test set is read for the cho
 from __future__ import annotations
 
 import argparse
+import csv
+import io
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script: make `aiayn` importable without installing
+    sys.path.insert(0, str(REPO))
+
+from aiayn.io import write_text  # noqa: E402
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
@@ -39,7 +47,9 @@ def rows_of(shown: list[dict]) -> list[dict]:
     """(name, params, metrics) of the baseline and of every experiment, in dvc's order."""
     rows = []
     for baseline in shown:
-        entries = [("baseline " + baseline["rev"][:7], baseline)]
+        name = ("workspace" if baseline["rev"] == "workspace"
+                else "baseline " + baseline["rev"][:7])
+        entries = [(name, baseline)]
         entries += [(e.get("name") or e["revs"][0]["rev"][:7], e["revs"][0])
                     for e in baseline.get("experiments") or []]
         for name, entry in entries:
@@ -61,7 +71,13 @@ def fmt(x, digits: int = 2) -> str:
 
 def table(rows: list[dict], chosen: set[str],
           base_name: str | None = None) -> tuple[list[str], list[list[str]]]:
-    base = next((r["params"] for r in rows if r["name"] == base_name), rows[0]["params"])
+    if base_name is None:  # the first commit, not the workspace (whatever ran last)
+        base = next((r for r in rows if r["name"] != "workspace"), rows[0])["params"]
+    else:
+        base = next((r["params"] for r in rows if r["name"] == base_name), None)
+        if base is None:
+            raise SystemExit(f"error: --base {base_name}: no such row; the rows are "
+                             + ", ".join(r["name"] for r in rows))
     ignore = ("data.local.dir",)
     head = ["experiment", "changed params", "valid sacreBLEU", "valid lc-tok BLEU",
             "best greedy valid BLEU (step)", "train min", "steps (stopped by)",
@@ -104,7 +120,8 @@ def main(argv: list[str] | None = None) -> str:
                     help="the experiment(s) whose test scores to show: the chosen recipe's "
                          "trainings (comma-separated, e.g. its seeds)")
     ap.add_argument("--base", default=None,
-                    help="the row the changed params are relative to (default: the first)")
+                    help="the row the changed params are relative to (default: the first "
+                         "commit's)")
     ap.add_argument("--names", default=None,
                     help="comma-separated rows to keep, in this order (default: all)")
     ap.add_argument("--all-commits", "-A", action="store_true",
@@ -137,15 +154,14 @@ def main(argv: list[str] | None = None) -> str:
     lines += ["| " + " | ".join(cells) + " |" for cells in body]
     text = "\n".join(lines) + "\n"
     print(text, end="")
-    if args.out:
-        args.out.write_text(text)
+    if args.out:  # whole or not at all
+        write_text(args.out, text)
     if args.csv:
-        import csv
-
-        with args.csv.open("w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(head)
-            w.writerows([[c.strip("*") for c in cells] for cells in body])
+        buf = io.StringIO(newline="")
+        w = csv.writer(buf)
+        w.writerow(head)
+        w.writerows([[c.strip("*") for c in cells] for cells in body])
+        write_text(args.csv, buf.getvalue())
     return text
 
 
