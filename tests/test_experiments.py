@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.conftest import GIT_IDENTITY, copy_project, run
+from tests.conftest import GIT_IDENTITY, REPO, copy_project, run
 
 pytestmark = pytest.mark.slow
 
@@ -167,11 +168,27 @@ def test_a_queued_sweep_reruns_only_training_onwards_and_compares(tiny_repo):
                 continue
             lr = data["params"]["params.yaml"]["data"]["train"]["lr_scale"]
             metrics = data["metrics"]
-            exps[float(lr)] = {"name": exp["name"],
+            exps[float(lr)] = {"name": exp["name"], "lr": lr,
+                               "valid": metrics["metrics/bleu_valid.json"]["data"]["sacrebleu"]
+                               ["score"],
                                "bleu": metrics["metrics/bleu.json"]["data"]["sacrebleu"]["score"],
                                "chrf": metrics["metrics/bleu.json"]["data"]["chrf"]["score"],
                                "loss": metrics["metrics/train.json"]["data"]["train_loss"]}
     assert sorted(exps) == [0.5, 1.0, 2.0], shown
+
+    # The sweep's table (bench/sweep_table.py) from this real `dvc exp show` output.
+    (root / "shown.json").write_text(json.dumps(shown))
+    chosen = exps[2.0]["name"]
+    table = run([sys.executable, str(REPO / "bench" / "sweep_table.py"), "--json", "shown.json",
+                 "--chosen", chosen], root, env).stdout
+    cells = {line.split(" | ")[0].strip("| *"): line.split(" | ")
+             for line in table.splitlines()[2:]}
+    committed = yaml.safe_load((root / "params.yaml").read_text())["train"]["lr_scale"]
+    for lr, exp in exps.items():
+        row = cells[exp["name"]]
+        assert row[1] == ("(baseline)" if lr == committed else f"train.lr_scale={exp['lr']}")
+        assert row[2] == f"{exp['valid']:.2f}"
+        assert (row[7] == f"{exp['bleu']:.2f}") if exp["name"] == chosen else row[7] == "not read"
     losses = {e["loss"] for e in exps.values()}
     assert len(losses) == 3, "each learning rate must train its own model"
 
