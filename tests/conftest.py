@@ -76,6 +76,16 @@ def fake_hub(tmp_path: Path) -> Path:
                                               "test": pairs[2:]})
 
 
+def load_bench(name: str):
+    """A script of bench/ (not a package) as a module, for testing its functions."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture
 def cli_env() -> dict[str, str]:
     """Environment for running the project's commands in a subprocess, offline."""

@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 from urllib.parse import parse_qs, unquote
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "mlflow_compare.py"
+from tests.conftest import load_bench
 
 
 @pytest.fixture(scope="module")
 def compare():
-    spec = importlib.util.spec_from_file_location("mlflow_compare", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("mlflow_compare")
 
 
 @pytest.fixture(scope="module")

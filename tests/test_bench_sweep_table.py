@@ -8,21 +8,17 @@ tests/test_experiments.py runs the script on real `dvc exp show` output.
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "sweep_table.py"
+from tests.conftest import load_bench
 
 
 @pytest.fixture(scope="module")
 def sweep_table():
-    spec = importlib.util.spec_from_file_location("sweep_table", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("sweep_table")
 
 
 def entry(params: dict, valid: float | None, test: float | None = None,
