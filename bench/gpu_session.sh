@@ -18,13 +18,14 @@
 #   3. the multi30k preset trained on the GPU by the train stage (bf16, fused Adam, pinned
 #      prefetch, validation BLEU), then average, translate (valid, test) and score.
 # Results: $OUT/session.log, $OUT/gpu_step_*.json, $OUT/m30k.tar.gz (metrics/, params.yaml).
-# About 10 minutes on an H200 (the machine's start not counted).
+# About 10 minutes on an H200 (the machine's start not counted); PARTS="1c 1d 2 3" MINUTES=2
+# took 7 minutes (docs/results/gpu-h200/session4).
 set -u
 STEPS=${STEPS:-4000}
 MINUTES=${MINUTES:-3}
 PY=${PY:-python3}
 M30K=${M30K:-../shared/data/multi30k}  # the corpus (prepare only): {train,val,test2016}.{en,de}
-PARTS=${PARTS:-123}                     # which parts to run
+PARTS=${PARTS:-"1 2 3"}                 # which parts to run: "1 2 3", or sub-parts ("1c 1d 3")
 WORK=${WORK:-.gpu/m30k}                 # part 3's folder
 
 if [ "${1:-}" = prepare ]; then
@@ -58,6 +59,8 @@ else
     export PYTHONPATH=$PWD
 fi
 part() { echo; echo "=== $1 ($(date -u +%T))"; }
+# want 1c: true when PARTS names 1c, or part 1 whole
+want() { case " $PARTS " in *" $1 "*|*" ${1:0:1} "*) return 0;; esac; return 1; }
 
 part "machine"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
@@ -65,28 +68,34 @@ $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cu
 torch.cuda.get_device_name(), 'bf16', torch.cuda.is_bf16_supported())"
 nproc
 
-case $PARTS in *1*)
+if want 1a; then
 part "1a. gpu_step: base and big, bf16, eager, new batch shapes every step"
 timeout 150 $PY bench/gpu_step.py --configs base,big --json "$OUT/gpu_step_eager.json" \
     || echo "PART 1a FAILED ($?)"
+fi
+if want 1b; then
 part "1b. the same for base with cuDNN attention left in SDPA's choice (the baseline)"
 timeout 60 $PY bench/gpu_step.py --configs base --warmup 3 --steps 8 --cudnn-attention \
     --json "$OUT/gpu_step_cudnn.json" || echo "PART 1b FAILED ($?)"
+fi
+if want 1c; then
 part "1c. base on shapes met before (--reuse), first and last step profiled"
 timeout 120 $PY bench/gpu_step.py --configs base --warmup 30 --steps 10 --reuse --profile \
     --json "$OUT/gpu_step_reuse.json" | grep -v "^USDT" || echo "PART 1c FAILED ($?)"
+fi
+if want 1d; then
 part "1d. the same shapes with the loss in the CPU's 256-row blocks (the baseline of loss_blocks)"
 timeout 90 $PY bench/gpu_step.py --configs base --warmup 30 --steps 10 --reuse --cpu-loss-blocks \
-    --json "$OUT/gpu_step_cpu_loss_blocks.json" || echo "PART 1d FAILED ($?)";;
-esac
+    --json "$OUT/gpu_step_cpu_loss_blocks.json" || echo "PART 1d FAILED ($?)"
+fi
 
-case $PARTS in *2*)
+if want 2; then
 part "2. gpu_step: base, torch.compile inside DDP (torchrun, NCCL)"
 timeout 240 $PY -m torch.distributed.run --standalone --nproc-per-node 1 bench/gpu_step.py --ddp --compile \
-    --configs base --warmup 8 --json "$OUT/gpu_step_compile_ddp.json" || echo "PART 2 FAILED ($?)";;
-esac
+    --configs base --warmup 8 --json "$OUT/gpu_step_compile_ddp.json" || echo "PART 2 FAILED ($?)"
+fi
 
-case $PARTS in *3*)
+if want 3; then
 part "3. multi30k preset on the GPU: train, average, translate, score"
 m30k() {  # each step only after the one before it succeeded
     cd "$WORK" && rm -rf data/checkpoints data/model data/translations metrics \
@@ -100,6 +109,6 @@ m30k() {  # each step only after the one before it succeeded
 (m30k) || echo "PART 3 FAILED ($?)"
 (cd "$WORK" && tar czf "$OUT/m30k.tar.gz" params.yaml metrics data/translations \
     data/model/config.json 2>/dev/null)
-[ -f "$WORK/metrics/bleu.json" ] && cat "$WORK/metrics/train.json" "$WORK/metrics/bleu.json";;
-esac
+[ -f "$WORK/metrics/bleu.json" ] && cat "$WORK/metrics/train.json" "$WORK/metrics/bleu.json"
+fi
 part "done"
