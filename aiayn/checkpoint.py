@@ -118,6 +118,63 @@ def save_checkpoint(folder: Path, step: int, state: dict, keep: int,
     return final
 
 
+PROGRESS_SUFFIX = ".progress"
+
+
+def progress_folder(folder: Path) -> Path:
+    """``data/checkpoints.progress`` for ``data/checkpoints``: hard links to the checkpoints
+    the trainer holds, kept in step by :func:`mirror_checkpoints`.
+
+    Why: ``dvc exp run`` checks every cached output out as it was last committed before it
+    runs a stage (``persist: true`` or not). A training that stopped before DVC committed
+    its checkpoints (interrupted, killed, or DVC failing to cache them, say on a full disk)
+    would find the committed experiment's checkpoints in its folder at the next ``dvc exp
+    run`` and its own gone. A second name for each file keeps them, at no cost in disk
+    while both names exist; :func:`unsaved_checkpoints` finds what the folder lost.
+    """
+    folder = Path(folder)
+    return folder.with_name(folder.name + PROGRESS_SUFFIX)
+
+
+def mirror_checkpoints(folder: Path) -> None:
+    """Make :func:`progress_folder` hold a hard link to each checkpoint of ``folder`` and
+    nothing else. Raises OSError where the file system has no hard links."""
+    folder = Path(folder)
+    mirror = progress_folder(folder)
+    current = {p.name: p for p in list_checkpoints(folder)}
+    mirror.mkdir(exist_ok=True)
+    for name, path in current.items():
+        link = mirror / name
+        if link.exists() and os.path.samefile(link, path):
+            continue
+        tmp = mirror / f".{name}.link.tmp"
+        tmp.unlink(missing_ok=True)
+        os.link(path, tmp)
+        os.replace(tmp, link)
+    for link in list_checkpoints(mirror):
+        if link.name not in current:
+            link.unlink(missing_ok=True)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """One file under two names, or two files with the same bytes (a copy put back)."""
+    if os.path.samefile(a, b):
+        return True
+    return a.stat().st_size == b.stat().st_size and file_sha256(a) == file_sha256(b)
+
+
+def unsaved_checkpoints(folder: Path) -> list[Path]:
+    """The checkpoints of :func:`progress_folder` that ``folder`` no longer holds (absent,
+    or replaced by other bytes under the same name), oldest step first."""
+    folder = Path(folder)
+    lost = []
+    for link in list_checkpoints(progress_folder(folder)):
+        there = folder / link.name
+        if not (there.is_file() and _same_file(link, there)):
+            lost.append(link)
+    return lost
+
+
 def state_bytes(obj: Any) -> int:
     """The bytes of the tensors in a nested dict/list (about a checkpoint file's size)."""
     if isinstance(obj, torch.Tensor):

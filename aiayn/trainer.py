@@ -31,6 +31,7 @@ import contextlib
 import hashlib
 import logging
 import math
+import os
 import random
 import shutil
 import time
@@ -49,7 +50,10 @@ from aiayn.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    mirror_checkpoints,
+    progress_folder,
     save_checkpoint,
+    unsaved_checkpoints,
 )
 from aiayn.config import Params, TrainConfig
 from aiayn.distributed import World
@@ -245,6 +249,7 @@ class Trainer:
         self._grad_norm: torch.Tensor | None = None
         self._lr = 0.0
         self.branched_from: dict | None = None  # set by _branch_point
+        self._mirroring = True  # hard links in checkpoints.progress (_mirror)
         self.identity = self.run_identity()
         self._resume()
         # Dropout differs between ranks; the seed offset keeps it reproducible per rank.
@@ -321,17 +326,27 @@ class Trainer:
         identity["shards_sha256"] = digest.hexdigest()
         return identity
 
-    def _move_aside(self, items: list[Path]) -> Path:
-        """Move ``items`` of the checkpoint folder to ``checkpoints.replaced/<time>/``: a
-        run's files are never deleted. Every rank has read them before, and waits after."""
+    def _move_now(self, items: list[Path], label: str = "") -> Path:
+        """Move ``items`` to a new folder ``checkpoints.replaced/<time>[-label]/`` (rank 0
+        alone): a run's files are never deleted."""
         folder = self.paths.checkpoints
-        dest = folder.with_name(folder.name + ".replaced") / time.strftime("%Y%m%d-%H%M%S")
+        base = folder.with_name(folder.name + ".replaced") / (
+            time.strftime("%Y%m%d-%H%M%S") + (f"-{label}" if label else ""))
+        dest, n = base, 1
+        while dest.exists():  # two moves in one second never mix their files
+            n += 1
+            dest = base.with_name(f"{base.name}-{n}")
+        dest.mkdir(parents=True)
+        for item in items:
+            shutil.move(str(item), str(dest / item.name))
+        return dest
+
+    def _move_aside(self, items: list[Path]) -> Path:
+        """Move ``items`` of the checkpoint folder to ``checkpoints.replaced/<time>/``. Every
+        rank has read them before, and waits after."""
         if self.world.distributed:
             torch.distributed.barrier()
-        if self.world.is_main:
-            dest.mkdir(parents=True, exist_ok=True)
-            for item in items:
-                shutil.move(str(item), str(dest / item.name))
+        dest = self._move_now(items) if self.world.is_main else Path()
         if self.world.distributed:
             torch.distributed.barrier()
         return dest
@@ -345,19 +360,99 @@ class Trainer:
                         "%s (delete them when no longer needed) and a new run starts.",
                         folder, why, dest)
 
+    def _identity_changes(self, ckpt: dict) -> list[str]:
+        """How the settings that shaped ``ckpt`` differ from this run's; none: it resumes."""
+        saved, now = ckpt["meta"].get("identity") or {}, self.identity
+        # A training setting added since the run started, at its default, computes as the
+        # code the run started with did: the run goes on.
+        now = {k: v for k, v in now.items() if k in saved or v != identity_default(k)}
+        return [f"{k}: {saved.get(k, '(absent)')!r} -> {now.get(k, '(absent)')!r}"
+                for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+
     def _resume(self) -> None:
+        self._recover_progress()
+        self._resume_from_folder()
+        self._mirror()
+
+    def _mirror(self) -> None:
+        """Keep checkpoints.progress in step with the checkpoint folder (rank 0)."""
+        if not (self.world.is_main and self._mirroring):
+            return
+        try:
+            mirror_checkpoints(self.paths.checkpoints)
+        except OSError as exc:
+            self._mirroring = False
+            log.warning("train: cannot keep hard links to the checkpoints in %s (%s); a "
+                        "`dvc exp run` that stops before DVC commits them will start over "
+                        "from the committed ones", progress_folder(self.paths.checkpoints),
+                        exc)
+
+    def _newest(self, folder: Path) -> tuple[Path, dict] | None:
+        try:
+            return latest_checkpoint(folder, map_location="cpu")
+        except DataError:
+            return None
+
+    def _recover_progress(self) -> None:
+        """Put back the checkpoints that ``dvc exp run`` replaced by committed ones.
+
+        Before it runs a stage, ``dvc exp run`` checks out every cached output as last
+        committed, so a training it ran that stopped before DVC committed its checkpoints
+        finds another run's checkpoints in their place (aiayn.checkpoint.progress_folder).
+        They come back if they are this run's (same settings) and further along than what
+        the folder holds; otherwise they are moved to checkpoints.replaced, never deleted.
+        """
+        if self.world.distributed:
+            torch.distributed.barrier()
+        if self.world.is_main:
+            try:
+                lost = unsaved_checkpoints(self.paths.checkpoints)
+            except OSError:
+                lost = []
+            if lost:
+                self._restore_or_keep(lost)
+        if self.world.distributed:
+            torch.distributed.barrier()
+
+    def _restore_or_keep(self, lost: list[Path]) -> None:
+        folder, mirror = self.paths.checkpoints, progress_folder(self.paths.checkpoints)
+        held = list_checkpoints(folder)
+        mine, theirs = self._newest(mirror), self._newest(folder)
+        last = checkpoint_step(lost[-1])
+        why = None
+        if not held:
+            why = (f"{folder} holds no checkpoints (deleted to start afresh?), so they are "
+                   "not put back")
+        elif mine is None:
+            why = "none of them can be read"
+        elif changes := self._identity_changes(mine[1]):
+            why = f"they were made with other settings ({'; '.join(changes)})"
+        elif (theirs is not None and not self._identity_changes(theirs[1])
+              and checkpoint_step(theirs[0]) >= checkpoint_step(mine[0])):
+            why = f"the folder's own run is as far along (step {checkpoint_step(theirs[0])})"
+        if why is not None:
+            dest = self._move_now(lost, label="progress")
+            log.warning("train: %d checkpoint(s) up to step %d that %s no longer holds: %s. "
+                        "They were moved to %s (delete them when no longer needed).",
+                        len(lost), last, folder, why, dest)
+            return
+        dest = self._move_now(sorted(folder.iterdir()), label="checked-out")
+        for link in list_checkpoints(mirror):
+            os.link(link, folder / link.name)
+        log.warning("train: %s held other checkpoints (up to step %d) than this run's, which "
+                    "reached step %d: `dvc exp run` checks the last committed outputs out "
+                    "before it runs a stage. This run's were put back from %s and it "
+                    "resumes; what the folder held was moved to %s (delete it when no "
+                    "longer needed).", folder, checkpoint_step(held[-1]),
+                    checkpoint_step(mine[0]), mirror, dest)
+
+    def _resume_from_folder(self) -> None:
         found = latest_checkpoint(self.paths.checkpoints, map_location=self.device)
         self._check_same_checkpoint(None if found is None else found[0])
         if found is None:
             return
         path, ckpt = found
-        saved, now = ckpt["meta"].get("identity") or {}, self.identity
-        # A training setting added since the run started, at its default, computes as the
-        # code the run started with did: the run goes on.
-        now = {k: v for k, v in now.items() if k in saved or v != identity_default(k)}
-        if saved != now:
-            changes = [f"{k}: {saved.get(k, '(absent)')!r} -> {now.get(k, '(absent)')!r}"
-                       for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+        if changes := self._identity_changes(ckpt):
             self._set_aside(f"was made with other settings ({'; '.join(changes)})")
             return
         found = self._branch_point(path, ckpt)
@@ -619,13 +714,15 @@ class Trainer:
         if self.p.train.cooldown > 0 and s.stable_step is not None:
             protect |= {s.stable_step}
         try:
-            return save_checkpoint(self.paths.checkpoints, s.step, state,
+            path = save_checkpoint(self.paths.checkpoints, s.step, state,
                                    keep=self.p.train.keep_checkpoints, protect=protect)
         except OutputError as exc:
             found = list_checkpoints(self.paths.checkpoints)
             resume = f"step {checkpoint_step(found[-1])}" if found else "the start"
             raise OutputError(f"training stopped at step {s.step}: {exc}; training then "
                               f"resumes from {resume}") from None
+        self._mirror()
+        return path
 
     def _bleu_at(self, step: int) -> float | None:
         """The validation BLEU of ``step``, if it was measured."""
