@@ -1,6 +1,7 @@
 """Experiments as users run them: the demo end to end against a real MLflow server, a queued
 `dvc exp` sweep compared with `dvc exp show` / `metrics diff` / `plots diff`, and outputs
-pushed to a DVC remote and pulled into a fresh clone.
+pushed to a DVC remote and pulled into a fresh clone, and a `dvc exp run` whose training
+failed before DVC committed it, run again.
 
 All of them run whole pipelines in temporary copies of the project (slow, and run in CI).
 """
@@ -241,3 +242,41 @@ def test_a_queued_sweep_reruns_only_training_onwards_and_compares(tiny_repo):
     assert beam.data.metrics["test/sacrebleu"] == pytest.approx(wide)
     baseline_bleu = json.loads((root / "metrics/bleu.json").read_text())["sacrebleu"]["score"]
     assert baseline_run.data.metrics["test/sacrebleu"] == pytest.approx(baseline_bleu)
+
+
+def test_a_training_that_failed_before_dvc_committed_it_resumes_when_run_again(tmp_path,
+                                                                               cli_env):
+    # `dvc exp run` checks the committed checkpoints out before it runs train, over those
+    # of a training that stopped before DVC committed them. Here the stage fails after
+    # training (as when DVC cannot cache the checkpoints on a full disk); the same command
+    # again must resume from that training's checkpoints, not start over.
+    from aiayn.checkpoint import load_checkpoint
+
+    env = {**cli_env, **GIT_IDENTITY}
+    root = copy_project(tmp_path / "repo", env, TINY)
+    dvc_yaml = root / "dvc.yaml"
+    stage_cmd = "    cmd: aiayn train\n"
+    assert dvc_yaml.read_text().count(stage_cmd) == 1
+    dvc_yaml.write_text(dvc_yaml.read_text().replace(
+        stage_cmd, '    cmd: aiayn train && test -z "$FAIL_AFTER_TRAIN"\n'))
+    run(["dvc", "repro"], root, env)
+    run(["git", "add", "-A"], root, env)
+    run(["git", "commit", "-q", "-m", "baseline run"], root, env)
+    ckpts, last = root / "data/checkpoints", "step-00000008.pt"
+
+    def lr_of(path: Path) -> float:
+        return load_checkpoint(path)["meta"]["identity"]["train.lr_scale"]
+
+    failed = run(["dvc", "exp", "run", "-S", "train.lr_scale=2"], root,
+                  {**env, "FAIL_AFTER_TRAIN": "1"}, check=False)
+    assert failed.returncode != 0 and lr_of(ckpts / last) == 2.0
+    trained = tree_digest(ckpts)
+
+    again = run(["dvc", "exp", "run", "-S", "train.lr_scale=2"], root, env)
+    log = again.stdout + again.stderr
+    assert "This run's were put back" in log, log[-3000:]
+    assert f"resumed from data/checkpoints/{last} (step 8" in log, log[-3000:]
+    assert tree_digest(ckpts)[last] == trained[last]  # not trained again
+    checked_out = list((root / "data/checkpoints.replaced").glob("*-checked-out"))
+    assert len(checked_out) == 1 and lr_of(checked_out[0] / last) == 1.0
+    assert json.loads((root / "metrics/train.json").read_text())["steps"] == 8
