@@ -280,3 +280,24 @@ def test_a_training_that_failed_before_dvc_committed_it_resumes_when_run_again(t
     checked_out = list((root / "data/checkpoints.replaced").glob("*-checked-out"))
     assert len(checked_out) == 1 and lr_of(checked_out[0] / last) == 1.0
     assert json.loads((root / "metrics/train.json").read_text())["steps"] == 8
+
+
+def test_push_to_a_remote_then_pull_into_a_fresh_clone(tiny_repo, tmp_path):
+    root, env = tiny_repo
+    remote = tmp_path / "remote"
+    run(["dvc", "remote", "add", "-d", "store", str(remote)], root, env)
+    run(["git", "commit", "-q", "-am", "add the remote"], root, env)
+    run(["dvc", "push"], root, env)
+
+    clone = tmp_path / "clone"
+    run(["git", "clone", "-q", str(root), str(clone)], tmp_path, env)
+    assert not (clone / "data/model").exists()
+    run(["dvc", "pull"], clone, env)
+    for out in OUTS:
+        assert tree_digest(clone / out) == tree_digest(root / out), out
+        assert tree_digest(clone / out), f"{out} is empty"
+    # Nothing to run but the optional export pipeline, which never ran (export/dvc.yaml).
+    status = json.loads(run(["dvc", "status", "--json"], clone, env).stdout)
+    assert set(status) <= {"export/dvc.yaml:export"}, status
+    log = run(["dvc", "repro"], clone, env).stdout
+    assert "Running stage" not in log and "up to date" in log, log
