@@ -163,14 +163,25 @@ def _same_file(a: Path, b: Path) -> bool:
     return a.stat().st_size == b.stat().st_size and file_sha256(a) == file_sha256(b)
 
 
+def _readable(path: Path) -> bool:
+    try:
+        load_checkpoint(path, mmap=True)
+    except DataError:
+        return False
+    return True
+
+
 def unsaved_checkpoints(folder: Path) -> list[Path]:
-    """The checkpoints of :func:`progress_folder` that ``folder`` no longer holds (absent,
-    or replaced by other bytes under the same name), oldest step first."""
+    """The checkpoints of :func:`progress_folder` that ``folder`` no longer holds: absent,
+    or replaced under the same name by another readable checkpoint (as a checkout does),
+    oldest step first. A torn file in ``folder`` does not count: the trainer falls back
+    from it as from any torn checkpoint (and with hard links the mirror's name is torn
+    too; only a copy of the folder made without them holds other bytes)."""
     folder = Path(folder)
     lost = []
     for link in list_checkpoints(progress_folder(folder)):
         there = folder / link.name
-        if not (there.is_file() and _same_file(link, there)):
+        if not there.is_file() or (not _same_file(link, there) and _readable(there)):
             lost.append(link)
     return lost
 

@@ -51,15 +51,18 @@ def test_the_mirror_follows_every_save_and_every_pruned_checkpoint(tmp_path):
     assert unsaved_checkpoints(folder) == []
 
 
-def test_unsaved_checkpoints_are_those_the_folder_lost_or_holds_other_bytes_for(tmp_path):
+def test_unsaved_checkpoints_are_those_the_folder_lost_or_holds_another_checkpoint_for(
+        tmp_path):
     folder = tmp_path / "checkpoints"
-    for step in (1, 2, 3):
+    for step in (1, 2, 3, 4):
         save_checkpoint(folder, step, {"w": torch.full((4,), float(step))}, keep=5)
     mirror_checkpoints(folder)
     committed = tmp_path / "committed"
     committed.mkdir()
     shutil.copy(folder / "step-00000001.pt", committed)  # the same bytes, another inode
     torch.save({"w": torch.zeros(4)}, committed / "step-00000002.pt")  # another run's
+    torn = (folder / "step-00000004.pt").read_bytes()[:100]
+    (committed / "step-00000004.pt").write_bytes(torn)  # torn: the trainer skips it itself
     dvc_checkout(folder, committed)
     lost = unsaved_checkpoints(folder)
     assert [p.name for p in lost] == ["step-00000002.pt", "step-00000003.pt"]
