@@ -241,6 +241,13 @@ class TrainConfig(Strict):
         "the train.average_last with the best validation BLEU, chosen among the checkpoints "
         "written at validation-BLEU steps (needs train.valid_bleu_every, a multiple of "
         "train.checkpoint_every_steps)")
+    average_candidates: list[int] = Field(
+        [], description="counts of checkpoints the average stage tries, keeping the one "
+        "whose average scores the best validation BLEU (the valid set decoded as "
+        "train.valid_bleu_sentences, _beam and _alpha say); train.average_last is then "
+        "not used. The best count depends on how far training got: a run stopped early by "
+        "its time budget still improves fast at its end, and averaging older checkpoints "
+        "costs BLEU; [] (the default): average train.average_last, no choice")
     valid_bleu_every: int = Field(
         0, ge=0, description="steps between validation-BLEU passes: the valid set translated "
         "with the current weights and scored with sacreBLEU; 0: off")
@@ -264,6 +271,14 @@ class TrainConfig(Strict):
         if self.average_last > self.keep_checkpoints:
             raise ValueError(
                 f"average_last ({self.average_last}) exceeds keep_checkpoints "
+                f"({self.keep_checkpoints}); keep at least as many checkpoints as you average")
+        if any(n <= 0 for n in self.average_candidates):
+            raise ValueError(f"average_candidates {self.average_candidates}: every count must "
+                             "be at least 1")
+        if self.average_candidates and max(self.average_candidates) > self.keep_checkpoints:
+            raise ValueError(
+                f"average_candidates {self.average_candidates} holds "
+                f"{max(self.average_candidates)}, more than keep_checkpoints "
                 f"({self.keep_checkpoints}); keep at least as many checkpoints as you average")
         if self.average == "best":
             if not self.valid_bleu_every:

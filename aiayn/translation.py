@@ -115,6 +115,23 @@ class ValidationBleu:
     target_lang: str
     batch_size: int = 64
 
+    @classmethod
+    def from_params(cls, p, raw: Path, tokenizer: Tokenizer) -> ValidationBleu:
+        """The valid split of the raw data in ``raw`` (or its first
+        ``train.valid_bleu_sentences``), decoded as ``train.valid_bleu_beam`` / ``_alpha`` say."""
+        from aiayn.corpus import iter_raw
+
+        src, tgt = p.data.src_lang, p.data.tgt_lang
+        sources, references = [], []
+        for batch in iter_raw(raw, "valid", columns=[src, tgt]):
+            sources += batch[src]
+            references += batch[tgt]
+        if p.train.valid_bleu_sentences:
+            sources = sources[:p.train.valid_bleu_sentences]
+            references = references[:p.train.valid_bleu_sentences]
+        beam = BeamConfig(beam=p.train.valid_bleu_beam, alpha=p.train.valid_bleu_alpha)
+        return cls(sources, references, tokenizer, beam, tgt, p.decode.batch_size)
+
     def __call__(self, model: Transformer, device: torch.device,
                  amp_dtype: torch.dtype | None = None) -> float:
         from aiayn.scoring import sacre_scores

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -16,6 +17,7 @@ from aiayn.checkpoint import (
     load_checkpoint,
 )
 from aiayn.errors import DataError
+from aiayn.io import write_json
 from aiayn.model import Transformer, TransformerConfig
 from stages.common import ParamsPath, log, read_params, single_command_app, stage
 
@@ -28,6 +30,9 @@ def average(
     checkpoints: Annotated[Path, typer.Option(help="Folder of step-*.pt checkpoints written by `aiayn train`.")] = Path("data/checkpoints"),
     tokenizer: Annotated[Path, typer.Option(help="The tokenizer the checkpoints were trained with; copied into OUT.")] = Path("data/vocab/tokenizer.json"),
     out: Annotated[Path, typer.Option(help="Model folder written: model.safetensors, config.json, tokenizer.json.")] = Path("data/model"),
+    raw: Annotated[Path, typer.Option(help="Folder of the download stage's parquet files; its valid split scores the candidates of train.average_candidates (not read without them).")] = Path("data/raw"),
+    metrics: Annotated[Path, typer.Option(help="JSON written: how many checkpoints were averaged, their steps, and each candidate's validation BLEU.")] = Path("metrics/average.json"),
+    device: Annotated[Literal["auto", "cpu", "cuda"], typer.Option(help="Where candidates are decoded: auto (cuda if a GPU is visible), cpu or cuda.")] = "auto",
     mlflow: Annotated[bool, typer.Option(help="Upload OUT into the training run's MLflow artifacts (model/); the run id is CHECKPOINTS/mlflow_run.json.")] = True,
 ) -> None:
     """Average the weights of checkpoints into one model (paper Section 6.1).
@@ -37,34 +42,31 @@ def average(
     (recorded by training with `train.valid_bleu_every`); fewer, with a warning, if fewer
     exist. They must share one model configuration and tokenizer hash. TOKENIZER, whose
     sha256 must equal the one recorded at training time.
+    With `train.average_candidates` (e.g. [1, 3, 5, 10]) the count is chosen instead: each
+    candidate's average translates the valid split in RAW (as `train.valid_bleu_sentences`,
+    `_beam` and `_alpha` say, with bf16 where the hardware has it natively), and the one
+    with the best sacreBLEU is kept (of equals, the larger count).
     Writes: OUT as one atomic folder: model.safetensors (the element-wise mean of the
     model weights), config.json (model configuration, vocabulary size, tokenizer sha256,
     MLflow run id, how the checkpoints were chosen, the averaged steps and their validation
-    BLEU, tokens seen) and tokenizer.json (a copy of TOKENIZER), so that the folder alone
-    suffices to translate. With MLflow on, OUT is also uploaded into the training run's
-    artifacts (under model/), with the choice as tags.
+    BLEU, each candidate's score, tokens seen) and tokenizer.json (a copy of TOKENIZER), so
+    that the folder alone suffices to translate. METRICS (a DVC metric). With MLflow on, OUT
+    is also uploaded into the training run's artifacts (under model/), with the choice as
+    tags and the candidates' scores as metrics.
     """
     p = read_params(params)
-    wanted, how = p.train.average_last, p.train.average
+    how, candidates = p.train.average, sorted(set(p.train.average_candidates))
     found = list_checkpoints(checkpoints)
     if not found:
         raise DataError(f"no checkpoints in {checkpoints}; run `aiayn train`")
-    if how == "best":
-        chosen, metas = _best(found, wanted, checkpoints)
-    else:
-        chosen = found[-wanted:]
-        metas = [_meta(path) for path in chosen]
-    if len(chosen) < wanted:
-        log.warning("average: train.average_last is %d but %s holds only %d %scheckpoint(s); "
-                    "averaging those %d", wanted, checkpoints, len(chosen),
-                    "scored " if how == "best" else "", len(chosen))
-
-    newest_path, newest = chosen[-1], metas[-1]
-    for path, meta in zip(chosen, metas, strict=True):
+    # Every average this stage may take is drawn from the largest choice: check it once.
+    pool, metas = _choose(found, max(candidates or [p.train.average_last]), how, checkpoints)
+    newest_path, newest = pool[-1], metas[pool[-1]]
+    for path in pool:
         for key in META_KEYS:
-            if meta[key] != newest[key]:
+            if metas[path][key] != newest[key]:
                 raise DataError(
-                    f"{path} and {newest_path} differ in {key} ({meta[key]!r} vs "
+                    f"{path} and {newest_path} differ in {key} ({metas[path][key]!r} vs "
                     f"{newest[key]!r}): they come from different training runs; delete the "
                     f"stale checkpoints from {checkpoints} or re-run `aiayn train`")
 
@@ -77,19 +79,26 @@ def average(
             f"the checkpoints in {checkpoints} were trained with: the vocabulary changed since "
             "training; re-run training (`aiayn train`)")
 
-    steps = [int(meta.get("step", checkpoint_step(path))) for path, meta in zip(chosen, metas, strict=True)]
-    bleu = [meta.get("valid_bleu") for meta in metas]
+    # The exported folder must load into the model it claims to be: check before writing.
+    model = _model(newest, newest_path)
+    scores: dict[int, float] = {}
+    if candidates:
+        wanted, scores = _pick(p, candidates, found, how, checkpoints, raw, tokenizer, model,
+                               device)
+    else:
+        wanted = p.train.average_last
+    chosen, _ = _choose(found, wanted, how, checkpoints)
+    if len(chosen) < wanted and not candidates:
+        log.warning("average: train.average_last is %d but %s holds only %d %scheckpoint(s); "
+                    "averaging those %d", wanted, checkpoints, len(chosen),
+                    "scored " if how == "best" else "", len(chosen))
+
+    steps = [int(metas[path].get("step", checkpoint_step(path))) for path in chosen]
+    bleu = [metas[path].get("valid_bleu") for path in chosen]
     log.info("average: averaging %d checkpoint(s) (%s), steps %s%s", len(chosen), how, steps,
              f", validation sacreBLEU {[round(b, 2) for b in bleu]}" if how == "best" else "")
     weights = average_checkpoints(chosen, key="model")
-
-    # The exported folder must load into the model it claims to be: check before writing.
-    try:
-        cfg = TransformerConfig(**newest["model_config"])
-        Transformer(cfg).load_state_dict(weights, strict=True)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise DataError(f"{newest_path}: the averaged weights do not fit the recorded model "
-                        f"configuration ({str(exc)[:300]}); re-run `aiayn train`") from None
+    _load(model, weights, newest_path)
 
     config = {
         "model": newest["model_config"],
@@ -99,20 +108,93 @@ def average(
         "average": how,
         "averaged_steps": steps,
         "averaged_valid_bleu": bleu,
+        "average_candidates_valid_bleu": {str(n): score for n, score in scores.items()},
         "tokens_seen": newest.get("tokens_seen"),
     }
+    summary = {"average": how, "averaged": len(chosen), "first_step": steps[0],
+               "last_step": steps[-1],
+               "candidates": {str(n): round(score, 4) for n, score in scores.items()}}
     export_model(out, weights, config, extra_files={"tokenizer.json": tokenizer})
+    write_json(metrics, summary)
     log.info("average: wrote %s (steps %s)", out, steps)
     if mlflow:
         from aiayn.tracking import log_into_run
 
+        tags = {"average": how, "averaged_steps": ",".join(map(str, steps))}
+        if candidates:
+            tags["average_candidates"] = ",".join(map(str, candidates))
         log_into_run(checkpoints / "mlflow_run.json", "average",
-                     {"averaged_checkpoints": len(chosen)}, [(out, "model")],
-                     tags={"average": how, "averaged_steps": ",".join(map(str, steps))},
+                     {"averaged_checkpoints": len(chosen),
+                      **{f"average/valid_bleu_{how}_{n}": s for n, s in scores.items()}},
+                     [(out, "model"), (metrics, "metrics")], tags=tags,
                      params=p.model_dump(mode="json"))
 
 
-def _best(found: list[Path], wanted: int, folder: Path) -> tuple[list[Path], list[dict]]:
+def _pick(p, candidates: list[int], found: list[Path], how: str, folder: Path, raw: Path,
+          tokenizer: Path, model: Transformer, device: str) -> tuple[int, dict[int, float]]:
+    """The candidate count whose average decodes the valid split best, and every score."""
+    import torch
+
+    from aiayn.model import avoid_cudnn_attention
+    from aiayn.precision import autocast_dtype
+    from aiayn.tokenizer import load_tokenizer
+    from aiayn.translation import ValidationBleu
+
+    scorer = ValidationBleu.from_params(p, raw, load_tokenizer(tokenizer))
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available()
+                       else ("cpu" if device == "auto" else device))
+    avoid_cudnn_attention(dev)
+    model.to(dev)
+    amp = autocast_dtype("auto", dev)
+    log.info("average: choosing among %s checkpoints on %d valid sentences (beam %d, %s)",
+             candidates, len(scorer.sources), scorer.beam.beam,
+             "fp32" if amp is None else str(amp).removeprefix("torch."))
+    scores: dict[int, float] = {}
+    seen: dict[tuple[Path, ...], int] = {}
+    for n in candidates:
+        chosen, _ = _choose(found, n, how, folder)
+        if tuple(chosen) in seen:  # fewer checkpoints exist than n: the same average
+            log.info("average: %s %d: only %d checkpoint(s), the same as %d", how, n,
+                     len(chosen), seen[tuple(chosen)])
+            continue
+        seen[tuple(chosen)] = n
+        _load(model, average_checkpoints(chosen, key="model"), chosen[-1])
+        started = time.perf_counter()
+        scores[n] = scorer(model, dev, amp)
+        log.info("average: %s %d → valid sacreBLEU %.2f (%.0f s)", how, n, scores[n],
+                 time.perf_counter() - started)
+    best = max(scores, key=lambda n: (scores[n], n))
+    log.info("average: keeping %s %d (valid sacreBLEU %.2f)", how, best, scores[best])
+    model.to("cpu")
+    return best, scores
+
+
+def _model(meta: dict, path: Path) -> Transformer:
+    try:
+        return Transformer(TransformerConfig(**meta["model_config"]))
+    except (TypeError, ValueError) as exc:
+        raise DataError(f"{path}: its recorded model configuration is not valid "
+                        f"({str(exc)[:300]}); re-run `aiayn train`") from None
+
+
+def _load(model: Transformer, weights: dict, path: Path) -> None:
+    try:
+        model.load_state_dict(weights, strict=True)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise DataError(f"{path}: the averaged weights do not fit the recorded model "
+                        f"configuration ({str(exc)[:300]}); re-run `aiayn train`") from None
+
+
+def _choose(found: list[Path], wanted: int, how: str, folder: Path
+            ) -> tuple[list[Path], dict[Path, dict]]:
+    """The checkpoints ``how`` picks (at most ``wanted``, in step order) and their metas."""
+    if how == "best":
+        return _best(found, wanted, folder)
+    chosen = found[-wanted:]
+    return chosen, {path: _meta(path) for path in chosen}
+
+
+def _best(found: list[Path], wanted: int, folder: Path) -> tuple[list[Path], dict[Path, dict]]:
     """The ``wanted`` checkpoints with the best validation BLEU (of equals, the later), in
     step order, with their metas."""
     metas = {path: _meta(path) for path in found}
@@ -125,7 +207,7 @@ def _best(found: list[Path], wanted: int, folder: Path) -> tuple[list[Path], lis
     best = sorted(scored, key=lambda path: (metas[path]["valid_bleu"], checkpoint_step(path)),
                   reverse=True)[:wanted]
     chosen = sorted(best, key=checkpoint_step)
-    return chosen, [metas[path] for path in chosen]
+    return chosen, {path: metas[path] for path in chosen}
 
 
 def _meta(path: Path) -> dict:

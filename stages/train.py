@@ -161,22 +161,12 @@ def train(
 
 def validation_bleu(p, raw: Path, tok):
     """The hook that translates the valid split (or its first sentences) and scores it."""
-    from aiayn.beam import BeamConfig
-    from aiayn.corpus import iter_raw
     from aiayn.translation import ValidationBleu
 
-    src, tgt = p.data.src_lang, p.data.tgt_lang
-    sources, references = [], []
-    for batch in iter_raw(raw, "valid", columns=[src, tgt]):
-        sources += batch[src]
-        references += batch[tgt]
-    if p.train.valid_bleu_sentences:
-        sources = sources[:p.train.valid_bleu_sentences]
-        references = references[:p.train.valid_bleu_sentences]
-    beam = BeamConfig(beam=p.train.valid_bleu_beam, alpha=p.train.valid_bleu_alpha)
+    hook = ValidationBleu.from_params(p, raw, tok)
     log.info("train: validation BLEU every %d steps on %d valid sentences, beam %d",
-             p.train.valid_bleu_every, len(sources), beam.beam)
-    return ValidationBleu(sources, references, tok, beam, tgt, p.decode.batch_size)
+             p.train.valid_bleu_every, len(hook.sources), hook.beam.beam)
+    return hook
 
 
 def _round(x):

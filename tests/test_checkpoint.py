@@ -367,7 +367,8 @@ def trained(tmp_path) -> dict:
     params_path.write_text(yaml.safe_dump(params))
     out = tmp_path / "model"
     args = ["--params", str(params_path), "--checkpoints", str(folder),
-            "--tokenizer", str(tokenizer), "--out", str(out)]
+            "--tokenizer", str(tokenizer), "--out", str(out),
+            "--metrics", str(tmp_path / "metrics" / "average.json")]
     return {"args": args, "models": models, "tokenizer": tokenizer, "sha": sha, "out": out,
             "folder": folder, "params": params_path, "vocab": vocab, "root": tmp_path}
 
@@ -399,7 +400,11 @@ def test_average_stage_exports_the_mean_of_the_last_checkpoints(trained):
                       "mlflow_run_id": "run-abc", "averaged_steps": [200, 300],
                       "tokens_seen": 300_000, "average": "last",
                       # the fixture's checkpoints were saved without validation BLEU
-                      "averaged_valid_bleu": [None, None]}
+                      "averaged_valid_bleu": [None, None],
+                      "average_candidates_valid_bleu": {}}
+    assert json.loads((trained["root"] / "metrics" / "average.json").read_text()) == {
+        "average": "last", "averaged": 2, "first_step": 200, "last_step": 300,
+        "candidates": {}}
     model = Transformer(TransformerConfig(**config["model"]))
     model.load_state_dict(tensors, strict=True)
 

@@ -175,5 +175,6 @@ def test_every_training_setting_re_runs_training_except_the_averaging():
     stages = stage_params()
     not_train = [name for name in leaf_params(Params)
                  if name.startswith("train.") and not reads(stages["train"], name)]
-    assert sorted(not_train) == ["train.average", "train.average_last"]
+    assert sorted(not_train) == ["train.average", "train.average_candidates",
+                                 "train.average_last"]
     assert all(reads(stages["average"], name) for name in not_train)

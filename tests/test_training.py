@@ -769,7 +769,7 @@ def train_with_scripted_bleu(ws: Path, run: Path, scores: dict[int, float],
     result = CliRunner().invoke(app, [
         "--params", str(run / "params.yaml"), "--checkpoints", str(run / "checkpoints"),
         "--tokenizer", str(ws / "data/vocab/tokenizer.json"),
-        "--out", str(run / "model"), "--no-mlflow"])
+        "--out", str(run / "model"), "--metrics", str(run / "average.json"), "--no-mlflow"])
     assert result.exit_code == 0, result.output
     return kept
 
@@ -823,3 +823,114 @@ def test_average_best_chooses_among_scored_checkpoints_only(toy_workspace, tmp_p
     _, config = load_model_files(tmp_path / "model")
     assert config["averaged_steps"] == [6, 12]
     assert config["averaged_valid_bleu"] == [30.0, 20.0]
+
+
+# --------------------------------------------------------------------------- averaging, chosen
+
+
+def average_with_candidates(ws: Path, run: Path, candidates: list[int], mlflow: bool = False):
+    """The toy run (checkpoints at steps 3, 6, 9, 12) averaged by the stage's CLI with
+    ``train.average_candidates``; the CLI's result."""
+    from typer.testing import CliRunner
+
+    from stages.average import app
+
+    if not (run / "checkpoints").is_dir():
+        make_trainer(ws, run, {"train": {"keep_checkpoints": 5}}).fit()
+    write_params(run / "params.yaml", {"train": {
+        "keep_checkpoints": 5, "average_candidates": candidates, "valid_bleu_beam": 1}})
+    return CliRunner().invoke(app, [
+        "--params", str(run / "params.yaml"), "--checkpoints", str(run / "checkpoints"),
+        "--tokenizer", str(ws / "data/vocab/tokenizer.json"), "--raw", str(ws / "data/raw"),
+        "--out", str(run / "model"), "--metrics", str(run / "average.json"),
+        "--mlflow" if mlflow else "--no-mlflow", "--device", "cpu"])
+
+
+def test_average_candidates_are_scored_as_a_plain_decode_of_each_average(toy_workspace,
+                                                                          tmp_path):
+    """Each candidate's score is sacreBLEU (its own API) of a greedy decode of the valid set
+    with that average; the export is the average of the best (of equals, the larger)."""
+    import sacrebleu
+
+    from aiayn.beam import BeamConfig
+    from aiayn.checkpoint import average_checkpoints, load_model_files
+    from aiayn.corpus import iter_raw
+    from aiayn.io import read_json
+    from aiayn.translation import Translator
+
+    result = average_with_candidates(toy_workspace, tmp_path, [2, 1, 4, 5])
+    assert result.exit_code == 0, result.output
+    found = list_checkpoints(tmp_path / "checkpoints")
+    assert [int(c.stem.split("-")[1]) for c in found] == [3, 6, 9, 12]
+
+    rows = list(iter_raw(toy_workspace / "data/raw", "valid", columns=["en", "de"]))
+    sources = [s for b in rows for s in b["en"]]
+    references = [s for b in rows for s in b["de"]]
+    tok = load_tokenizer(toy_workspace / "data/vocab/tokenizer.json")
+    expected = {}
+    for n in (1, 2, 4):  # 5: only 4 checkpoints exist, the same average as 4
+        model = Transformer(TransformerConfig(**load_checkpoint(found[-1])["meta"]["model_config"]))
+        model.load_state_dict(average_checkpoints(found[-n:]))
+        hyps = Translator(model.eval(), tok, torch.device("cpu")).translate(
+            sources, BeamConfig(beam=1), 64, truncate=True)
+        expected[n] = sacrebleu.corpus_bleu(hyps, [references]).score
+    best = max(expected, key=lambda n: (expected[n], n))
+
+    weights, config = load_model_files(tmp_path / "model")
+    scores = {int(n): v for n, v in config["average_candidates_valid_bleu"].items()}
+    assert scores == pytest.approx(expected, abs=1e-9)
+    assert len(config["averaged_steps"]) == best
+    assert config["averaged_steps"] == [3, 6, 9, 12][-best:]
+    mean = average_checkpoints(found[-best:])
+    assert all(torch.equal(weights[k], mean[k]) for k in mean)
+    metrics = read_json(tmp_path / "average.json")
+    assert metrics == {"average": "last", "averaged": best,
+                       "first_step": [3, 6, 9, 12][-best], "last_step": 12,
+                       "candidates": {str(n): round(v, 4) for n, v in expected.items()}}
+
+
+@pytest.mark.parametrize(("scripted", "chosen"), [
+    ([20.0, 35.0, 35.0], 4),  # a tie: the larger count
+    ([40.0, 35.0, 30.0], 1),
+    ([10.0, 35.0, 30.0], 2),
+])
+def test_average_candidates_keep_the_best_score(toy_workspace, tmp_path, monkeypatch,
+                                                scripted, chosen):
+    from mlflow.tracking import MlflowClient
+
+    from aiayn.checkpoint import load_model_files
+    from aiayn.tracking import Tracker, save_run_id
+    from aiayn.translation import ValidationBleu
+
+    make_trainer(toy_workspace, tmp_path, {"train": {"keep_checkpoints": 5}}).fit()
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.delenv("DVC_EXP_NAME", raising=False)
+    tracker = Tracker()
+    run_id = tracker.start("toy", {})
+    tracker.end()
+    save_run_id(tmp_path / "checkpoints/mlflow_run.json", run_id, uri)
+    calls = iter(scripted)
+    monkeypatch.setattr(ValidationBleu, "__call__", lambda self, *a: next(calls))
+    result = average_with_candidates(toy_workspace, tmp_path, [1, 2, 4, 5], mlflow=True)
+    assert result.exit_code == 0, result.output
+    assert next(calls, None) is None  # 5 (the same checkpoints as 4) was not decoded again
+    _, config = load_model_files(tmp_path / "model")
+    assert config["averaged_steps"] == [3, 6, 9, 12][-chosen:]
+    assert config["average_candidates_valid_bleu"] == dict(zip(("1", "2", "4"), scripted,
+                                                               strict=True))
+    run = MlflowClient(uri).get_run(run_id)
+    assert run.data.metrics == {"averaged_checkpoints": chosen,
+                                **{f"average/valid_bleu_last_{n}": v
+                                   for n, v in zip((1, 2, 4), scripted, strict=True)}}
+    assert run.data.tags["average_candidates"] == "1,2,4,5"
+    assert run.data.tags["averaged_steps"] == ",".join(map(str, [3, 6, 9, 12][-chosen:]))
+
+
+def test_average_candidates_are_checked(tmp_path):
+    from aiayn.errors import ParamsError
+
+    with pytest.raises(ParamsError, match=r"holds 12, more than keep_checkpoints \(5\)"):
+        load_params(write_params(tmp_path / "a.yaml", {"train": {"average_candidates": [1, 12]}}))
+    with pytest.raises(ParamsError, match="every count must be at least 1"):
+        load_params(write_params(tmp_path / "b.yaml", {"train": {"average_candidates": [0, 3]}}))
