@@ -142,7 +142,7 @@ def mirror_checkpoints(folder: Path) -> None:
     folder = Path(folder)
     mirror = progress_folder(folder)
     current = {p.name: p for p in list_checkpoints(folder)}
-    mirror.mkdir(exist_ok=True)
+    mirror.mkdir(parents=True, exist_ok=True)  # a first run: nothing of the path may exist yet
     for name, path in current.items():
         link = mirror / name
         if link.exists() and os.path.samefile(link, path):
