@@ -27,7 +27,7 @@ def results(
     """Print the last run's results and where everything is (not a DVC stage; reads only).
 
     Reads: METRICS/bleu.json, METRICS/bleu_valid.json, METRICS/train.json,
-    CHECKPOINTS/mlflow_run.json. Writes:
+    METRICS/average.json, CHECKPOINTS/mlflow_run.json. Writes:
     nothing (standard output only). Exits non-zero when there are no scores yet (run
     `dvc repro` first).
     """
@@ -64,6 +64,16 @@ def results(
             echo(f"  valid BLEU      {train['best_valid_bleu']:6.2f}  best while training, at "
                  f"step {train['best_valid_bleu_step']} (last {train['valid_bleu']:.2f}; "
                  f"{train['valid_bleu_share']:.1%} of the training time)")
+    average = _read(metrics / "average.json")
+    if average:
+        steps = (f"step {average['last_step']}" if average["averaged"] == 1 else
+                 f"steps {average['first_step']}..{average['last_step']}")
+        echo(f"  averaged        the {average['average']} {average['averaged']} "
+             f"checkpoint(s), {steps}")
+        if average.get("candidates"):
+            tried = ", ".join(f"{n}: {score:.2f}" for n, score in
+                              sorted(average["candidates"].items(), key=lambda kv: int(kv[0])))
+            echo(f"                  chosen by greedy valid sacreBLEU of each count ({tried})")
     echo("Where things are:")
     echo(f"  numbers         {metrics}/*.json   (dvc metrics show; dvc exp show)")
     echo(f"  curves          {metrics}/training_curves.png, {metrics}/survey_hist.png   "

@@ -82,3 +82,33 @@ def test_a_single_loaded_stage_parses_like_the_full_app():
     assert help_text("vocab") == re.sub(r"\s+", " ", CliRunner().invoke(
         build_app(["vocab"]), ["vocab", "--help"], terminal_width=200,
         env={"COLUMNS": "200", "NO_COLOR": "1"}).output.replace("│", " "))
+
+
+def test_results_prints_the_numbers_of_the_metrics_files(tmp_path):
+    from aiayn.io import write_json
+
+    metrics = tmp_path / "metrics"
+    write_json(metrics / "bleu.json", {
+        "direction": "en-de", "split": "test", "sentences": 1000,
+        "hypotheses": "data/translations/test.de",
+        "sacrebleu": {"score": 39.2188, "signature": "nrefs:1|case:mixed|tok:13a"},
+        "chrf": {"score": 62.7, "signature": "chrF2"},
+        "tokenized_bleu": {"score": 39.31}, "lowercase_bleu": {"score": 39.63}})
+    write_json(metrics / "average.json", {
+        "average": "last", "averaged": 1, "first_step": 1683, "last_step": 1683,
+        "candidates": {"1": 38.0536, "3": 37.79, "10": 36.05}})
+    result = CliRunner().invoke(app, ["results", "--metrics", str(metrics),
+                                      "--checkpoints", str(tmp_path / "none"),
+                                      "--model", str(tmp_path / "none")])
+    assert result.exit_code == 0, result.output
+    assert re.search(r"sacreBLEU\s+39\.22\s+nrefs:1\|case:mixed\|tok:13a", result.output)
+    assert re.search(r"lowercased BLEU\s+39\.63", result.output)
+    assert "the last 1 checkpoint(s), step 1683" in result.output
+    assert "(1: 38.05, 3: 37.79, 10: 36.05)" in result.output
+    assert "MLflow run      none recorded" in result.output
+
+
+def test_results_before_any_run_says_what_to_run(tmp_path):
+    result = CliRunner().invoke(app, ["results", "--metrics", str(tmp_path)])
+    assert result.exit_code == 1
+    assert "no scores yet; run the pipeline" in result.output
