@@ -339,6 +339,11 @@ class Trainer:
         dest.mkdir(parents=True)
         for item in items:
             shutil.move(str(item), str(dest / item.name))
+        runs = [d for d in base.parent.iterdir() if d.is_dir()]
+        size = sum(f.stat().st_size for d in runs for f in d.rglob("*") if f.is_file())
+        log.info("train: %s holds %d set-aside folder(s), %s in all; nothing there is ever "
+                 "deleted by the pipeline: remove the folders you no longer need",
+                 base.parent, len(runs), human_bytes(size))
         return dest
 
     def _move_aside(self, items: list[Path]) -> Path:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from aiayn.checkpoint import checkpoint_step, file_sha256, list_checkpoints, loa
 from aiayn.config import load_params
 from aiayn.distributed import World
 from aiayn.errors import DataError
+from aiayn.io import human_bytes
 from aiayn.model import Transformer, TransformerConfig
 from aiayn.objective import cooldown_factor, label_smoothed_loss, noam_lr
 from aiayn.precision import cpu_has_native_bf16, cpu_model
@@ -185,9 +187,14 @@ def test_a_changed_model_or_training_setting_starts_a_new_run_and_keeps_the_old(
     assert list_checkpoints(tmp_path / "checkpoints") == []
     fresh.fit()
     caplog.clear()
-    again = make_trainer(toy_workspace, tmp_path, {"model": {"d_model": 48},
-                                                   "train": {"steps": 3, "lr_scale": 2.0}})
+    with caplog.at_level(logging.INFO, logger="aiayn"):
+        again = make_trainer(toy_workspace, tmp_path, {"model": {"d_model": 48},
+                                                       "train": {"steps": 3, "lr_scale": 2.0}})
     assert again.state.step == 0 and "train.lr_scale: 1.0 -> 2.0" in caplog.text
+    # What is set aside is never deleted, so the trainer says how much has piled up.
+    aside = [f for f in (tmp_path / "checkpoints.replaced").rglob("*") if f.is_file()]
+    assert (f"checkpoints.replaced holds 2 set-aside folder(s), "
+            f"{human_bytes(sum(f.stat().st_size for f in aside))} in all") in caplog.text
 
 
 def test_more_steps_or_other_logging_continue_the_same_run(toy_workspace, tmp_path):
