@@ -160,6 +160,14 @@ def model_tokenizer(model_dir: Path, config: dict) -> tuple[Path, Tokenizer]:
     return tok_path, tok
 
 
+def decode_device(device: str) -> torch.device:
+    """``auto`` (cuda if a GPU is visible), ``cpu`` or ``cuda``, made ready for decoding."""
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available()
+                       else ("cpu" if device == "auto" else device))
+    avoid_cudnn_attention(dev)
+    return dev
+
+
 def load_translator(model_dir: Path, device: str = "auto", precision: str = "fp32"
                     ) -> Translator:
     """The averaged model in ``model_dir`` (safetensors + config.json + tokenizer.json)."""
@@ -171,12 +179,10 @@ def load_translator(model_dir: Path, device: str = "auto", precision: str = "fp3
     if tok.get_vocab_size() != cfg.vocab_size:
         raise DataError(f"{tok_path} has {tok.get_vocab_size()} tokens but the model in "
                         f"{model_dir} has {cfg.vocab_size}; they do not belong together")
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available()
-                       else ("cpu" if device == "auto" else device))
+    dev = decode_device(device)
     model = Transformer(cfg)
     model.load_state_dict(state)
     model.to(dev).eval()
-    avoid_cudnn_attention(dev)
     if warning := slow_bf16_warning(precision, dev, "--precision"):
         log.warning(warning)
     return Translator(model, tok, dev, autocast_dtype(precision, dev))

@@ -133,17 +133,12 @@ def average(
 def _pick(p, candidates: list[int], found: list[Path], how: str, folder: Path, raw: Path,
           tokenizer: Path, model: Transformer, device: str) -> tuple[int, dict[int, float]]:
     """The candidate count whose average decodes the valid split best, and every score."""
-    import torch
-
-    from aiayn.model import avoid_cudnn_attention
     from aiayn.precision import autocast_dtype
     from aiayn.tokenizer import load_tokenizer
-    from aiayn.translation import ValidationBleu
+    from aiayn.translation import ValidationBleu, decode_device
 
     scorer = ValidationBleu.from_params(p, raw, load_tokenizer(tokenizer))
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available()
-                       else ("cpu" if device == "auto" else device))
-    avoid_cudnn_attention(dev)
+    dev = decode_device(device)
     model.to(dev)
     amp = autocast_dtype("auto", dev)
     log.info("average: choosing among %s checkpoints on %d valid sentences (beam %d, %s)",
