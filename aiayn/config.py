@@ -181,6 +181,11 @@ class ModelConfig(Strict):
     dropout: float = Field(0.1, ge=0.0, lt=1.0)
     norm: Literal["post", "pre"] = "post"
     max_positions: int = Field(1024, gt=0)
+    output_vocab: Literal["shared", "target"] = Field(
+        "shared", description="shared: the softmax spans the whole shared vocabulary (the "
+        "paper, Section 3.4); target: only the tokens that occur on the target side of the "
+        "train and valid shards, the same tied matrix's rows (fewer products where the "
+        "shared vocabulary holds many source-only tokens)")
 
     @model_validator(mode="after")
     def _heads(self) -> ModelConfig:

@@ -17,7 +17,9 @@ never generated, and log P of an output is normalised over the other tokens. Bot
 bake that rule into the model as an output bias of -inf at those two ids (CTranslate2:
 the decoder projection's bias; transformers: MarianMTModel's ``final_logits_bias``), so
 that any search, sampling or scoring in those engines sees the same distribution as ours,
-without options at call time. Our teacher-forced logits (training) never include it.
+without options at call time. Our teacher-forced logits (training) never include it. A
+model trained with ``model.output_vocab: target`` has -inf at every token outside its output
+vocabulary too; the same bias carries it.
 
 CTranslate2 (``ctranslate2.specs.TransformerSpec``)
 ---------------------------------------------------
@@ -157,9 +159,13 @@ def token_strings(tokenizer: Tokenizer, vocab_size: int) -> list[str]:
     return vocab
 
 
-def output_bias(vocab_size: int) -> Tensor:
-    """0 everywhere, -inf at PAD and BOS: our beam search's rule, as a logit bias."""
-    bias = torch.zeros(vocab_size)
+def output_bias(model: Transformer) -> Tensor:
+    """0 everywhere, -inf at PAD and BOS (our beam search's rule, as a logit bias) and, for
+    ``model.output_vocab: target``, at every token outside the output vocabulary (the
+    model's own bias)."""
+    bias = torch.zeros(model.cfg.vocab_size)
+    if model.output_bias is not None:
+        bias += model.output_bias.detach().float().cpu()
     bias[list(BANNED_IDS)] = float("-inf")
     return bias
 
@@ -276,7 +282,7 @@ def ctranslate2_spec(model: Transformer, vocab: list[str]) -> Any:
         norm(spec.encoder.layer_norm, "encoder_norm")
         norm(spec.decoder.layer_norm, "decoder_norm")
     spec.decoder.projection.weight = emb  # the tied output matrix
-    spec.decoder.projection.bias = output_bias(cfg.vocab_size).numpy()
+    spec.decoder.projection.bias = output_bias(model).numpy()
     spec.config.layer_norm_epsilon = 1e-5
     spec.config.bos_token, spec.config.eos_token, spec.config.unk_token = BOS, EOS, UNK
     spec.config.decoder_start_token = BOS
@@ -393,7 +399,7 @@ def marian_state_dict(model: Transformer) -> dict[str, Tensor]:
         norm(f"{dst}.encoder_attn_layer_norm", f"{src}.res_cross.norm")
         ffn(dst, src)
         norm(f"{dst}.final_layer_norm", f"{src}.res_ffn.norm")
-    out["final_logits_bias"] = output_bias(cfg.vocab_size)[None]
+    out["final_logits_bias"] = output_bias(model)[None]
     return out
 
 

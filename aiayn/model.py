@@ -11,7 +11,9 @@ Readable top to bottom against the paper:
        with an explicit path that also returns the attention weights for plots;
 * 3.3  position-wise feed-forward network  max(0, xW1 + b1)W2 + b2;
 * 3.4  one weight matrix shared by the source embedding, the target embedding and the
-       pre-softmax projection; embeddings multiplied by sqrt(d_model);
+       pre-softmax projection; embeddings multiplied by sqrt(d_model); as an option
+       (``output_vocab="target"``) the projection keeps only the rows of the tokens that
+       occur on the target side (:meth:`Transformer.set_output_vocab`);
 * 3.5  sinusoidal positional encodings;
 * 5.4  dropout on every sub-layer output and on the sums of embeddings and positions.
 
@@ -54,12 +56,18 @@ class TransformerConfig:
     norm: str = "post"  # "post" as the paper, or "pre"
     max_positions: int = 1024
     pad_id: int = 0
+    # "shared": the softmax spans the whole shared vocabulary (the paper, Section 3.4);
+    # "target": only the tokens of the target side (Transformer.set_output_vocab).
+    output_vocab: str = "shared"
 
     def __post_init__(self) -> None:
         if self.d_model % self.heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by heads ({self.heads})")
         if self.norm not in ("post", "pre"):
             raise ValueError(f"norm must be 'post' or 'pre', not {self.norm!r}")
+        if self.output_vocab not in ("shared", "target"):
+            raise ValueError(f"output_vocab must be 'shared' or 'target', not "
+                             f"{self.output_vocab!r}")
 
     @classmethod
     def base(cls, vocab_size: int, **kw) -> TransformerConfig:
@@ -390,6 +398,10 @@ class Transformer(nn.Module):
         pre = cfg.norm == "pre"
         self.encoder_norm = nn.LayerNorm(cfg.d_model) if pre else nn.Identity()
         self.decoder_norm = nn.LayerNorm(cfg.d_model) if pre else nn.Identity()
+        # output_vocab "target": a logit bias, 0 for the tokens the softmax spans and -inf for
+        # the others, saved with the weights (so decoding, averaging and export see it).
+        self.register_buffer("output_bias", torch.zeros(cfg.vocab_size)
+                             if cfg.output_vocab == "target" else None)
         self.reset_parameters()
         for module in self.modules():
             if isinstance(module, Dropout | Linear | MultiHeadAttention):
@@ -430,7 +442,29 @@ class Transformer(nn.Module):
         return (x, weights) if need_weights else x
 
     def logits(self, y: Tensor) -> Tensor:
-        return y @ self.embedding.weight.t()  # (B, T, V): the shared matrix, Section 3.4
+        z = y @ self.embedding.weight.t()  # (B, T, V): the shared matrix, Section 3.4
+        return z if self.output_bias is None else z + self.output_bias
+
+    def set_output_vocab(self, ids: Tensor) -> None:
+        """Let the softmax span only the tokens ``ids`` (output_vocab "target"): their
+        logits are the shared matrix's products as before, every other logit is -inf. A
+        vocabulary shared by two languages holds many tokens that never occur on the target
+        side (the 8k BPE of Multi30k: 5,387 German types); their rows still embed the
+        source, but the projection, the largest product of a small model, skips them."""
+        if self.output_bias is None:
+            raise ValueError("set_output_vocab needs a model built with output_vocab='target'")
+        ids = torch.as_tensor(ids, dtype=torch.long).to(self.output_bias.device)
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size:
+            raise ValueError(f"output token ids must be a non-empty subset of 0.."
+                             f"{self.cfg.vocab_size - 1}")
+        self.output_bias.fill_(float("-inf"))
+        self.output_bias[ids] = 0.0
+
+    def output_ids(self) -> Tensor | None:
+        """The token ids the softmax spans, ascending (None: the whole vocabulary)."""
+        if self.output_bias is None:
+            return None
+        return (self.output_bias == 0).nonzero().squeeze(1)
 
     def forward(self, src: Tensor, tgt_in: Tensor, *, hidden: bool = False,
                 packed: Tensor | None = None) -> Tensor:

@@ -121,7 +121,12 @@ def model_card(fmt: str, model_config: dict, *, src_lang: str, tgt_lang: str, be
         f"{m.get('max_positions')} | {_fmt(parameters)} |",
         "",
         f"- Dropout {m.get('dropout')}; one matrix shared by the source and target embeddings "
-        "and the output projection; sinusoidal positions; ReLU.",
+        "and the output projection"
+        + ("" if m.get("output_vocab", "shared") == "shared" else
+           ", whose softmax spans only the tokens that occur on the target side of the "
+           f"training data ({_fmt((train or {}).get('output_vocab_size'))} tokens; the others "
+           "are never generated)")
+        + "; sinusoidal positions; ReLU.",
         "- Weights: " + (f"the average of the checkpoints of steps "
                          f"{', '.join(map(str, model_config['averaged_steps']))}"
                          if model_config.get("averaged_steps") else

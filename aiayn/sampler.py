@@ -192,6 +192,18 @@ class ShardDataset:
     def __len__(self) -> int:
         return self.num_batches
 
+    def token_counts(self, side: str) -> np.ndarray:
+        """How often each token id occurs on ``side`` ("src": source + EOS; "tgt": BOS +
+        target + EOS) over the whole split: int64 [vocab_size]."""
+        if side not in SIDES:
+            raise ValueError(f"side must be one of {SIDES}, not {side!r}")
+        counts = np.zeros(int(self.meta["vocab_size"]), dtype=np.int64)
+        for shard in self.shards:
+            tokens = shard[side]
+            for lo in range(0, tokens.size, 1 << 24):  # bounded memory on large shards
+                counts += np.bincount(tokens[lo:lo + (1 << 24)], minlength=counts.size)
+        return counts
+
     def batch(self, index: int, resegment: Resegment | None = None) -> Batch:
         """Batch ``index`` as padded tensors; ``EMPTY`` (-1) gives a 0-pair batch.
 

@@ -47,6 +47,20 @@ def merge_parents(tok: Tokenizer) -> np.ndarray:
     return parents
 
 
+def split_closure(seen: np.ndarray, parents: np.ndarray) -> np.ndarray:
+    """``seen`` (bool per token) with every token that splitting a seen token can yield,
+    down to single bytes: the tokens a :class:`SubwordSplitter` may put in a sequence made
+    of seen tokens."""
+    seen = seen.copy()
+    frontier = np.flatnonzero(seen)
+    while frontier.size:
+        parts = parents[frontier].ravel()
+        parts = np.unique(parts[parts != NO_PARENT])
+        frontier = parts[~seen[parts]]
+        seen[frontier] = True
+    return seen
+
+
 class SubwordSplitter:
     """Splits merged tokens of a batch's sequences at random (see the module docstring).
 

@@ -28,6 +28,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import math
@@ -71,7 +72,7 @@ from aiayn.model import (
 from aiayn.objective import cooldown_factor, label_smoothed_loss, make_optimizer
 from aiayn.precision import autocast_dtype, hardware, slow_bf16_warning
 from aiayn.sampler import Batch, BatchLoader, PrefetchLoader, ShardDataset, TokenBudgetSampler
-from aiayn.subword import SubwordSplitter
+from aiayn.subword import SubwordSplitter, split_closure
 
 log = logging.getLogger("aiayn")
 
@@ -124,7 +125,7 @@ def model_config(p: Params, vocab_size: int) -> TransformerConfig:
         decoder_layers=m.decoder_layers, d_ff=m.d_ff, dropout=m.dropout,
         attention_dropout=p.train.attention_dropout,
         activation_dropout=p.train.activation_dropout, norm=m.norm,
-        max_positions=m.max_positions)
+        max_positions=m.max_positions, output_vocab=m.output_vocab)
 
 
 def pick_device(choice: str, world: World) -> torch.device:
@@ -153,24 +154,72 @@ def accumulation_steps(tokens_per_step: int, world_size: int, max_tokens: int) -
     return max(1, math.ceil(tokens_per_step / (world_size * max_tokens)))
 
 
+@dataclass(frozen=True)
+class OutputVocab:
+    """``model.output_vocab: target`` for the loss: the token ids the softmax spans
+    (ascending, on the device), each token's column among them (-1: not spanned), and the
+    padding id's column (the loss's pad label)."""
+
+    ids: torch.Tensor
+    column: torch.Tensor
+    pad: int
+
+    @classmethod
+    def of(cls, ids: torch.Tensor, vocab_size: int, pad_id: int) -> OutputVocab:
+        ids = ids.long()
+        column = torch.full((vocab_size,), -1, dtype=torch.long, device=ids.device)
+        column[ids] = torch.arange(ids.numel(), device=ids.device)
+        pad = int(column[pad_id])
+        if pad < 0:
+            raise ValueError(f"the output vocabulary must hold the padding id {pad_id}")
+        return cls(ids, column, pad)
+
+
+def target_vocabulary(datasets: list[ShardDataset], pad_id: int, bos_id: int,
+                      parents: np.ndarray | None = None) -> np.ndarray:
+    """The token ids that ``model.output_vocab: target`` lets the softmax span, ascending:
+    every token of the target side of ``datasets`` but BOS (never predicted), with
+    ``parents`` (train.subword_split) every token splitting them can yield, and the padding
+    id (a column that is never a label, as in the whole-vocabulary softmax)."""
+    seen = np.zeros(int(datasets[0].meta["vocab_size"]), dtype=bool)
+    for ds in datasets:
+        seen |= ds.token_counts("tgt") > 0
+    seen[bos_id] = False
+    if parents is not None:
+        seen = split_closure(seen, parents)
+        seen[bos_id] = False
+    seen[pad_id] = True
+    return np.flatnonzero(seen)
+
+
 def batch_loss(net: nn.Module, embedding: torch.Tensor, batch: Batch, label_smoothing: float,
-               pad_id: int, fast: bool, amp_dtype: torch.dtype | None
+               pad_id: int, fast: bool, amp_dtype: torch.dtype | None,
+               output: OutputVocab | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, int | torch.Tensor]:
     """(smoothed loss sum, NLL sum, labels) of ``net`` (the model, or its compiled or DDP
     wrapper, whose shared embedding matrix is ``embedding``) on a batch already on the
     device: the plain kernels (full logits, ``label_smoothed_loss``) or the fast ones (a
-    decoder without padding, the tied projection inside ``projected_label_smoothed_loss``)."""
+    decoder without padding, the tied projection inside ``projected_label_smoothed_loss``).
+    With ``output`` (model.output_vocab: target) the softmax, and label smoothing's uniform
+    share, span its tokens only: the fast path projects onto their rows of the matrix, the
+    plain one keeps their columns of the full logits."""
     device = batch.src.device.type
+    labels, label_pad = batch.tgt_out, pad_id
+    if output is not None:
+        labels, label_pad = output.column[batch.tgt_out], output.pad
     with torch.autocast(device, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
         if fast:
             positions = batch.tgt_positions
             if positions is None:
                 positions = Packing.positions(batch.tgt_out, pad_id)
             rows = net(batch.src, batch.tgt_in, packed=positions)
-            return projected_label_smoothed_loss(rows, embedding, batch.tgt_out,
-                                                 label_smoothing, pad_id, positions=positions)
+            weight = embedding if output is None else embedding.index_select(0, output.ids)
+            return projected_label_smoothed_loss(rows, weight, labels, label_smoothing,
+                                                 label_pad, positions=positions)
         logits = net(batch.src, batch.tgt_in)
-    return label_smoothed_loss(logits, batch.tgt_out, label_smoothing, pad_id)
+        if output is not None:
+            logits = logits.index_select(-1, output.ids)
+    return label_smoothed_loss(logits, labels, label_smoothing, label_pad)
 
 
 # --------------------------------------------------------------------------- RNG state
@@ -235,9 +284,16 @@ class Trainer:
         self._check_vocab(vocab_size)
         self.sampler = TokenBudgetSampler(self.train_data.num_batches, world.rank, world.size,
                                           seed=p.seed)
+        splitter = self._splitter(merges, vocab_size)
         self.loader = PrefetchLoader(BatchLoader(self.train_data, self.sampler,
-                                                 splitter=self._splitter(merges, vocab_size)),
+                                                 splitter=splitter),
                                      pin_memory=self.device.type == "cuda")
+        if self.cfg.output_vocab == "target":  # saved with the weights: resuming restores it
+            self.model.set_output_vocab(torch.from_numpy(target_vocabulary(
+                [self.train_data, self.valid_data], self.cfg.pad_id,
+                int(self.train_data.meta["bos_id"]),
+                splitter.parents if splitter is not None else None)))
+        self.output_vocab: OutputVocab | None = None  # set after _resume, from the model
         # Varied batch shapes fragment glibc's heap on CPU; trimming keeps RSS flat.
         self.heap = HeapTrimmer(enabled=self.device.type == "cpu")
         self.accum = accumulation_steps(p.train.tokens_per_step, world.size,
@@ -252,6 +308,8 @@ class Trainer:
         self._mirroring = True  # hard links in checkpoints.progress (_mirror)
         self.identity = self.run_identity()
         self._resume()
+        if (ids := self.model.output_ids()) is not None:
+            self.output_vocab = OutputVocab.of(ids, vocab_size, self.cfg.pad_id)
         # Dropout differs between ranks; the seed offset keeps it reproducible per rank.
         if self.state.step == 0:
             torch.manual_seed(p.seed + 1 + world.rank)
@@ -582,7 +640,7 @@ class Trainer:
 
     def _loss(self, net: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, int]:
         return batch_loss(net, self.model.embedding.weight, batch, self.p.train.label_smoothing,
-                          self.cfg.pad_id, self.fast, self.amp_dtype)
+                          self.cfg.pad_id, self.fast, self.amp_dtype, self.output_vocab)
 
     def train_step(self, batches: list[Batch]) -> None:
         """Accumulate gradients over this rank's micro-batches and take one Adam step.
@@ -923,6 +981,9 @@ class Trainer:
             "precision": "bf16" if self.amp_dtype else "fp32",
             **hardware(self.device),
             "kernels": self.p.train.kernels,
+            "output_vocab": self.cfg.output_vocab,
+            "output_vocab_size": (self.cfg.vocab_size if self.output_vocab is None
+                                  else int(self.output_vocab.ids.numel())),
             "compile": self.p.train.compile,
             "subword_split": self.p.train.subword_split,
             "max_minutes": self.p.train.max_minutes,
@@ -961,10 +1022,17 @@ def valid_metrics(row: list) -> dict:
 
 
 def identity_default(key: str):
-    """The default of a run-identity entry ``train.<name>`` (what a run started before the
-    setting existed used); a marker equal to nothing for every other entry."""
+    """The default of a run-identity entry ``train.<name>`` or ``model.<name>`` (what a run
+    started before the setting existed used); a marker equal to nothing for every other
+    entry."""
     section, _, name = key.partition(".")
-    defaults = TrainConfig().model_dump(mode="json") if section == "train" else {}
+    if section == "train":
+        defaults = TrainConfig().model_dump(mode="json")
+    elif section == "model":
+        defaults = {f.name: f.default for f in dataclasses.fields(TransformerConfig)
+                    if f.default is not dataclasses.MISSING}
+    else:
+        defaults = {}
     return defaults.get(name, object())
 
 

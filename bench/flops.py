@@ -8,6 +8,9 @@ s source and t target tokens (EOS/BOS included), only real (non-pad) tokens coun
     + 12 d (L_enc s^2 + L_dec t (t + 1) / 2 + L_dec t s)     QK^T and AV (causal: half)
     + 6 d V t                                               the tied output projection
 
+(V: the vocabulary the softmax spans; with ``model.output_vocab: target`` the target side's
+tokens only, ``output_vocab`` below.)
+
 Biases, LayerNorms, softmax and the embedding lookup are left out, as is usual for MFU.
 """
 
@@ -23,10 +26,11 @@ def weight_params(cfg) -> tuple[int, int]:
             cfg.decoder_layers * (8 * d * d + 2 * d * f))
 
 
-def train_flops(cfg, src_len, tgt_len) -> float:
-    """Model FLOPs of one training step (forward + backward) over pairs of these lengths."""
+def train_flops(cfg, src_len, tgt_len, output_vocab: int | None = None) -> float:
+    """Model FLOPs of one training step (forward + backward) over pairs of these lengths,
+    the softmax spanning ``output_vocab`` tokens (default: the whole vocabulary)."""
     p_enc, p_dec = weight_params(cfg)
-    d, V = cfg.d_model, cfg.vocab_size
+    d, V = cfg.d_model, output_vocab or cfg.vocab_size
     s = np.asarray(src_len, dtype=np.float64)
     t = np.asarray(tgt_len, dtype=np.float64)
     return float(6 * p_enc * s.sum() + 6 * p_dec * t.sum()

@@ -4,6 +4,7 @@ Usage (from the repository root)::
 
     .venv/bin/python bench/same_learning.py                  # multi30k, 300 steps each
     .venv/bin/python bench/same_learning.py --steps 100 --preset demo
+    .venv/bin/python bench/same_learning.py --vary model.output_vocab=shared,target
     .venv/bin/python bench/same_learning.py --help
 
 Runs ``aiayn train`` (the stage command itself) on the preset's shards twice from the same
@@ -12,6 +13,11 @@ the other, validating every ``--valid-every`` steps; then prints both validation
 their relative difference. The two runs draw different dropout masks (the fast path's are
 cheaper ones of the same distribution), so the curves agree in value, not bit for bit. The
 goal is a relative difference of the final valid loss under 0.5%.
+
+``--vary KEY=A,B`` compares another setting the same way (default
+``train.kernels=plain,fast``). Where the two settings smooth labels over different
+vocabularies (``model.output_vocab``), the label-smoothed losses differ by construction;
+the valid NLL (printed beside them) is the figure to compare.
 
 Data as ``bench/train_throughput.py`` makes it: ``--shards`` if given, else the preset's data
 stages run once into ``--workdir`` and reused.
@@ -58,8 +64,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tokenizer", type=Path, default=None)
     ap.add_argument("--workdir", type=Path,
                     default=Path(tempfile.gettempdir()) / "aiayn-bench-train")
+    ap.add_argument("--vary", default="train.kernels=plain,fast", metavar="KEY=A,B",
+                    help="the one setting the two runs differ in (default "
+                    "train.kernels=plain,fast)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    key, _, values = args.vary.partition("=")
+    section, _, name = key.partition(".")
+    choices = values.split(",")
+    if section not in ("model", "train") or not name or len(choices) != 2:
+        raise SystemExit(f"error: --vary {args.vary!r}: expected model.KEY=A,B or "
+                         "train.KEY=A,B")
     from aiayn.precision import cpu_has_native_bf16
 
     params, shards, tokenizer = prepare_data(args)
@@ -70,12 +85,14 @@ def main(argv: list[str] | None = None) -> dict:
           f"runs in {out}", flush=True)
     exe = Path(sys.executable).with_name("aiayn")
     runs = {}
-    for kernels in ("plain", "fast"):
+    a_name, b_name = choices
+    for value in choices:
         raw = yaml.safe_load(params.read_text())
-        raw["train"].update(kernels=kernels, steps=args.steps, valid_every=args.valid_every,
+        raw["train"].update(steps=args.steps, valid_every=args.valid_every,
                             log_every=min(25, args.steps), checkpoint_every_steps=args.steps,
                             checkpoint_every_minutes=0, max_minutes=0, valid_bleu_every=0)
-        run = out / kernels
+        raw[section][name] = yaml.safe_load(value)
+        run = out / value
         run.mkdir()
         (run / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
         t = time.perf_counter()
@@ -85,24 +102,29 @@ def main(argv: list[str] | None = None) -> dict:
                         "--metrics", str(run / "train.json"), "--train-log",
                         str(run / "train_log.tsv"), "--valid-log", str(run / "valid_log.tsv"),
                         "--curves", str(run / "curves.png"), "--no-progress", "--no-mlflow"])
-        runs[kernels] = {"minutes": (time.perf_counter() - t) / 60,
-                         "valid": read_tsv(run / "valid_log.tsv"),
-                         "train": read_tsv(run / "train_log.tsv"),
-                         "summary": json.loads((run / "train.json").read_text())}
-        print(f"{kernels}: {runs[kernels]['minutes']:.1f} min, "
-              f"{runs[kernels]['summary']['tokens_per_s']:.0f} target tokens/s", flush=True)
-    print(f"\n{'step':>6}{'valid loss plain':>18}{'fast':>10}{'difference':>12}")
+        runs[value] = {"minutes": (time.perf_counter() - t) / 60,
+                       "valid": read_tsv(run / "valid_log.tsv"),
+                       "train": read_tsv(run / "train_log.tsv"),
+                       "summary": json.loads((run / "train.json").read_text())}
+        print(f"{value}: {runs[value]['minutes']:.1f} min, "
+              f"{runs[value]['summary']['tokens_per_s']:.0f} target tokens/s", flush=True)
+    print(f"\n{key}: {a_name} against {b_name}")
+    print(f"{'step':>6}{'valid loss ' + a_name:>22}{b_name:>10}{'difference':>12}"
+          f"{'valid NLL ' + a_name:>22}{b_name:>10}{'difference':>12}")
     rows = []
-    for a, b in zip(runs["plain"]["valid"], runs["fast"]["valid"], strict=True):
+    for a, b in zip(runs[a_name]["valid"], runs[b_name]["valid"], strict=True):
         rel = (b["valid_loss"] - a["valid_loss"]) / a["valid_loss"]
-        rows.append({"step": int(a["step"]), "plain": a["valid_loss"], "fast": b["valid_loss"],
-                     "relative": rel})
-        print(f"{int(a['step']):>6}{a['valid_loss']:>18.4f}{b['valid_loss']:>10.4f}{rel:>+12.2%}")
-    final = rows[-1]["relative"]
+        rel_nll = (b["valid_nll"] - a["valid_nll"]) / a["valid_nll"]
+        rows.append({"step": int(a["step"]), a_name: a["valid_loss"], b_name: b["valid_loss"],
+                     "relative": rel, f"nll {a_name}": a["valid_nll"],
+                     f"nll {b_name}": b["valid_nll"], "relative_nll": rel_nll})
+        print(f"{int(a['step']):>6}{a['valid_loss']:>22.4f}{b['valid_loss']:>10.4f}{rel:>+12.2%}"
+              f"{a['valid_nll']:>22.4f}{b['valid_nll']:>10.4f}{rel_nll:>+12.2%}")
+    final, final_nll = rows[-1]["relative"], rows[-1]["relative_nll"]
     print(f"\nfinal valid loss: {'within' if abs(final) < 0.005 else 'NOT within'} 0.5% "
-          f"({final:+.2%})")
+          f"({final:+.2%}); valid NLL {final_nll:+.2%}")
     result = {"cpu": cpu_model(), "instruction_caps": instruction_caps(), "preset": args.preset,
-              "overrides": args.set, "steps": args.steps, "rows": rows,
+              "overrides": args.set, "vary": args.vary, "steps": args.steps, "rows": rows,
               "runs": runs}
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

@@ -28,6 +28,10 @@ checkpoints and logs are not timed.
 * ``main``  - the tree of ``--baseline REF`` (a git commit, extracted with ``git archive``
   into a temporary folder; params its schema does not know are dropped), the code before
   a change: measures the change side by side;
+* ``fast+shared``, ``fast+target`` - ``fast`` with ``model.output_vocab`` ``shared`` (the
+  softmax over the whole shared vocabulary, as the paper) or ``target`` (over the tokens of
+  the target side only); one of them is ``fast`` itself, as the preset says. Each
+  contender's FLOPs count the softmax it computes;
 * ``fast+drop`` - ``fast`` with attention and activation dropout 0.1, the dropout
   placement of ``torch.nn.Transformer(dropout=0.1)``;
 * ``nn``, ``nn+drop`` - ``torch.nn.Transformer(batch_first=True, norm_first=False)`` of the
@@ -61,8 +65,8 @@ per step (all threads) are reported beside wall seconds: their gap is time lost 
 processes.
 
 FLOPs: counted analytically by ``bench/flops.py`` (weight matmuls, attention, the tied
-projection; real tokens only), the same for every contender; achieved GFLOP/s = the FLOPs of
-the round's batches / its wall time.
+projection over the tokens the contender's softmax spans; real tokens only); achieved
+GFLOP/s = the FLOPs of the round's batches / its wall time.
 
 Data: ``--shards`` (and ``--tokenizer``) if given; otherwise the preset's data stages are run
 once into ``--workdir`` (``aiayn download/vocab/survey/shard``; the ``multi30k`` preset reads
@@ -88,11 +92,13 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script: make `bench` importable
     sys.path.insert(0, str(REPO))
 
-TRAINERS = {  # contender -> train.* overrides on top of the preset
+TRAINERS = {  # contender -> train.* overrides on top of the preset (model.*: under "model")
     "fast": {"kernels": "fast"},
     "plain": {"kernels": "plain"},
     "fast+compile": {"kernels": "fast", "compile": True},
     "fast+drop": {"kernels": "fast", "attention_dropout": 0.1, "activation_dropout": 0.1},
+    "fast+shared": {"kernels": "fast", "model": {"output_vocab": "shared"}},
+    "fast+target": {"kernels": "fast", "model": {"output_vocab": "target"}},
     "main": {},
 }
 OTHERS = ("nn", "nn+drop", "matmul")
@@ -132,11 +138,16 @@ class TrainerWorker:
         from aiayn.trainer import Trainer, TrainPaths
 
         raw = yaml.safe_load(Path(spec["params"]).read_text())
-        raw.setdefault("train", {}).update(spec["train"])
+        train = dict(spec["train"])
+        model = train.pop("model", {})
+        raw.setdefault("train", {}).update(train)
+        raw.setdefault("model", {}).update(model)
         known = _known_params(raw, Params)
-        dropped = sorted(set(raw["train"]) - set(known["train"]))
-        if set(spec["train"]) & set(dropped):
-            raise SystemExit(f"{spec['name']}: this tree has no train.{dropped[0]}")
+        dropped = sorted(f"{section}.{k}" for section in ("model", "train")
+                         for k in set(raw[section]) - set(known[section]))
+        asked = {f"train.{k}" for k in train} | {f"model.{k}" for k in model}
+        if missing := sorted(asked & set(dropped)):
+            raise SystemExit(f"{spec['name']}: this tree has no {missing[0]}")
         p = parse_params(known, spec["params"])
         run = Path(spec["scratch"]) / spec["name"].replace("+", "_")
         paths = TrainPaths(shards=Path(spec["shards"]), checkpoints=run / "checkpoints",
@@ -151,8 +162,11 @@ class TrainerWorker:
         self.flush = getattr(self.trainer, "_flush", None)  # trees that defer the loss read
         self.heap = getattr(self.trainer, "heap", None)
         self.torch = torch
+        spanned = getattr(self.trainer, "output_vocab", None)  # model.output_vocab: target
         self.info = {"aiayn": str(Path(sys.modules["aiayn"].__file__).parent),
-                     "dropped_params": dropped, "precision": p.train.precision}
+                     "dropped_params": dropped, "precision": p.train.precision,
+                     "output_vocab": (self.trainer.cfg.vocab_size if spanned is None
+                                      else int(spanned.ids.numel()))}
 
     def step(self) -> None:
         t = self.trainer
@@ -194,6 +208,7 @@ class TorchNNWorker:
         class TorchTransformer(nn.Module):
             embed = Transformer.embed  # the very same input and output code as ours
             logits = Transformer.logits
+            output_bias = None  # the whole shared vocabulary, whatever the preset says
 
             def __init__(self):
                 super().__init__()
@@ -599,11 +614,20 @@ def main(argv: list[str] | None = None) -> dict:
         runs: dict[str, list[dict]] = {n: [] for n in names}
         flops = {v: [] for v in data}  # per batch size: the round's model FLOPs and tokens
         tokens = {v: [] for v in data}
+        # the softmax's width per contender (model.output_vocab), and per batch size and
+        # width the round's FLOPs
+        spans = {n: int(w.info.get("output_vocab") or cfg.vocab_size)
+                 for n, w in workers.items()}
+        span_flops = {(v, k): [] for v in data for k in {spans[n] for n in names}}
         for r in range(args.rounds):
             for v, (v_params, v_shards, _) in data.items():
                 batches = round_batches(v_params, v_shards, args.steps,
                                         args.warmup + r * args.steps)
                 flops[v].append(sum(train_flops(cfg, s, t) for s, t, _ in batches))
+                for vv, k in span_flops:
+                    if vv == v:
+                        span_flops[v, k].append(sum(train_flops(cfg, s, t, k)
+                                                    for s, t, _ in batches))
                 tokens[v].append(sum(n for *_, n in batches))
             order = names[r % len(names):] + names[:r % len(names)]
             for n in order:
@@ -628,9 +652,10 @@ def main(argv: list[str] | None = None) -> dict:
     for n in names:
         if n == "matmul":
             continue
-        n_tokens, n_flops = tokens[variant[n]], flops[variant[n]]
+        n_tokens, n_flops = tokens[variant[n]], span_flops[variant[n], spans[n]]
         tps[n] = [n_tokens[r] / x["wall"] for r, x in enumerate(runs[n])]
         results[n] = {"tokens_per_s": med(tps[n]), "batch_tokens": variant[n],
+                      "output_vocab": spans[n],
                       "gflop_per_s": med(n_flops[r] / x["wall"] / 1e9
                                          for r, x in enumerate(runs[n])),
                       "wall_s_per_step": med(x["wall"] for x in runs[n]) / args.steps,
@@ -646,8 +671,8 @@ def main(argv: list[str] | None = None) -> dict:
                   "shapes": {k: med(x["gflops"][k] for x in runs["matmul"])
                              for k in runs["matmul"][0]["gflops"]}}
         for n, res in results.items():
-            res["matmul_fraction"] = med(flops[variant[n]][r] / x["wall"] / 1e9 / per_round[r]
-                                         for r, x in enumerate(runs[n]))
+            res["matmul_fraction"] = med(span_flops[variant[n], spans[n]][r] / x["wall"]
+                                         / 1e9 / per_round[r] for r, x in enumerate(runs[n]))
 
     def ratio(a: str, b: str) -> float:
         return med(x / y for x, y in zip(tps[a], tps[b], strict=True))
@@ -655,7 +680,9 @@ def main(argv: list[str] | None = None) -> dict:
     pairs = [(a, b) for a, b in (("fast", "main"), ("fast", "plain"), ("plain", "main"),
                                  ("fast", "nn"), ("fast+drop", "nn+drop"),
                                  ("fast+compile", "fast"), ("fast+compile", "main"),
-                                 ("fast+drop", "fast"), ("nn+drop", "nn"))
+                                 ("fast+drop", "fast"), ("nn+drop", "nn"),
+                                 ("fast+target", "fast+shared"), ("fast+shared", "main"),
+                                 ("fast+shared", "nn"), ("fast+target", "main"))
              if a in tps and b in tps]
     pairs += [(n, base[n]) for n in tps  # each batch size against the preset's
               if variant[n] is not None and base[n] in tps]
@@ -667,6 +694,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"batches of <= {v or p.shard.max_tokens} tokens: "
               f"{statistics.fmean(tokens[v]) / args.steps:.0f} non-pad target tokens and "
               f"{statistics.fmean(flops[v]) / args.steps / 1e9:.1f} GFLOP (model FLOPs) per step")
+    if any(k != cfg.vocab_size for k in spans.values()):
+        print("softmax over the target side's tokens only (model.output_vocab: target), its "
+              "FLOPs counted at that width: " + ", ".join(
+                  f"{n} {spans[n]}" for n in names if spans[n] != cfg.vocab_size)
+              + f" of {cfg.vocab_size} tokens")
     head = f"{'contender':<{width}}{'target tok/s':>13}{'GFLOP/s':>9}"
     head += f"{'of matmul':>11}" if matmul else ""
     print(head + f"{'wall s/step':>13}{'CPU s/step':>12}{'faults/step':>13}"

@@ -68,8 +68,8 @@ def train(
     RAW/valid.parquet when `train.valid_bleu_every` is on. Writes: CHECKPOINTS/step-*.pt (model, optimizer, schedule, RNG states, data
     cursor; every `train.checkpoint_every_steps` steps and/or `checkpoint_every_minutes`,
     the last `train.keep_checkpoints` kept), METRICS (with the precision `auto` resolved to,
-    the CPU or GPU and any instruction caps in the environment, the kernels, the steps
-    reached and why training stopped: steps, `train.max_minutes` or an interruption), TRAIN_LOG, VALID_LOG, CURVES, and an
+    the CPU or GPU and any instruction caps in the environment, the kernels, the tokens the
+    softmax spans (`model.output_vocab`), the steps reached and why training stopped: steps, `train.max_minutes` or an interruption), TRAIN_LOG, VALID_LOG, CURVES, and an
     MLflow run (sqlite:///mlflow.db unless MLFLOW_TRACKING_URI says otherwise) with every
     param, the step curves, the tokenizer and CURVES; its id goes to
     CHECKPOINTS/mlflow_run.json so that the later stages log into the same run.

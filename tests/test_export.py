@@ -483,3 +483,45 @@ def test_the_model_card_says_not_measured_without_metrics():
     assert "BLEU: not measured" in card and "Sentence pairs: not measured" in card
     assert "language:\n- de\n- en" in card and "model-index" not in card
     assert "quantized to int8" in card and "ctranslate2.Translator" in card
+    assert "target side" not in card  # the paper's softmax over the shared vocabulary
+
+
+def test_the_model_card_says_what_the_softmax_spans():
+    card = model_card("ctranslate2", {"model": {"d_model": 8, "output_vocab": "target"},
+                                      "vocab_size": 100},
+                      src_lang="de", tgt_lang="en", beam=4, alpha=0.6, parameters=1234,
+                      metrics={"train": {"output_vocab_size": 61, "steps": 5}})
+    assert "softmax spans only the tokens that occur on the target side" in card
+    assert "(61 tokens;" in card
+
+
+def test_a_target_side_output_vocabulary_is_exported_as_the_output_bias(toy_workspace,
+                                                                       tmp_path, sources):
+    """model.output_vocab: target: both engines decode as we do, inside the vocabulary."""
+    from aiayn.engines import CTranslate2Translator, TransformersTranslator
+    from aiayn.sampler import ShardDataset
+    from aiayn.trainer import target_vocabulary
+    from aiayn.translation import load_translator
+
+    torch.manual_seed(2)
+    tok = load_tokenizer(toy_workspace / "data/vocab/tokenizer.json")
+    cfg = TransformerConfig(vocab_size=tok.get_vocab_size(), d_model=16, heads=2,
+                            encoder_layers=1, decoder_layers=1, d_ff=32, dropout=0.0,
+                            max_positions=64, output_vocab="target")
+    model = Transformer(cfg).eval()
+    shards = toy_workspace / "data/shards"
+    spanned = target_vocabulary([ShardDataset(shards / "train"), ShardDataset(shards / "valid")],
+                                PAD_ID, BOS_ID)
+    model.set_output_vocab(torch.from_numpy(spanned))
+    folder = save_model_folder(model, toy_workspace, tmp_path / "model")
+    dirs = {fmt: export(folder, tmp_path / fmt, fmt) for fmt in ("ctranslate2", "transformers")}
+    assert all(r.max_logprob_difference < 1e-4 for r in dirs.values())
+    engines = {"ctranslate2": CTranslate2Translator.from_folder(dirs["ctranslate2"].directory,
+                                                                threads=1),
+               "transformers": TransformersTranslator.from_folder(dirs["transformers"].directory)}
+    ours = load_translator(folder, device="cpu")
+    for cfg_ in (uniform(1), uniform(3)):
+        want = decode_all(ours, sources[:12], cfg_)
+        assert {t for out in want for t in out} <= set(spanned.tolist())
+        for name, engine in engines.items():
+            assert decode_all(engine, sources[:12], cfg_) == want, name

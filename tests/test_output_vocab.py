@@ -1,0 +1,170 @@
+"""model.output_vocab: target — the softmax spans the tokens of the target side only."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from aiayn.beam import BeamConfig, beam_search, greedy_search
+from aiayn.checkpoint import average_checkpoints, list_checkpoints, load_checkpoint
+from aiayn.model import Transformer, TransformerConfig
+from aiayn.sampler import Batch, BatchLoader, ShardDataset, TokenBudgetSampler
+from aiayn.subword import NO_PARENT, SubwordSplitter, merge_parents, split_closure
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, load_tokenizer
+from aiayn.trainer import OutputVocab, batch_loss, target_vocabulary
+from aiayn.translation import source_batch
+from tests.test_training import make_trainer
+
+V = 40
+
+
+def tiny(output_vocab: str = "target", seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    cfg = TransformerConfig(vocab_size=V, d_model=16, heads=2, encoder_layers=1,
+                            decoder_layers=2, d_ff=32, dropout=0.0, max_positions=32,
+                            output_vocab=output_vocab)
+    return Transformer(cfg)
+
+
+# A subset of the 40 ids: PAD and EOS, some content tokens; BOS (1) and the rest left out.
+SPANNED = torch.tensor([PAD_ID, EOS_ID, 5, 6, 9, 12, 13, 20, 21, 22, 30, 33, 37])
+
+
+def a_batch(labels_from: torch.Tensor) -> Batch:
+    g = torch.Generator().manual_seed(1)
+    src = torch.randint(4, V, (3, 7), generator=g)
+    src[0, 5:] = PAD_ID
+    content = labels_from[labels_from > EOS_ID]
+    tgt = content[torch.randint(0, content.numel(), (3, 6), generator=g)]
+    lengths = [6, 4, 2]
+    tgt_out = torch.full((3, 7), PAD_ID)
+    tgt_in = torch.full((3, 7), PAD_ID)
+    for i, n in enumerate(lengths):
+        tgt_out[i, :n] = tgt[i, :n]
+        tgt_out[i, n] = EOS_ID
+        tgt_in[i, 0] = BOS_ID
+        tgt_in[i, 1:n + 1] = tgt[i, :n]
+    return Batch(src, tgt_in, tgt_out, torch.arange(3), int((src != PAD_ID).sum()),
+                 int((tgt_out != PAD_ID).sum()))
+
+
+def test_split_closure_adds_every_part_down_to_single_tokens():
+    parents = np.full((8, 2), NO_PARENT)
+    parents[7] = (5, 6)  # 7 = 5 + 6
+    parents[5] = (3, 4)  # 5 = 3 + 4
+    seen = np.zeros(8, dtype=bool)
+    seen[[2, 7]] = True
+    assert np.flatnonzero(split_closure(seen, parents)).tolist() == [2, 3, 4, 5, 6, 7]
+    assert seen.sum() == 2  # its input is left as it was
+
+
+def test_the_target_vocabulary_is_every_label_of_the_train_and_valid_batches(toy_workspace):
+    shards = toy_workspace / "data/shards"
+    data = [ShardDataset(shards / "train"), ShardDataset(shards / "valid")]
+    labels = {PAD_ID}
+    for ds in data:  # built another way: the labels of every batch the loader would make
+        for i in range(ds.num_batches):
+            labels |= set(ds.batch(i).tgt_out.unique().tolist())
+    ids = target_vocabulary(data, PAD_ID, BOS_ID)
+    assert ids.tolist() == sorted(labels)
+    assert EOS_ID in labels and BOS_ID not in labels
+    # Not vacuous: the shared vocabulary holds tokens that never occur on the target side.
+    assert len(ids) < int(data[0].meta["vocab_size"]) - 50
+
+
+def test_with_subword_splitting_it_holds_every_token_a_split_batch_can_have(toy_workspace):
+    shards = toy_workspace / "data/shards"
+    train, valid = ShardDataset(shards / "train"), ShardDataset(shards / "valid")
+    parents = merge_parents(load_tokenizer(toy_workspace / "data/vocab/tokenizer.json"))
+    plain = set(target_vocabulary([train, valid], PAD_ID, BOS_ID).tolist())
+    closed = set(target_vocabulary([train, valid], PAD_ID, BOS_ID, parents).tolist())
+    loader = iter(BatchLoader(train, TokenBudgetSampler(train.num_batches, 0, 1, seed=3),
+                              splitter=SubwordSplitter(parents, 0.5, seed=3, max_len=256)))
+    split_labels = set()
+    for _ in range(3 * train.num_batches):
+        split_labels |= set(next(loader).tgt_out.unique().tolist())
+    assert split_labels <= closed
+    assert not split_labels <= plain  # splitting does yield tokens the text never holds
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_the_loss_spans_the_output_vocabulary_only(fast):
+    """Fast and plain paths against the label-smoothed loss written out over the spanned
+    columns: smoothing's uniform share spread over them, not over the whole vocabulary."""
+    model = tiny()
+    model.set_output_vocab(SPANNED)
+    batch = a_batch(SPANNED)
+    output = OutputVocab.of(model.output_ids(), V, PAD_ID)
+    eps = 0.1
+    loss, nll, n = batch_loss(model, model.embedding.weight, batch, eps, PAD_ID, fast, None,
+                              output)
+    loss.backward()
+    got = model.embedding.weight.grad.clone()
+    model.zero_grad()
+
+    hidden = model(batch.src, batch.tgt_in, hidden=True)
+    lp = F.log_softmax(hidden @ model.embedding.weight[SPANNED].t(), dim=-1)
+    column = {int(t): i for i, t in enumerate(SPANNED)}
+    want, want_nll = 0.0, 0.0
+    for (b, t), label in np.ndenumerate(batch.tgt_out.numpy()):
+        if label != PAD_ID:
+            row = lp[b, t]
+            want = want + (1 - eps) * -row[column[int(label)]] - eps * row.mean()
+            want_nll += float(-row[column[int(label)]].detach())
+    want.backward()
+    assert int(n) == int((batch.tgt_out != PAD_ID).sum())
+    assert float(loss) == pytest.approx(float(want.detach()), rel=1e-5)
+    assert float(nll) == pytest.approx(want_nll, rel=1e-5)
+    torch.testing.assert_close(got, model.embedding.weight.grad, rtol=1e-4, atol=1e-6)
+    # Rows outside the output vocabulary get no gradient from the projection: those that no
+    # input of the batch embeds either have none at all.
+    unused = sorted(set(range(4, V)) - set(SPANNED.tolist()) - set(batch.src.unique().tolist()))
+    assert unused and got[unused].abs().max() == 0
+
+
+def test_decoding_never_leaves_the_output_vocabulary():
+    model = tiny().eval()
+    src = source_batch([[4, 8, 15, 16, 23], [7, 11, 19]])
+    cfg = BeamConfig(beam=3, max_len_a=0.0, max_len_b=12)
+    # Not vacuous: the same weights spanning the whole vocabulary leave the subset.
+    whole = {t for out in greedy_search(model, src, max_len_a=0.0, max_len_b=12) for t in out}
+    assert not whole <= set(SPANNED.tolist())
+    model.set_output_vocab(SPANNED)
+    for outputs in (greedy_search(model, src, max_len_a=0.0, max_len_b=12),
+                    beam_search(model, src, cfg)):
+        assert {t for out in outputs for t in out} <= set(SPANNED.tolist())
+
+
+def test_set_output_vocab_is_checked():
+    with pytest.raises(ValueError, match="output_vocab='target'"):
+        tiny("shared").set_output_vocab(SPANNED)
+    with pytest.raises(ValueError, match="subset of 0..39"):
+        tiny().set_output_vocab(torch.tensor([0, 40]))
+    with pytest.raises(ValueError, match="output_vocab must be"):
+        TransformerConfig(vocab_size=V, output_vocab="source")
+    with pytest.raises(ValueError, match="padding id"):
+        OutputVocab.of(torch.tensor([2, 5]), V, PAD_ID)
+
+
+def test_a_run_keeps_its_output_vocabulary_through_checkpoints_and_averaging(toy_workspace,
+                                                                             tmp_path):
+    trainer = make_trainer(toy_workspace, tmp_path / "run",
+                           {"model": {"output_vocab": "target"}})
+    summary = trainer.fit()
+    shards = toy_workspace / "data/shards"
+    expected = target_vocabulary([ShardDataset(shards / "train"),
+                                  ShardDataset(shards / "valid")], PAD_ID, BOS_ID)
+    assert np.isfinite(summary["valid_loss"])
+    assert summary["output_vocab"] == "target"
+    assert summary["output_vocab_size"] == len(expected)
+    found = list_checkpoints(tmp_path / "run/checkpoints")
+    for state in (load_checkpoint(found[-1])["model"], average_checkpoints(found[-3:])):
+        bias = state["output_bias"]
+        assert torch.equal(torch.nonzero(bias == 0).squeeze(1), torch.from_numpy(expected))
+        assert bool(torch.isneginf(bias[bias != 0]).all())
+    # A resumed trainer restores it from the checkpoint and trains on the same columns.
+    again = make_trainer(toy_workspace, tmp_path / "run", {"model": {"output_vocab": "target"}})
+    assert again.state.step == summary["steps"]
+    assert torch.equal(again.output_vocab.ids, torch.from_numpy(expected))
