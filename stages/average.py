@@ -212,6 +212,13 @@ def _meta(path: Path) -> dict:
     if not isinstance(meta, dict) or any(key not in meta for key in META_KEYS):
         raise DataError(f"{path}: no `meta` with {', '.join(META_KEYS)}; this checkpoint was "
                         "not written by `aiayn train`")
+    # With every field, defaults included: a run resumed across a version that added a
+    # model setting (model.output_vocab) holds checkpoints written without it and with it.
+    try:
+        meta["model_config"] = TransformerConfig(**meta["model_config"]).to_dict()
+    except (TypeError, ValueError) as exc:
+        raise DataError(f"{path}: its model_config does not describe a model this version "
+                        f"builds ({exc}); average it with the version that trained it") from None
     return meta
 
 

@@ -219,6 +219,35 @@ def test_a_run_from_before_a_setting_existed_resumes_while_it_is_at_its_default(
     assert "train.cooldown: '(absent)' -> 0.5" in caplog.text
 
 
+def test_a_run_from_before_the_output_vocabulary_setting_resumes_at_its_default(
+        toy_workspace, tmp_path, caplog):
+    make_trainer(toy_workspace, tmp_path, {"train": {"steps": 3}}).fit()
+    last = list_checkpoints(tmp_path / "checkpoints")[-1]
+    ckpt = load_checkpoint(last)
+    del ckpt["meta"]["identity"]["model.output_vocab"]
+    del ckpt["meta"]["model_config"]["output_vocab"]
+    torch.save(ckpt, last)
+    resumed = make_trainer(toy_workspace, tmp_path, {"train": {"steps": 6}})
+    assert resumed.state.step == 3
+    resumed.fit()
+    # Its checkpoints, written before and after the setting existed, average as one run.
+    from typer.testing import CliRunner
+
+    from stages.average import app
+    write_params(tmp_path / "params.yaml", {"train": {"steps": 6, "average_last": 2}})
+    result = CliRunner().invoke(app, [
+        "--params", str(tmp_path / "params.yaml"), "--checkpoints", str(tmp_path / "checkpoints"),
+        "--tokenizer", str(toy_workspace / "data/vocab/tokenizer.json"),
+        "--out", str(tmp_path / "model"), "--metrics", str(tmp_path / "average.json"),
+        "--no-mlflow", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "average.json").read_text())["first_step"] == 3
+    spanned = make_trainer(toy_workspace, tmp_path, {"train": {"steps": 6},
+                                                     "model": {"output_vocab": "target"}})
+    assert spanned.state.step == 0
+    assert "model.output_vocab: 'shared' -> 'target'" in caplog.text  # step 6's identity
+
+
 @pytest.mark.parametrize("kernels", ["fast", "plain"])
 def test_nan_loss_stops_with_the_steps_and_keeps_the_last_good_checkpoint(
         toy_workspace, tmp_path, monkeypatch, kernels):
