@@ -449,7 +449,7 @@ class Transformer(nn.Module):
         """Let the softmax span only the tokens ``ids`` (output_vocab "target"): their
         logits are the shared matrix's products as before, every other logit is -inf. A
         vocabulary shared by two languages holds many tokens that never occur on the target
-        side (the 8k BPE of Multi30k: 5,387 German types); their rows still embed the
+        side (the 8k BPE of Multi30k en->de spans 5,399); their rows still embed the
         source, but the projection, the largest product of a small model, skips them."""
         if self.output_bias is None:
             raise ValueError("set_output_vocab needs a model built with output_vocab='target'")
