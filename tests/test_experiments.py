@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -147,7 +148,13 @@ def test_a_queued_sweep_reruns_only_training_onwards_and_compares(tiny_repo):
     queued = run(["dvc", "queue", "status"], root, env).stdout
     assert queued.count("Queued") == 4, queued
     # Two at a time, as the README suggests: both write the one mlflow.db at once.
-    run(["dvc", "queue", "start", "-j", "2"], root, env)
+    # The workers it starts outlive it and inherit its stdout and stderr: captured, those
+    # pipes would stay open until the workers exit (seen: 10 minutes after the queue was
+    # done), and the test would wait on them. Its output is not read, so none is captured.
+    started = subprocess.run(["dvc", "queue", "start", "-j", "2"], cwd=root, env=env,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, timeout=120)
+    assert started.returncode == 0
     deadline = time.monotonic() + 900
     while True:
         status = run(["dvc", "queue", "status"], root, env).stdout
