@@ -618,16 +618,16 @@ def main(argv: list[str] | None = None) -> dict:
         # width the round's FLOPs
         spans = {n: int(w.info.get("output_vocab") or cfg.vocab_size)
                  for n, w in workers.items()}
-        span_flops = {(v, k): [] for v in data for k in {spans[n] for n in names}}
+        widths = sorted(set(spans.values()))
+        span_flops = {(v, k): [] for v in data for k in widths}
         for r in range(args.rounds):
             for v, (v_params, v_shards, _) in data.items():
                 batches = round_batches(v_params, v_shards, args.steps,
                                         args.warmup + r * args.steps)
                 flops[v].append(sum(train_flops(cfg, s, t) for s, t, _ in batches))
-                for vv, k in span_flops:
-                    if vv == v:
-                        span_flops[v, k].append(sum(train_flops(cfg, s, t, k)
-                                                    for s, t, _ in batches))
+                for k in widths:
+                    span_flops[v, k].append(sum(train_flops(cfg, s, t, k)
+                                                for s, t, _ in batches))
                 tokens[v].append(sum(n for *_, n in batches))
             order = names[r % len(names):] + names[:r % len(names)]
             for n in order:
