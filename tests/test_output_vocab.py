@@ -115,8 +115,8 @@ def test_the_loss_spans_the_output_vocabulary_only(fast):
             want_nll += float(-row[column[int(label)]].detach())
     want.backward()
     assert int(n) == int((batch.tgt_out != PAD_ID).sum())
-    assert float(loss) == pytest.approx(float(want.detach()), rel=1e-5)
-    assert float(nll) == pytest.approx(want_nll, rel=1e-5)
+    assert float(loss.detach()) == pytest.approx(float(want.detach()), rel=1e-5)
+    assert float(nll.detach()) == pytest.approx(want_nll, rel=1e-5)
     torch.testing.assert_close(got, model.embedding.weight.grad, rtol=1e-4, atol=1e-6)
     # Rows outside the output vocabulary get no gradient from the projection: those that no
     # input of the batch embeds either have none at all.
