@@ -19,6 +19,7 @@ are then emulated like on such a CPU, so ``auto`` means fp32 under such a cap to
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import platform
@@ -142,3 +143,24 @@ def slow_bf16_warning(precision: str, device: torch.device, key: str) -> str | N
     return (f"{key} is bf16, but this CPU has no native bf16 (no AVX512-BF16, AMX or Arm "
             f"BF16): it emulates bf16 matmuls, typically ~100x slower than fp32. Set "
             f"{key} to auto (bf16 only where it is fast) or fp32.")
+
+
+def step_casts(device_type: str, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """One autocast scope around all the micro-batches of an optimizer step, so that each
+    weight is cast to ``dtype`` once per step, not once per micro-batch.
+
+    Autocast keeps its copies of the fp32 weights it has cast (leaf tensors that need a
+    gradient) until the outermost autocast scope exits; the forward's own scope, nested in
+    this one, then reuses them, and their gradients flow back to the fp32 weights as before,
+    bit for bit. Run each backward inside :func:`no_autocast`, and leave this scope before
+    the optimizer changes the weights. A no-op without autocast (``dtype`` None).
+    """
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=dtype)
+
+
+def no_autocast(device_type: str) -> contextlib.AbstractContextManager:
+    """Autocast off (for a backward inside :func:`step_casts`): a nested scope, so leaving
+    it keeps the step's cast weights."""
+    return torch.autocast(device_type, enabled=False)

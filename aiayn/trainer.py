@@ -70,7 +70,7 @@ from aiayn.model import (
     count_parameters,
 )
 from aiayn.objective import cooldown_factor, label_smoothed_loss, make_optimizer
-from aiayn.precision import autocast_dtype, hardware, slow_bf16_warning
+from aiayn.precision import autocast_dtype, hardware, no_autocast, slow_bf16_warning, step_casts
 from aiayn.sampler import Batch, BatchLoader, PrefetchLoader, ShardDataset, TokenBudgetSampler
 from aiayn.subword import SubwordSplitter, split_closure
 
@@ -660,14 +660,17 @@ class Trainer:
         # DDP averages gradients over ranks; multiplying by world size makes the step's
         # gradient the sum over all tokens divided by their global count.
         scale = self.world.size / global_tokens
-        for i, batch in enumerate(batches):
-            sync = i == len(batches) - 1 or not self.world.distributed
-            ctx = contextlib.nullcontext() if sync else self.net.no_sync()
-            with ctx:
-                loss, nll, _ = self._forward_loss(batch)
-                (loss * scale).backward()
-            self._pending[1] += loss.detach()
-            self._pending[2] += nll.detach()
+        device = self.device.type
+        with step_casts(device, self.amp_dtype):  # weights cast to bf16 once per step
+            for i, batch in enumerate(batches):
+                sync = i == len(batches) - 1 or not self.world.distributed
+                ctx = contextlib.nullcontext() if sync else self.net.no_sync()
+                with ctx:
+                    loss, nll, _ = self._forward_loss(batch)
+                    with no_autocast(device):
+                        (loss * scale).backward()
+                self._pending[1] += loss.detach()
+                self._pending[2] += nll.detach()
         self._pending[0] += local_tokens
         params = [q for q in self.model.parameters() if q.grad is not None]
         if self.p.train.clip_norm > 0:

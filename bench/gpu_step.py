@@ -38,6 +38,7 @@ big steps of ~25k target tokens) take on 1 x H100 and 8 x A100 at 30, 40 and 50%
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -56,7 +57,7 @@ if str(REPO) not in sys.path:
 from aiayn import kernels  # noqa: E402
 from aiayn.model import Transformer, TransformerConfig, avoid_cudnn_attention  # noqa: E402
 from aiayn.objective import make_optimizer  # noqa: E402
-from aiayn.precision import autocast_dtype  # noqa: E402
+from aiayn.precision import autocast_dtype, no_autocast, step_casts  # noqa: E402
 from aiayn.sampler import Batch  # noqa: E402
 from aiayn.trainer import batch_loss  # noqa: E402
 from bench.flops import train_flops  # noqa: E402
@@ -192,13 +193,16 @@ def measure(name: str, args, device: torch.device) -> dict:
         t0 = timer.mark()
         marks = []  # (before forward, after forward + loss, after backward) per micro-batch
         total = sum(b.tgt_tokens for b in group)
-        for b in group:
-            b = b.to(device, non_blocking=True)
-            a = timer.mark()
-            loss, _, _ = batch_loss(net, model.embedding.weight, b, 0.1, 0, True, amp)
-            m = timer.mark()
-            (loss / total).backward()
-            marks.append((a, m, timer.mark()))
+        # as the trainer: bf16 weights cast once per step (--cast-per-batch: per micro-batch)
+        with contextlib.nullcontext() if args.cast_per_batch else step_casts(device.type, amp):
+            for b in group:
+                b = b.to(device, non_blocking=True)
+                a = timer.mark()
+                loss, _, _ = batch_loss(net, model.embedding.weight, b, 0.1, 0, True, amp)
+                m = timer.mark()
+                with no_autocast(device.type):
+                    (loss / total).backward()
+                marks.append((a, m, timer.mark()))
         o = timer.mark()
         optimizer.step()
         scheduler.step()
@@ -228,6 +232,7 @@ def measure(name: str, args, device: torch.device) -> dict:
     achieved = statistics.fmean(f / s for f, s in zip(flops, parts["step"], strict=True))
     result = {"config": name, "accumulation": accum, "precision": "bf16" if amp else "fp32",
               "compile": args.compile, "ddp": args.ddp, "reuse": args.reuse,
+              "weight_casts": "per micro-batch" if args.cast_per_batch else "per step",
               "cudnn_attention": torch.backends.cuda.cudnn_sdp_enabled(),
               "loss_blocks": kernels.loss_blocks(device, cfg.vocab_size),
               "batch_shapes": len(shapes),
@@ -285,6 +290,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--cpu-loss-blocks", action="store_true",
                     help="the fused loss in the blocks sized for a CPU (32 MiB chunks, 256-row "
                          "softmax), as before loss_blocks sized them for CUDA: the baseline")
+    ap.add_argument("--cast-per-batch", action="store_true",
+                    help="cast the weights to bf16 in every micro-batch (the baseline of the "
+                         "trainer's once per step, aiayn.precision.step_casts)")
     ap.add_argument("--reuse", action="store_true",
                     help="measured steps reuse the warm-up's batches (shapes met before)")
     ap.add_argument("--profile", action="store_true",

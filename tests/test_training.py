@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -970,3 +971,57 @@ def test_average_candidates_are_checked(tmp_path):
         load_params(write_params(tmp_path / "a.yaml", {"train": {"average_candidates": [1, 12]}}))
     with pytest.raises(ParamsError, match="every count must be at least 1"):
         load_params(write_params(tmp_path / "b.yaml", {"train": {"average_candidates": [0, 3]}}))
+
+
+class ParameterCasts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts, per parameter, the copies of it cast from fp32 to bf16."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.names = {q.data_ptr(): name for name, q in model.named_parameters()}
+        self.casts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func is torch.ops.aten._to_copy.default and args[0].dtype == torch.float32
+                and kwargs.get("dtype") == torch.bfloat16
+                and args[0].data_ptr() in self.names):
+            name = self.names[args[0].data_ptr()]
+            self.casts[name] = self.casts.get(name, 0) + 1
+        return func(*args, **kwargs)
+
+
+def test_bf16_weights_are_cast_once_per_step_and_train_bit_for_bit_as_per_micro_batch(
+        toy_workspace, tmp_path, monkeypatch):
+    """Under bf16 autocast with two micro-batches a step, autocast casts each weight once
+    per step (aiayn.precision.step_casts), not once per micro-batch: the same cast, so the
+    weights after two steps equal, bit for bit, those of the same steps with the step scope
+    taken out (each micro-batch casting anew, as before the scope existed). Tiny shapes: bf16
+    is emulated on a CPU without native bf16, and slow, but exact either way."""
+    import aiayn.trainer as trainer_module
+
+    changes = {"train": {"precision": "bf16", "steps": 2}}
+    results = {}
+    for mode in ("per_step", "per_micro_batch"):
+        with monkeypatch.context() as m:
+            if mode == "per_micro_batch":
+                m.setattr(trainer_module, "step_casts", lambda *a: contextlib.nullcontext())
+            trainer = make_trainer(toy_workspace, tmp_path / mode, changes)
+            assert trainer.accum == 2 and trainer.amp_dtype == torch.bfloat16
+            it = iter(trainer.loader)
+            counter = ParameterCasts(trainer.model)
+            with counter:
+                trainer.train_step(trainer._micro_batches(it))
+            trainer.train_step(trainer._micro_batches(it))
+            trainer.loader.close()
+        results[mode] = (counter.casts, {k: v.clone() for k, v in
+                                         trainer.model.state_dict().items()})
+    once, weights_once = results["per_step"]
+    every, weights_every = results["per_micro_batch"]
+    # Every linear weight autocast casts: once a step now, once per micro-batch before.
+    linear = {name for name, _ in make_trainer(toy_workspace, tmp_path / "probe", changes)
+              .model.named_parameters() if name.endswith(".weight") and "norm" not in name
+              and "embedding" not in name}
+    assert linear and all(once.get(n) == 1 and every.get(n) == 2 for n in linear), (once, every)
+    assert sum(once.values()) < sum(every.values())
+    assert_bitwise_equal(weights_once, weights_every)
