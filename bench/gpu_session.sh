@@ -17,9 +17,19 @@
 #   2. base with torch.compile inside DDP under torchrun (NCCL), graphs counted
 #   3. the multi30k preset trained on the GPU by the train stage (bf16, fused Adam, pinned
 #      prefetch, validation BLEU), then average, translate (valid, test) and score.
-# Results: $OUT/session.log, $OUT/gpu_step_*.json, $OUT/m30k.tar.gz (metrics/, params.yaml).
+#   1e. base on shapes met before, bf16 weights cast once per step (the trainer's
+#      aiayn.precision.step_casts) against once per micro-batch (--cast-per-batch), ABAB
+#   4. a recipe screen (arms and seeds fixed by `prepare`'s SCREEN and SEEDS): the
+#      multi30k preset with each arm's settings and each seed, trained side by side on the
+#      one GPU (precision auto: bf16 there) for the steps that 2 AVX2-only CPU cores reach
+#      in the preset's hour (SCREEN_STEPS; the lr cooldown by steps, SCREEN_MINUTES only a
+#      guard), then average (the count chosen on valid), translate valid, score valid.
+#      Valid only: the recipe is chosen on valid.
+# Results: $OUT/session.log, $OUT/gpu_step_*.json, $OUT/m30k.tar.gz (metrics/, params.yaml),
+# $OUT/screen/<arm>-s<seed>/ (params.yaml, run.log, metrics/).
 # About 10 minutes on an H200 (the machine's start not counted); PARTS="1c 1d 2 3" MINUTES=2
-# took 7 minutes (docs/results/gpu-h200/session4).
+# took 7 minutes (docs/results/gpu-h200/session4); PARTS=4 with 12 runs of 1750 steps
+# 3.5 minutes (session5).
 set -u
 STEPS=${STEPS:-4000}
 MINUTES=${MINUTES:-3}
@@ -27,6 +37,11 @@ PY=${PY:-python3}
 M30K=${M30K:-../shared/data/multi30k}  # the corpus (prepare only): {train,val,test2016}.{en,de}
 PARTS=${PARTS:-"1 2 3"}                 # which parts to run: "1 2 3", or sub-parts ("1c 1d 3")
 WORK=${WORK:-.gpu/m30k}                 # part 3's folder
+# part 4: "name:KEY=VALUE KEY=VALUE;name:..." (an arm without settings is the preset itself)
+SCREEN=${SCREEN:-"preset:;warmup300:train.warmup_steps=300;dropout0.1:model.dropout=0.1;ls0.2:train.label_smoothing=0.2"}
+SEEDS=${SEEDS:-"1 2 3"}
+SCREEN_STEPS=${SCREEN_STEPS:-1750}      # the AVX2-only CPU's hour: steps 1683-1750 (2026-11-26/27)
+SCREEN_MINUTES=${SCREEN_MINUTES:-4}     # a guard only: the steps end each run first
 
 if [ "${1:-}" = prepare ]; then
     set -e
@@ -42,7 +57,18 @@ if [ "${1:-}" = prepare ]; then
         data.local.dir="$(realpath "$M30K")" --out .gpu/m30k/params.yaml
     (cd .gpu/m30k && for s in download vocab survey shard; do
         ../../.venv/bin/aiayn "$s" --params params.yaml; done)
-    rm -rf .gpu/m30k/data/survey .gpu/m30k/metrics
+    rm -rf .gpu/m30k/data/survey .gpu/m30k/metrics .gpu/screen && mkdir -p .gpu/screen
+    IFS=';' read -ra arms <<< "$SCREEN"
+    for arm in "${arms[@]}"; do
+        for seed in $SEEDS; do  # shell word splitting of the arm's settings is meant
+            # shellcheck disable=SC2086
+            .venv/bin/aiayn params multi30k train.steps="$SCREEN_STEPS" \
+                train.max_minutes="$SCREEN_MINUTES" \
+                train.valid_bleu_every=0 seed="$seed" ${arm#*:} \
+                --out ".gpu/screen/${arm%%:*}-s$seed.yaml" >/dev/null
+        done
+    done
+    ls .gpu/screen
     du -sh .whl .gpu
     exit 0
 fi
@@ -88,6 +114,16 @@ part "1d. the same shapes with the loss in the CPU's 256-row blocks (the baselin
 timeout 90 $PY bench/gpu_step.py --configs base --warmup 30 --steps 10 --reuse --cpu-loss-blocks \
     --json "$OUT/gpu_step_cpu_loss_blocks.json" || echo "PART 1d FAILED ($?)"
 fi
+if want 1e; then
+part "1e. base on shapes met before: weights cast once per step (default) / per micro-batch, ABAB"
+for round in 1 2; do
+    for how in step batch; do
+        flag=(); [ "$how" = batch ] && flag=(--cast-per-batch)
+        timeout 60 $PY bench/gpu_step.py --configs base --warmup 20 --steps 10 --reuse "${flag[@]}" \
+            --json "$OUT/gpu_step_cast_${how}_$round.json" || echo "PART 1e FAILED ($?)"
+    done
+done
+fi
 
 if want 2; then
 part "2. gpu_step: base, torch.compile inside DDP (torchrun, NCCL)"
@@ -110,5 +146,26 @@ m30k() {  # each step only after the one before it succeeded
 (cd "$WORK" && tar czf "$OUT/m30k.tar.gz" params.yaml metrics data/translations \
     data/model/config.json 2>/dev/null)
 [ -f "$WORK/metrics/bleu.json" ] && cat "$WORK/metrics/train.json" "$WORK/metrics/bleu.json"
+fi
+if want 4; then
+part "4. recipe screen: $(ls .gpu/screen/*.yaml | wc -l) runs side by side"
+screen_run() (  # $1: the run's folder, holding params.yaml; the preset's data linked in
+    cd "$1" && mkdir -p data && for x in raw vocab shards; do ln -sfn "$ROOT/$WORK/data/$x" data/$x; done \
+    && OMP_NUM_THREADS=2 timeout $((SCREEN_MINUTES * 60 + 120)) $PY -m stages.train --no-progress --no-mlflow \
+    && OMP_NUM_THREADS=2 $PY -m stages.average --no-mlflow \
+    && OMP_NUM_THREADS=2 $PY -m stages.translate --split valid --no-progress \
+    && $PY -m stages.score --split valid --metrics metrics/bleu_valid.json --no-mlflow
+)
+ROOT=$PWD
+pids=()  # waited for by pid: a bare `wait` would also wait for the log's tee
+for f in .gpu/screen/*.yaml; do
+    d=.gpu/screen/$(basename "$f" .yaml) && mkdir -p "$d" && cp "$f" "$d/params.yaml"
+    (screen_run "$d" > "$d/run.log" 2>&1 || echo "PART 4 FAILED: $d ($?)"
+     mkdir -p "$OUT/screen/${d##*/}" && cp -r "$d/params.yaml" "$d/run.log" "$d/metrics" \
+        "$OUT/screen/${d##*/}/" 2>/dev/null) &  # each run's results as soon as it ends
+    pids+=($!)
+done
+wait "${pids[@]}"
+$PY bench/screen_table.py --runs .gpu/screen/*/
 fi
 part "done"
