@@ -121,6 +121,13 @@ def _search(model, src: Tensor, cfg: BeamConfig, use_cache: bool) -> list[list[i
     max_len = torch.tensor([lengths[i] for i in ids], device=device)
     lp_max = length_penalty(max_len.double(), alpha, norm).float()
     banned = torch.tensor([PAD_ID, BOS_ID], device=device)
+    # output_vocab "target": logits of the tokens the softmax spans only (the others' are
+    # -inf: they add nothing to the softmax and are never chosen); `columns` maps back.
+    columns = projection = None
+    spans = getattr(model, "output_projection", None)  # a Transformer's; test doubles lack it
+    if spans is not None and (spanned := spans()) is not None:
+        columns, projection = spanned
+        banned = torch.isin(columns, banned).nonzero()[:, 0]
     rows = torch.arange(n, device=device).repeat_interleave(k)
     if use_cache:
         state = model.start(src).reorder(rows)
@@ -136,15 +143,21 @@ def _search(model, src: Tensor, cfg: BeamConfig, use_cache: bool) -> list[list[i
 
     for t in range(width):  # t tokens generated so far; this step makes token t + 1
         if use_cache:
-            logits = model.decode_step(tokens[:, -1:], state)[:, -1]
+            step = tokens[:, -1:]
+            logits = (model.decode_step(step, state) if projection is None
+                      else model.decode_step(step, state, projection))[:, -1]
         else:
             logits = model(src_rows, tokens)[:, -1]
+            if columns is not None:
+                logits = logits.index_select(1, columns)
         logits = logits.float().index_fill(1, banned, NEG_INF)  # never PAD or BOS
         vocab = logits.shape[-1]
         logp = F.log_softmax(logits, dim=-1)
         cand = (scores.view(-1, 1) + logp).view(n, k * vocab)
         vals, idx = cand.topk(min(2 * k, k * vocab), dim=1)  # sorted, best first
         beam, tok = idx // vocab, idx % vocab
+        if columns is not None:
+            tok = columns[tok]
         length = t + 1
 
         # Finalise: EOS within the top k, or every top-k candidate at the maximum length.

@@ -466,6 +466,12 @@ class Transformer(nn.Module):
             return None
         return (self.output_bias == 0).nonzero().squeeze(1)
 
+    def output_projection(self) -> tuple[Tensor, Tensor] | None:
+        """(token ids the softmax spans, their rows of the shared matrix) for decoding
+        onto those tokens only (:meth:`decode_step`); None for the whole vocabulary."""
+        ids = self.output_ids()
+        return None if ids is None else (ids, self.embedding.weight.index_select(0, ids))
+
     def forward(self, src: Tensor, tgt_in: Tensor, *, hidden: bool = False,
                 packed: Tensor | None = None) -> Tensor:
         """Teacher forcing: src (B, S), tgt_in (B, T) → logits (B, T, V); with ``hidden``
@@ -501,17 +507,21 @@ class Transformer(nn.Module):
         return DecoderState(self.encode(src), self.source_mask(src),
                             [{} for _ in self.decoder], 0)
 
-    def decode_step(self, tokens: Tensor, state: DecoderState) -> Tensor:
+    def decode_step(self, tokens: Tensor, state: DecoderState,
+                    projection: Tensor | None = None) -> Tensor:
         """tokens: (B, t) new target tokens (usually t=1) → logits (B, t, V).
 
         Appends to the state's caches; the result equals the last t positions of a full
-        forward pass over all tokens fed so far.
+        forward pass over all tokens fed so far. With ``projection``, the rows of the
+        shared matrix of some tokens (:meth:`output_projection`), the logits of those
+        tokens only, (B, t, len(rows)): the other tokens' products are never computed.
         """
         y = self.embed(tokens, offset=state.position)
         for layer, cache in zip(self.decoder, state.caches, strict=True):
             y, _, _ = layer(y, state.memory, state.src_mask, cache=cache)
         state.position += tokens.shape[1]
-        return self.logits(self.decoder_norm(y))
+        y = self.decoder_norm(y)
+        return self.logits(y) if projection is None else y @ projection.t()
 
 
 def count_parameters(model: nn.Module) -> int:

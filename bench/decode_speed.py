@@ -70,6 +70,9 @@ the first timed round, marked "same tokens" or "differs".
 Methods (all on the same batches, beam 4, alpha 0.6, max length = source length + 50)
 ------------------------------------------------------------------------------------
 * ``cached``     ``beam_search(use_cache=True)``: encode once, one ``decode_step`` per token;
+* ``masked``     ``cached`` as before decoding projected onto the spanned tokens' rows: a
+                 model with ``model.output_vocab: target`` computes the logits of the whole
+                 vocabulary and sets the others to -inf (only for such a model);
 * ``bf16``       the same inside ``torch.autocast("cpu", dtype=torch.bfloat16)``;
 * ``recompute``  ``beam_search(use_cache=False)``: a full ``model(src, prefix)`` per step;
                  slow, so timed on ``--recompute-batches`` (1) of the batches, the middle
@@ -184,8 +187,9 @@ VOCAB = 8000
 WORDS = 500  # sentences draw their words uniformly from ids 4 .. 4 + WORDS - 1
 TRAIN_LENGTHS = (4, 40)
 VOCAB_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(4, VOCAB)]
-METHODS = ("cached", "bf16", "recompute", "ct2", "ct2_int8", "hf")
+METHODS = ("cached", "masked", "bf16", "recompute", "ct2", "ct2_int8", "hf")
 LABELS = {"cached": "ours, cached, fp32", "bf16": "ours, cached, bf16 autocast",
+          "masked": "ours, cached, masked",
           "recompute": "ours, recompute (no cache)", "ct2": "CTranslate2 fp32",
           "ct2_int8": "CTranslate2 int8", "hf": "transformers (MarianMT) fp32"}
 
@@ -401,9 +405,17 @@ def ct2_ids(results, token_id: dict[str, int]) -> list[list[int]]:
 # -- ours --------------------------------------------------------------------------------
 
 def ours_decode(model, batch: Batch, cfg: BeamConfig, use_cache: bool = True,
-                bf16: bool = False) -> list[list[int]]:
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        return beam_search(model, batch.src, cfg, use_cache=use_cache)
+                bf16: bool = False, masked: bool = False) -> list[list[int]]:
+    """``masked``: a model with an output vocabulary decodes as before the projection onto
+    its rows: logits over the whole vocabulary, the others at -inf (the baseline)."""
+    if masked:
+        model.output_projection = lambda: None
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            return beam_search(model, batch.src, cfg, use_cache=use_cache)
+    finally:
+        if masked:
+            del model.output_projection
 
 
 @torch.no_grad()
@@ -507,10 +519,10 @@ def counting_decode_steps(model):
     work = {"steps": 0, "rows": 0}
     step_fn = model.decode_step
 
-    def counting(tokens, state):
+    def counting(tokens, state, projection=None):
         work["steps"] += 1
         work["rows"] += tokens.shape[0]
-        return step_fn(tokens, state)
+        return step_fn(tokens, state, projection)
 
     model.decode_step = counting
     try:
@@ -785,7 +797,8 @@ def main(argv: list[str] | None = None) -> dict:
     methods = [m for m in METHODS
                if not (m == "ct2" and not translators) and not (m == "bf16" and args.no_bf16)
                and not (m == "ct2_int8" and not translators_int8) and not (m == "hf" and not hf)
-               and not (m == "recompute" and not rc_idx)]
+               and not (m == "recompute" and not rc_idx)
+               and not (m == "masked" and model.output_ids() is None)]
     results: dict = {}
     first_outputs: dict = {}
     for t in threads:
@@ -800,7 +813,7 @@ def main(argv: list[str] | None = None) -> dict:
             if method == "hf":
                 return timed(lambda: hf_decode(hf, b, cfg.beam, cfg.alpha))
             return timed(lambda: ours_decode(model, b, cfg, use_cache=method != "recompute",
-                                             bf16=method == "bf16"))
+                                             bf16=method == "bf16", masked=method == "masked"))
 
         def batch_ids(method: str) -> list[int]:
             return rc_idx if method == "recompute" else list(range(len(batches)))
@@ -839,6 +852,9 @@ def main(argv: list[str] | None = None) -> dict:
         agree["beam cached vs recompute"] = agreement(
             sum((fo["cached"][i] for i in rc_idx), []),
             sum((fo["recompute"][i] for i in rc_idx), []))
+    if "masked" in fo:
+        agree["beam spanned rows vs masked logits"] = agreement(
+            sum((fo["cached"][i] for i in all_b), []), sum((fo["masked"][i] for i in all_b), []))
     if "bf16" in fo:
         agree["beam fp32 vs bf16"] = agreement(sum((fo["cached"][i] for i in all_b), []),
                                                sum((fo["bf16"][i] for i in all_b), []))
@@ -934,6 +950,7 @@ def summarize(runs: dict, rc_idx: list[int], rounds: int) -> dict:
 
     # speed ratio X/Y = time(Y) / time(X), per round on the same batches, median
     ratios["cached / recompute"] = ratio("recompute", "cached", rc_idx)
+    ratios["spanned rows / masked logits (cached)"] = ratio("masked", "cached")
     ratios["ours cached / ct2"] = ratio("ct2", "cached")
     ratios["ours bf16 / ct2"] = ratio("ct2", "bf16")
     ratios["ct2 fp32 / ours cached"] = ratio("cached", "ct2")

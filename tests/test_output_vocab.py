@@ -137,6 +137,36 @@ def test_decoding_never_leaves_the_output_vocabulary():
         assert {t for out in outputs for t in out} <= set(SPANNED.tolist())
 
 
+@pytest.mark.parametrize("beam,alpha", [(1, 0.0), (4, 0.6)])
+def test_decoding_projects_onto_the_spanned_rows_and_finds_what_the_masked_logits_find(
+        beam, alpha):
+    """Decoding computes the logits of the spanned tokens only (their rows of the shared
+    matrix), and finds the same outputs as the whole-vocabulary logits with the others at
+    -inf, which it computed before (the model's output_projection hidden), and as the
+    no-cache recompute path."""
+    model = tiny(seed=3).eval()
+    model.set_output_vocab(SPANNED)
+    src = source_batch([[4, 8, 15, 16, 23], [7, 11, 19], [25, 26, 27, 28, 29, 31, 32]])
+    cfg = BeamConfig(beam=beam, alpha=alpha, max_len_a=0.0, max_len_b=12)
+    widths, step = [], model.decode_step
+
+    def decode_step(tokens, state, projection=None):
+        out = step(tokens, state, projection)
+        widths.append(out.shape[-1])
+        return out
+
+    model.decode_step = decode_step
+    spanned = beam_search(model, src, cfg)
+    assert widths and set(widths) == {len(SPANNED)}  # never the whole vocabulary's V
+    widths.clear()
+    model.output_projection = lambda: None  # the masked whole-vocabulary logits
+    masked = beam_search(model, src, cfg)
+    assert set(widths) == {V}
+    del model.output_projection, model.decode_step
+    assert spanned == masked == beam_search(model, src, cfg, use_cache=False)
+    assert any(len(out) > 1 for out in spanned)  # sentences, not just EOS
+
+
 def test_set_output_vocab_is_checked():
     with pytest.raises(ValueError, match="output_vocab='target'"):
         tiny("shared").set_output_vocab(SPANNED)
