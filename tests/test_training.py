@@ -1019,9 +1019,8 @@ def test_bf16_weights_are_cast_once_per_step_and_train_bit_for_bit_as_per_micro_
     once, weights_once = results["per_step"]
     every, weights_every = results["per_micro_batch"]
     # Every linear weight autocast casts: once a step now, once per micro-batch before.
-    linear = {name for name, _ in make_trainer(toy_workspace, tmp_path / "probe", changes)
-              .model.named_parameters() if name.endswith(".weight") and "norm" not in name
-              and "embedding" not in name}
+    linear = {name for name, _ in trainer.model.named_parameters()
+              if name.endswith(".weight") and "norm" not in name and "embedding" not in name}
     assert linear and all(once.get(n) == 1 and every.get(n) == 2 for n in linear), (once, every)
     assert sum(once.values()) < sum(every.values())
     assert_bitwise_equal(weights_once, weights_every)
