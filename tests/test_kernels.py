@@ -31,13 +31,15 @@ def padded_labels(batch: int, length: int, vocab: int, seed: int = 0) -> torch.T
 @pytest.mark.parametrize("epsilon", [0.0, 0.1, 0.3])
 @pytest.mark.parametrize("chunk_rows,softmax_rows", [(3, 256), (7, 256), (1000, 256),
                                                       (7, 2), (1000, 4)])
+# 37 and 40 tokens are multiplied as 48 (kernels.VOCAB_ALIGN), 48 as they are.
+@pytest.mark.parametrize("vocab", [37, 40, 48])
 def test_projected_loss_equals_the_plain_loss_of_the_logits(epsilon, chunk_rows, softmax_rows,
-                                                            monkeypatch):
+                                                            vocab, monkeypatch):
     monkeypatch.setattr(kernels, "SOFTMAX_ROWS", softmax_rows)
     torch.manual_seed(0)
     hidden = torch.randn(5, 9, 16, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(40, 16, dtype=torch.float64, requires_grad=True)
-    labels = padded_labels(5, 9, 40)
+    weight = torch.randn(vocab, 16, dtype=torch.float64, requires_grad=True)
+    labels = padded_labels(5, 9, vocab)
     # The reference: full logits, then the plain path's loss (log_softmax, gather, mean).
     ref_loss, ref_nll, ref_n = label_smoothed_loss(hidden @ weight.t(), labels, epsilon, PAD)
     ref_grads = torch.autograd.grad(ref_loss, (hidden, weight))
