@@ -144,6 +144,7 @@ class Tracker:
         self._run_id: str | None = None
         self._ended = False
         self._found_end_time: int | None = None
+        self._session_start: int | None = None
 
     # -- state -------------------------------------------------------------------------------
 
@@ -185,6 +186,7 @@ class Tracker:
         self._run_id = None
         self._ended = False
         self._found_end_time = None
+        self._session_start = _now_ms()
         # One process at a time creates (or migrates) a SQLite store and its experiment:
         # parallel experiments (`dvc queue start -j 2`) may all start on a fresh mlflow.db.
         with _store_lock(self.tracking_uri):
@@ -207,7 +209,7 @@ class Tracker:
                             self._experiment_id, client), run_name=run_name)
                     self._client = client
                     self._run_id = run.info.run_id
-                    if run_id and run.info.run_id == run_id and run.info.status != "RUNNING":
+                    if run_id and run.info.status != "RUNNING":  # it had ended: resumed
                         self._found_end_time = run.info.end_time
                     _retry_locked(self._log_params, run, flatten_params(params))
                     new_tags = {**_default_tags(), **(tags or {})}
@@ -267,13 +269,20 @@ class Tracker:
     def end(self, status: str = "FINISHED", unchanged: bool = False) -> None:
         """Mark the run ``status`` (FINISHED, FAILED or KILLED); the run id stays readable.
 
-        ``unchanged``: this session added nothing to a run that had ended before it was
-        resumed (a train stage that found the training finished), so the run keeps its end
-        time and the MLflow UI its duration, instead of counting the hours until the resume.
+        A run that had ended before this session resumed it (a later stage, a re-run
+        ``score``, a training resumed after a failure) ends at its old end time plus this
+        session's own length: the MLflow UI's Duration adds up the time its sessions worked,
+        not the hours or days between them. Run back to back, as ``dvc repro`` runs the
+        stages, that is the time of the last stage's end. ``unchanged``: this session added
+        nothing (a train stage that found the training finished), so the run keeps its end
+        time as it was.
         """
         if not self.active:
             return
-        end_time = self._found_end_time if unchanged else None
+        end_time = None  # now
+        if self._found_end_time is not None:
+            worked = 0 if unchanged else max(0, _now_ms() - (self._session_start or 0))
+            end_time = self._found_end_time + worked
         self._call("end", self._client.set_terminated, self._run_id, status, end_time)
         self._ended = True
 
@@ -436,6 +445,11 @@ def log_into_run(run_file: Path, stage: str, metrics: Mapping[str, float] | None
             tracker.log_artifact(path, artifact_path)
     log.info("%s: logged to MLflow run %s", stage, tracker.run_id)
     return tracker.run_id
+
+
+def _now_ms() -> int:
+    """Wall-clock time in milliseconds since the epoch, as MLflow stores run times."""
+    return int(time.time() * 1000)
 
 
 def _default_tags() -> dict[str, str]:

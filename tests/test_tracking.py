@@ -550,3 +550,45 @@ def test_a_resumed_run_that_goes_on_ends_at_its_new_end(tmp_path):
     new_id = fresh.start("other", {})
     fresh.end(unchanged=True)
     assert MlflowClient(uri).get_run(new_id).info.end_time is not None
+
+
+def test_a_stage_run_a_day_later_adds_its_own_time_to_the_duration_not_the_day(
+        tmp_path, monkeypatch):
+    # `dvc repro` re-runs only `score` a day after the pipeline ran (a new sacreBLEU
+    # setting): the MLflow UI's Duration must count the minutes the stages worked, not the
+    # day between them; a child run (an experiment that reused this training) likewise.
+    from aiayn.tracking import log_into_run
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("DVC_EXP_NAME", "base")
+    run_file = tmp_path / "mlflow_run.json"
+    train = Tracker()
+    run_id = train.start("base", {"train": {"steps": 10}})
+    train.end()
+    save_run_id(run_file, run_id, uri)
+    first = MlflowClient(uri).get_run(run_id).info
+    day = 86_400_000
+
+    def clock(*times):  # the session's start, then its end, as the stage sees them
+        ticks = iter(times)
+        monkeypatch.setattr(tracking, "_now_ms", lambda: next(ticks))
+
+    clock(first.end_time + day, first.end_time + day + 5_000)
+    assert log_into_run(run_file, "score", {"test/sacrebleu": 30.0}) == run_id
+    info = MlflowClient(uri).get_run(run_id).info
+    assert info.status == "FINISHED" and info.start_time == first.start_time
+    assert info.end_time == first.end_time + 5_000
+
+    monkeypatch.setenv("DVC_EXP_NAME", "beam8")  # reuses base's training: a child run
+    monkeypatch.setattr(tracking, "_now_ms", lambda: int(time.time() * 1000))
+    child = log_into_run(run_file, "translate", {"valid/sacrebleu": 31.0},
+                         params={"decode": {"beam": 8}})
+    assert child not in (None, run_id)
+    kid = MlflowClient(uri).get_run(child).info  # created by this session: ends now
+    assert kid.end_time >= kid.start_time
+    clock(kid.end_time + day, kid.end_time + day + 7_000)
+    assert log_into_run(run_file, "score", {"test/sacrebleu": 31.5},
+                        params={"decode": {"beam": 8}}) == child
+    assert MlflowClient(uri).get_run(child).info.end_time == kid.end_time + 7_000
+    assert MlflowClient(uri).get_run(run_id).info.end_time == first.end_time + 5_000
