@@ -66,6 +66,12 @@ CUDA_CHUNK_BYTES = 1 << 30
 VOCAB_ALIGN = 16
 
 
+def padded_width(vocab: int) -> int:
+    """The columns the fused loss multiplies on: ``vocab`` rounded up to a multiple of
+    VOCAB_ALIGN."""
+    return -(-vocab // VOCAB_ALIGN) * VOCAB_ALIGN
+
+
 def loss_blocks(device: torch.device, vocab: int) -> tuple[int, int]:
     """(chunk_rows, softmax_rows) of the fused loss on ``device`` for ``vocab`` outputs:
     sized for the CPU's heap and cache (CHUNK_BYTES, SOFTMAX_ROWS), or on CUDA for few
@@ -101,7 +107,7 @@ class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
         # The products run on ``width`` >= vocab columns, a multiple of VOCAB_ALIGN: the
         # extra rows of ``w`` are zeros, their logits are set to -inf before the softmax (so
         # they add nothing to it) and their gradient rows are dropped.
-        width = -(-vocab // VOCAB_ALIGN) * VOCAB_ALIGN
+        width = padded_width(vocab)
         with torch.autocast(rows.device.type, enabled=False):
             a = rows.to(dtype)
             w = weight.to(dtype)

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     aligned = kernels.VOCAB_ALIGN
-    width = -(-args.vocab // aligned) * aligned
+    width = kernels.padded_width(args.vocab)
     torch.manual_seed(0)
     hidden = torch.randn(args.rows, args.d_model, requires_grad=True)
     weight = (args.d_model ** -0.5 * torch.randn(args.vocab, args.d_model)).requires_grad_()

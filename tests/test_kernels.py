@@ -28,10 +28,17 @@ def padded_labels(batch: int, length: int, vocab: int, seed: int = 0) -> torch.T
 # --------------------------------------------------------------------------- the loss
 
 
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 37, 48, 5399, 8000])
+def test_padded_width_is_the_smallest_multiple_of_vocab_align_that_holds_the_vocabulary(vocab):
+    smallest = next(w for w in range(vocab, vocab + kernels.VOCAB_ALIGN)
+                    if w % kernels.VOCAB_ALIGN == 0)
+    assert kernels.padded_width(vocab) == smallest
+
+
 @pytest.mark.parametrize("epsilon", [0.0, 0.1, 0.3])
 @pytest.mark.parametrize("chunk_rows,softmax_rows", [(3, 256), (7, 256), (1000, 256),
                                                       (7, 2), (1000, 4)])
-# 37 and 40 tokens are multiplied as 48 (kernels.VOCAB_ALIGN), 48 as they are.
+# 37 and 40 tokens are multiplied as 48 (kernels.padded_width), 48 as they are.
 @pytest.mark.parametrize("vocab", [37, 40, 48])
 def test_projected_loss_equals_the_plain_loss_of_the_logits(epsilon, chunk_rows, softmax_rows,
                                                             vocab, monkeypatch):
