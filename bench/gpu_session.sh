@@ -22,14 +22,16 @@
 #   4. a recipe screen (arms and seeds fixed by `prepare`'s SCREEN and SEEDS): the
 #      multi30k preset with each arm's settings and each seed, trained side by side on the
 #      one GPU (precision auto: bf16 there) for the steps that 2 AVX2-only CPU cores reach
-#      in the preset's hour (SCREEN_STEPS; the lr cooldown by steps, SCREEN_MINUTES only a
-#      guard), then average (the count chosen on valid), translate valid, score valid.
+#      in the preset's hour at the arm's speed (SCREEN_STEPS, or the arm's own
+#      train.steps; the lr cooldown by steps, SCREEN_MINUTES only a guard), then average
+#      (the count chosen on valid), translate valid, score valid.
 #      Valid only: the recipe is chosen on valid.
 # Results: $OUT/session.log, $OUT/gpu_step_*.json, $OUT/m30k.tar.gz (metrics/, params.yaml),
 # $OUT/screen/<arm>-s<seed>/ (params.yaml, run.log, metrics/).
 # About 10 minutes on an H200 (the machine's start not counted); PARTS="1c 1d 2 3" MINUTES=2
 # took 7 minutes (docs/results/gpu-h200/session4); PARTS=4 with 12 runs of 1750 steps
-# 3.5 minutes (session5).
+# 3.5 minutes (session5). The default shape screen, 15 runs of 1280-2520 steps, is 1.4x
+# session5's steps in all: by that rate about 5 minutes, not yet run (7 at most: the guard).
 set -u
 STEPS=${STEPS:-4000}
 MINUTES=${MINUTES:-3}
@@ -37,11 +39,18 @@ PY=${PY:-python3}
 M30K=${M30K:-../shared/data/multi30k}  # the corpus (prepare only): {train,val,test2016}.{en,de}
 PARTS=${PARTS:-"1 2 3"}                 # which parts to run: "1 2 3", or sub-parts ("1c 1d 3")
 WORK=${WORK:-.gpu/m30k}                 # part 3's folder
-# part 4: "name:KEY=VALUE KEY=VALUE;name:..." (an arm without settings is the preset itself)
-SCREEN=${SCREEN:-"preset:;warmup300:train.warmup_steps=300;dropout0.1:model.dropout=0.1;ls0.2:train.label_smoothing=0.2"}
+# part 4: "name:KEY=VALUE KEY=VALUE;name:..." (an arm without settings is the preset itself;
+# an arm's own train.steps overrides SCREEN_STEPS). The default: model shapes, each trained
+# for the steps the AVX2-only CPU's hour holds at that shape's speed. SCREEN_STEPS x the
+# shape's target tokens/s over the preset's, measured side by side on that CPU
+# (bench/train_throughput.py --arm, two runs, bench/README.md): d_ff 512 1.17-1.18x,
+# 2+2 layers 1.28x, d 192 (3 heads, d_ff 768) 1.40-1.48x, d 320 (5 heads, d_ff 1280)
+# 0.71-0.75x. The recipe screen of session5 (docs/results/gpu-h200/) set SCREEN to arms of
+# train.* settings at SCREEN_STEPS, e.g. "preset:;dropout0.1:model.dropout=0.1".
+SCREEN=${SCREEN:-"preset:;ff512:model.d_ff=512 train.steps=2055;l2:model.encoder_layers=2 model.decoder_layers=2 train.steps=2240;d192:model.d_model=192 model.heads=3 model.d_ff=768 train.steps=2520;d320:model.d_model=320 model.heads=5 model.d_ff=1280 train.steps=1280"}
 SEEDS=${SEEDS:-"1 2 3"}
 SCREEN_STEPS=${SCREEN_STEPS:-1750}      # the AVX2-only CPU's hour: steps 1683-1750 (2026-11-26/27)
-SCREEN_MINUTES=${SCREEN_MINUTES:-4}     # a guard only: the steps end each run first
+SCREEN_MINUTES=${SCREEN_MINUTES:-7}     # a guard only: the steps end each run first
 
 if [ "${1:-}" = prepare ]; then
     set -e

@@ -8,6 +8,8 @@ Usage (from the repository root)::
     .venv/bin/python bench/train_throughput.py --profile fast                # where time goes
     .venv/bin/python bench/train_throughput.py --contenders fast -S model.d_model=128  # a recipe
     .venv/bin/python bench/train_throughput.py --contenders fast,fast@2048           # batch size
+    .venv/bin/python bench/train_throughput.py --contenders fast,ff512 \
+        --arm ff512:model.d_ff=512                                       # model shapes
     .venv/bin/python bench/train_throughput.py --help
 
 What runs
@@ -47,6 +49,12 @@ checkpoints and logs are not timed.
   e.g. ``fast@2048`` against ``fast``: what a batch size costs or buys in tokens/s, side by
   side. Such a contender takes its own batches (the same sampler seed over its own shards),
   so its tokens and FLOPs per round are counted on its own batches;
+* ``--arm NAME:KEY=VALUE,...`` - a contender ``NAME``: ``fast`` with these ``model.*`` and
+  ``train.*`` settings, e.g. ``--arm enc4dec2:model.encoder_layers=4,model.decoder_layers=2``
+  (repeatable; list ``NAME`` in ``--contenders``). Same batches as ``fast``; its FLOPs are
+  counted for its own shape. What a shape costs per step, side by side: the step counts
+  that give each shape the same training time (a recipe screen on a GPU that stands for a
+  CPU's hour, ``bench/gpu_session.sh``);
 * ``matmul`` - the machine's matmul rate in the same run, in the precision the trainers
   compute in (fp32, or bf16 where ``train.precision`` resolves to bf16 autocast): products
   of 2048x2048x2048 and 4096x256x1024 into preallocated outputs; reported as GFLOP/s, the
@@ -77,6 +85,7 @@ needs nothing) and reused by later runs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -399,6 +408,27 @@ def split_contender(name: str) -> tuple[str, int | None]:
     return base, int(tokens)
 
 
+def parse_arm(text: str) -> tuple[str, dict]:
+    """``ff512:model.d_ff=512,train.x=y`` -> ("ff512", {"kernels": "fast", "model":
+    {"d_ff": 512}, "x": y}): a trainer contender's overrides (values parsed as YAML)."""
+    import yaml
+
+    name, colon, settings = text.partition(":")
+    if not colon or not name or name in TRAINERS or name in OTHERS or "@" in name:
+        raise SystemExit(f"error: --arm {text}: give NAME:KEY=VALUE,... with a new NAME, e.g. "
+                         "ff512:model.d_ff=512")
+    spec: dict = {"kernels": "fast", "model": {}}
+    for item in filter(None, settings.split(",")):
+        key, eq, value = item.partition("=")
+        section, dot, field = key.partition(".")
+        if not eq or not dot or section not in ("model", "train") or "." in field:
+            raise SystemExit(f"error: --arm {text}: {item!r} is not model.KEY=VALUE or "
+                             "train.KEY=VALUE")
+        target = spec["model"] if section == "model" else spec
+        target[field] = yaml.safe_load(value)
+    return name, spec
+
+
 def prepare_data(args, batch_tokens: int | None = None) -> tuple[Path, Path, Path]:
     """(params file, shards, tokenizer): given, or made once in the work folder; with
     ``batch_tokens``, the preset with batches (and steps) of that many tokens, in a work
@@ -494,6 +524,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help=f"comma-separated from {', '.join([*TRAINERS, *OTHERS])} (default "
                          f"{DEFAULT}, plus main with --baseline); a trainer contender with "
                          "@N (e.g. fast@2048) runs batches of N tokens")
+    ap.add_argument("--arm", action="append", default=[], metavar="NAME:KEY=VALUE,...",
+                    help="a contender NAME: fast with these model.*/train.* settings, e.g. "
+                         "enc4dec2:model.encoder_layers=4,model.decoder_layers=2 (repeatable; "
+                         "name it in --contenders)")
     ap.add_argument("--baseline", default=None, metavar="REF",
                     help="git commit whose trainer runs as contender 'main' (e.g. 9852772)")
     ap.add_argument("--preset", default="multi30k", help="conf/experiment preset (multi30k)")
@@ -540,6 +574,8 @@ def main(argv: list[str] | None = None) -> dict:
     from bench.machine import cpu_model, describe_caps, instruction_caps
 
     names = (args.contenders or DEFAULT + (",main" if args.baseline else "")).split(",")
+    arms = dict(parse_arm(a) for a in args.arm)
+    TRAINERS.update(arms)
     if args.profile and args.profile not in names:
         names.append(args.profile)
     base = {n: split_contender(n)[0] for n in names}  # the contender without its @N
@@ -564,6 +600,9 @@ def main(argv: list[str] | None = None) -> dict:
     params, shards, tokenizer = data[next(iter(data))]  # one model config in each
     p = parse_params(yaml.safe_load(params.read_text()))
     cfg = model_config(p, load_tokenizer(tokenizer).get_vocab_size())
+    # an arm's own model (its FLOPs); every other contender computes the preset's
+    cfgs = {n: dataclasses.replace(cfg, **arms[base[n]].get("model", {}))
+            for n in names if base[n] in arms}
     bf16 = cpu_has_native_bf16()
     amp = autocast_dtype(p.train.precision, torch.device("cpu"))
     matmul_dtype = "bfloat16" if amp == torch.bfloat16 else "float32"
@@ -571,7 +610,7 @@ def main(argv: list[str] | None = None) -> dict:
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "instruction_caps": instruction_caps(), "threads": threads,
             "torch": torch.__version__, "python": platform.python_version(),
-            "preset": args.preset, "overrides": list(args.set),
+            "preset": args.preset, "overrides": list(args.set), "arms": arms,
             "precision": p.train.precision, "matmul_dtype": matmul_dtype,
             "model": cfg.to_dict(),
             "contenders": names, "baseline": args.baseline, "rounds": args.rounds,
@@ -620,6 +659,7 @@ def main(argv: list[str] | None = None) -> dict:
                  for n, w in workers.items()}
         widths = sorted(set(spans.values()))
         span_flops = {(v, k): [] for v in data for k in widths}
+        own_flops = {n: [] for n in cfgs}  # an arm's FLOPs, on its own shape
         for r in range(args.rounds):
             for v, (v_params, v_shards, _) in data.items():
                 batches = round_batches(v_params, v_shards, args.steps,
@@ -629,6 +669,10 @@ def main(argv: list[str] | None = None) -> dict:
                     span_flops[v, k].append(sum(train_flops(cfg, s, t, k)
                                                 for s, t, _ in batches))
                 tokens[v].append(sum(n for *_, n in batches))
+                for n in cfgs:
+                    if variant[n] == v:
+                        own_flops[n].append(sum(train_flops(cfgs[n], s, t, spans[n])
+                                                for s, t, _ in batches))
             order = names[r % len(names):] + names[:r % len(names)]
             for n in order:
                 runs[n].append(workers[n].ask(f"run {args.steps}"))
@@ -652,7 +696,8 @@ def main(argv: list[str] | None = None) -> dict:
     for n in names:
         if n == "matmul":
             continue
-        n_tokens, n_flops = tokens[variant[n]], span_flops[variant[n], spans[n]]
+        n_tokens = tokens[variant[n]]
+        n_flops = own_flops[n] if n in cfgs else span_flops[variant[n], spans[n]]
         tps[n] = [n_tokens[r] / x["wall"] for r, x in enumerate(runs[n])]
         results[n] = {"tokens_per_s": med(tps[n]), "batch_tokens": variant[n],
                       "output_vocab": spans[n],
@@ -671,8 +716,9 @@ def main(argv: list[str] | None = None) -> dict:
                   "shapes": {k: med(x["gflops"][k] for x in runs["matmul"])
                              for k in runs["matmul"][0]["gflops"]}}
         for n, res in results.items():
-            res["matmul_fraction"] = med(span_flops[variant[n], spans[n]][r] / x["wall"]
-                                         / 1e9 / per_round[r] for r, x in enumerate(runs[n]))
+            n_flops = own_flops[n] if n in cfgs else span_flops[variant[n], spans[n]]
+            res["matmul_fraction"] = med(n_flops[r] / x["wall"] / 1e9 / per_round[r]
+                                         for r, x in enumerate(runs[n]))
 
     def ratio(a: str, b: str) -> float:
         return med(x / y for x, y in zip(tps[a], tps[b], strict=True))
@@ -686,6 +732,7 @@ def main(argv: list[str] | None = None) -> dict:
              if a in tps and b in tps]
     pairs += [(n, base[n]) for n in tps  # each batch size against the preset's
               if variant[n] is not None and base[n] in tps]
+    pairs += [(n, "fast") for n in tps if base[n] in arms and "fast" in tps]
     ratios = {f"{a} / {b}": ratio(a, b) for a, b in pairs}
 
     width = max(len(n) for n in names) + 2
