@@ -692,16 +692,18 @@ def main(argv: list[str] | None = None) -> dict:
         shutil.rmtree(scratch, ignore_errors=True)
 
     med = statistics.median
+    # each contender's FLOPs per round: an arm's on its own shape, the others' on the preset's
+    n_flops = {n: own_flops[n] if n in cfgs else span_flops[variant[n], spans[n]]
+               for n in names if n != "matmul"}
     results, tps = {}, {}
     for n in names:
         if n == "matmul":
             continue
         n_tokens = tokens[variant[n]]
-        n_flops = own_flops[n] if n in cfgs else span_flops[variant[n], spans[n]]
         tps[n] = [n_tokens[r] / x["wall"] for r, x in enumerate(runs[n])]
         results[n] = {"tokens_per_s": med(tps[n]), "batch_tokens": variant[n],
                       "output_vocab": spans[n],
-                      "gflop_per_s": med(n_flops[r] / x["wall"] / 1e9
+                      "gflop_per_s": med(n_flops[n][r] / x["wall"] / 1e9
                                          for r, x in enumerate(runs[n])),
                       "wall_s_per_step": med(x["wall"] for x in runs[n]) / args.steps,
                       "cpu_s_per_step": med(x["cpu"] for x in runs[n]) / args.steps,
@@ -716,8 +718,7 @@ def main(argv: list[str] | None = None) -> dict:
                   "shapes": {k: med(x["gflops"][k] for x in runs["matmul"])
                              for k in runs["matmul"][0]["gflops"]}}
         for n, res in results.items():
-            n_flops = own_flops[n] if n in cfgs else span_flops[variant[n], spans[n]]
-            res["matmul_fraction"] = med(n_flops[r] / x["wall"] / 1e9 / per_round[r]
+            res["matmul_fraction"] = med(n_flops[n][r] / x["wall"] / 1e9 / per_round[r]
                                          for r, x in enumerate(runs[n]))
 
     def ratio(a: str, b: str) -> float:
