@@ -279,12 +279,16 @@ class Tracker:
         """
         if not self.active:
             return
-        end_time = None  # now
-        if self._found_end_time is not None:
-            worked = 0 if unchanged else max(0, _now_ms() - (self._session_start or 0))
-            end_time = self._found_end_time + worked
-        self._call("end", self._client.set_terminated, self._run_id, status, end_time)
+        self._call("end", self._client.set_terminated, self._run_id, status,
+                   self._end_time(unchanged))
         self._ended = True
+
+    def _end_time(self, unchanged: bool = False) -> int | None:
+        """The end time ``end`` sets (None: now); see ``end``."""
+        if self._found_end_time is None:
+            return None
+        worked = 0 if unchanged else max(0, _now_ms() - (self._session_start or 0))
+        return self._found_end_time + worked
 
     def __enter__(self) -> Tracker:
         return self
@@ -399,11 +403,14 @@ class Tracker:
 
     def _fail(self, what: str, error: BaseException) -> None:
         client, run_id = self._client, self._run_id
+        # A resumed run that fails ends as ``end`` would end it: the UI's Duration must not
+        # count the time between the sessions because this one failed.
+        end_time = self._end_time()
         self._disable(f"MLflow at {self.tracking_uri} failed in {what} ({_short(error)})")
         # Best effort: do not leave the run RUNNING forever if the server still answers.
         if client is not None and run_id is not None:
             with contextlib.suppress(Exception), _mlflow_env(_PROBE_ENV):
-                client.set_terminated(run_id, "FAILED")
+                client.set_terminated(run_id, "FAILED", end_time)
 
     def _disable(self, reason: str) -> None:
         log.warning("%s; training continues, the same numbers are in metrics/", reason)

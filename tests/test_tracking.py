@@ -592,3 +592,30 @@ def test_a_stage_run_a_day_later_adds_its_own_time_to_the_duration_not_the_day(
                         params={"decode": {"beam": 8}}) == child
     assert MlflowClient(uri).get_run(child).info.end_time == kid.end_time + 7_000
     assert MlflowClient(uri).get_run(run_id).info.end_time == first.end_time + 5_000
+
+
+def test_a_resumed_run_that_fails_counts_its_own_time_not_the_gap(tmp_path, monkeypatch):
+    # A training resumed a day after its run ended, whose MLflow call then fails: the run is
+    # marked FAILED (not left RUNNING), ending as a finished session would, at its old end
+    # plus this session's length, not "now" with the day in between.
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    first_run = Tracker(tracking_uri=uri)
+    run_id = first_run.start("base", {"train": {"steps": 10}})
+    first_run.end()
+    first = MlflowClient(uri).get_run(run_id).info
+    day = 86_400_000
+    ticks = iter([first.end_time + day, first.end_time + day + 9_000])
+    monkeypatch.setattr(tracking, "_now_ms", lambda: next(ticks))
+
+    resumed = Tracker(tracking_uri=uri)
+    assert resumed.start("base", {"train": {"steps": 10}}, run_id=run_id) == run_id
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("the store refused the batch")
+
+    monkeypatch.setattr(MlflowClient, "log_batch", refuse)
+    resumed.log_metrics({"train/loss": 1.0}, step=11)
+    assert not resumed.active  # disabled after the failure
+    info = MlflowClient(uri).get_run(run_id).info
+    assert info.status == "FAILED"
+    assert info.end_time == first.end_time + 9_000
