@@ -85,7 +85,6 @@ needs nothing) and reused by later runs.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
@@ -146,11 +145,8 @@ class TrainerWorker:
         from aiayn.tokenizer import load_tokenizer
         from aiayn.trainer import Trainer, TrainPaths
 
-        raw = yaml.safe_load(Path(spec["params"]).read_text())
-        train = dict(spec["train"])
-        model = train.pop("model", {})
-        raw.setdefault("train", {}).update(train)
-        raw.setdefault("model", {}).update(model)
+        raw, train, model = with_settings(yaml.safe_load(Path(spec["params"]).read_text()),
+                                          spec["train"])
         known = _known_params(raw, Params)
         dropped = sorted(f"{section}.{k}" for section in ("model", "train")
                          for k in set(raw[section]) - set(known[section]))
@@ -396,14 +392,39 @@ class Worker:
 # =========================================================================== data and FLOPs
 
 
-def split_contender(name: str) -> tuple[str, int | None]:
+def with_settings(raw: dict, settings: dict) -> tuple[dict, dict, dict]:
+    """(params ``raw`` with a contender's ``settings`` applied, its train.* settings, its
+    model.* settings); ``raw`` itself is left as it was."""
+    train = dict(settings)
+    model = train.pop("model", {})
+    raw = {**raw, "train": {**raw.get("train", {}), **train},
+           "model": {**raw.get("model", {}), **model}}
+    return raw, train, model
+
+
+def check_arms(raw: dict, arms: dict[str, dict]) -> dict:
+    """Each arm's params (``raw``, the composed preset, with the arm's settings), validated
+    as the pipeline validates params.yaml: a misspelt key or a bad value stops the run here,
+    before any data is made or any worker starts, naming the arm and the key."""
+    from aiayn.config import ParamsError, parse_params
+
+    checked = {}
+    for name, spec in arms.items():
+        try:
+            checked[name] = parse_params(with_settings(raw, spec)[0], f"--arm {name}")
+        except ParamsError as e:
+            raise SystemExit(f"error: {e}") from None
+    return checked
+
+
+def split_contender(name: str, trainers: dict = TRAINERS) -> tuple[str, int | None]:
     """``fast@2048`` -> ("fast", 2048); ``fast`` -> ("fast", None)."""
     base, at, tokens = name.partition("@")
     if not at:
         return name, None
-    if base not in TRAINERS or not tokens.isdigit() or int(tokens) < 16:
+    if base not in trainers or not tokens.isdigit() or int(tokens) < 16:
         raise SystemExit(f"error: contender {name}: NAME@N needs a trainer contender "
-                         f"({', '.join(TRAINERS)}) and a batch size N >= 16 in tokens, "
+                         f"({', '.join(trainers)}) and a batch size N >= 16 in tokens, "
                          "e.g. fast@2048")
     return base, int(tokens)
 
@@ -572,18 +593,21 @@ def main(argv: list[str] | None = None) -> dict:
     from aiayn.trainer import model_config
     from bench.flops import train_flops
     from bench.machine import cpu_model, describe_caps, instruction_caps
+    from stages.params import compose
 
     names = (args.contenders or DEFAULT + (",main" if args.baseline else "")).split(",")
     arms = dict(parse_arm(a) for a in args.arm)
-    TRAINERS.update(arms)
+    trainers = {**TRAINERS, **arms}
+    arm_params = check_arms(yaml.safe_load(compose(REPO / "conf", args.preset, list(args.set))),
+                            arms)
     if args.profile and args.profile not in names:
         names.append(args.profile)
-    base = {n: split_contender(n)[0] for n in names}  # the contender without its @N
-    variant = {n: split_contender(n)[1] for n in names}  # batch tokens, None: the preset's
-    unknown = [n for n in names if base[n] not in TRAINERS and n not in OTHERS]
+    base = {n: split_contender(n, trainers)[0] for n in names}  # the contender without @N
+    variant = {n: split_contender(n, trainers)[1] for n in names}  # batch tokens; None: preset's
+    unknown = [n for n in names if base[n] not in trainers and n not in OTHERS]
     if unknown:
         raise SystemExit(f"error: unknown contender(s) {', '.join(unknown)}; choose from "
-                         f"{', '.join([*TRAINERS, *OTHERS])}")
+                         f"{', '.join([*trainers, *OTHERS])}")
     if "main" in base.values() and not args.baseline:
         raise SystemExit("error: contender main needs --baseline REF")
     threads = args.threads or torch.get_num_threads()
@@ -599,10 +623,10 @@ def main(argv: list[str] | None = None) -> dict:
         data[v] = (params, shards, tokenizer)
     params, shards, tokenizer = data[next(iter(data))]  # one model config in each
     p = parse_params(yaml.safe_load(params.read_text()))
-    cfg = model_config(p, load_tokenizer(tokenizer).get_vocab_size())
+    vocab = load_tokenizer(tokenizer).get_vocab_size()
+    cfg = model_config(p, vocab)
     # an arm's own model (its FLOPs); every other contender computes the preset's
-    cfgs = {n: dataclasses.replace(cfg, **arms[base[n]].get("model", {}))
-            for n in names if base[n] in arms}
+    cfgs = {n: model_config(arm_params[base[n]], vocab) for n in names if base[n] in arms}
     bf16 = cpu_has_native_bf16()
     amp = autocast_dtype(p.train.precision, torch.device("cpu"))
     matmul_dtype = "bfloat16" if amp == torch.bfloat16 else "float32"
@@ -641,7 +665,7 @@ def main(argv: list[str] | None = None) -> dict:
             spec = {"name": n, "tree": trees[n], "params": str(n_params),
                     "shards": str(n_shards), "tokenizer": str(n_tokenizer),
                     "scratch": str(scratch), "threads": threads,
-                    "matmul_dtype": matmul_dtype, "train": TRAINERS.get(base[n], {})}
+                    "matmul_dtype": matmul_dtype, "train": trainers.get(base[n], {})}
             workers[n] = Worker(spec, env)
             if base[n] == "main":
                 print(f"{n}: {workers[n].info['aiayn']} (git {args.baseline}); params it does "
