@@ -1,0 +1,74 @@
+"""bench/attention.py and bench/loss_kernel.py: their float64 reference and correctness gates,
+and short runs that return what they print (shapes far below the benchmarks' own)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from aiayn import kernels
+from aiayn import model as model_mod
+from tests.conftest import load_bench
+
+
+@pytest.fixture(scope="module")
+def attention():
+    return load_bench("attention")
+
+
+@pytest.fixture(scope="module")
+def loss_kernel():
+    return load_bench("loss_kernel")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_reference_is_torchs_attention_in_float64(attention, causal):
+    q, k, v, mask, _ = attention.inputs(length=9, tokens=40, heads=2, d_head=8, seed=1)
+    mask = None if causal else mask
+    assert mask is None or not bool(mask.all())  # some keys really are padding
+    ours = attention.reference(q, k, v, mask, causal)
+    q64, k64, v64 = (x.detach().double() for x in (q, k, v))
+    theirs = F.scaled_dot_product_attention(q64, k64, v64, attn_mask=mask, is_causal=causal)
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+
+
+def test_attention_inputs_are_the_shard_stages_buckets(attention):
+    q, k, v, mask, upstream = attention.inputs(length=16, tokens=100, heads=3, d_head=4, seed=0)
+    assert q.shape == k.shape == v.shape == upstream.shape == (6, 3, 16, 4)  # B = 100 // 16
+    assert q.dtype == torch.bfloat16 and q.requires_grad
+    lengths = mask.reshape(6, 16).sum(1)
+    assert int(lengths[0]) == 16 and int(lengths.min()) >= 16 // 3  # one row is full
+    assert torch.equal(mask.reshape(6, 16), torch.arange(16) < lengths[:, None])
+
+
+def test_attention_run_reports_each_contenders_error_and_writes_json(attention, tmp_path):
+    out = tmp_path / "attention.json"
+    saved = model_mod.EXPLICIT_ATTENTION_KEYS
+    results = attention.main(["--lengths", "8,12", "--tokens", "48", "--heads", "2",
+                              "--d-head", "8", "--rounds", "2", "--json", str(out)])
+    assert model_mod.EXPLICIT_ATTENTION_KEYS == saved  # flash32 put it back
+    assert set(results) == {f"{kind} T={t}" for kind in ("encoder", "decoder") for t in (8, 12)}
+    for case in results.values():
+        assert set(case["ms"]) == {"explicit", "flash32", "flash16"}
+        assert all(ms > 0 for ms in case["ms"].values())
+        # bf16 inputs and outputs: within bf16's rounding of the float64 reference
+        assert all(err < 0.05 for err in case["max_abs_error"].values())
+        assert case["flash32_over_explicit"] > 0
+    assert json.loads(out.read_text()) == results
+
+
+def test_loss_kernel_compares_both_widths_and_puts_the_alignment_back(loss_kernel, capsys):
+    saved = kernels.VOCAB_ALIGN
+    width = kernels.padded_width(101)
+    assert width % saved == 0 and 101 <= width < 101 + saved
+    result = loss_kernel.main(["--rows", "64", "--d-model", "16", "--vocab", "101",
+                               "--rounds", "3"])
+    assert kernels.VOCAB_ALIGN == saved
+    assert [len(t) for t in result["times"].values()] == [3, 3]
+    assert set(result["times"]) == {f"width {width} (VOCAB_ALIGN {saved})",
+                                    "width 101 (VOCAB_ALIGN 1)"}
+    assert result["ratio"] > 0
+    assert "rounded / as is" in capsys.readouterr().out
