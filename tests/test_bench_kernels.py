@@ -72,3 +72,16 @@ def test_loss_kernel_compares_both_widths_and_puts_the_alignment_back(loss_kerne
                                     "width 101 (VOCAB_ALIGN 1)"}
     assert result["ratio"] > 0
     assert "rounded / as is" in capsys.readouterr().out
+
+
+def test_loss_kernel_puts_the_alignment_back_when_the_widths_disagree(loss_kernel,
+                                                                       monkeypatch):
+    saved = kernels.VOCAB_ALIGN
+
+    def disagree(*_args, **_kwargs):
+        raise AssertionError("the two widths' losses differ")
+
+    monkeypatch.setattr(loss_kernel.torch.testing, "assert_close", disagree)
+    with pytest.raises(AssertionError, match="differ"):
+        loss_kernel.main(["--rows", "16", "--d-model", "8", "--vocab", "37", "--rounds", "1"])
+    assert kernels.VOCAB_ALIGN == saved
