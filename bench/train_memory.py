@@ -2,8 +2,9 @@
 
 Usage (from the repository root)::
 
-    .venv/bin/python bench/train_memory.py                   # 300 steps, notrim then trim
+    .venv/bin/python bench/train_memory.py --corpus ../shared/data/multi30k  # 300 steps
     .venv/bin/python bench/train_memory.py --steps 100 --repeats 2 --json out.json
+    .venv/bin/python bench/train_memory.py --preset demo --steps 60   # the toy corpus
     .venv/bin/python bench/train_memory.py --help
 
 What it measures
@@ -18,13 +19,14 @@ prints RSS along the way and seconds per step.
 
 Each mode runs in a fresh Python process (a heap is per process), one after the other,
 alternating ``notrim``/``trim`` ``--repeats`` times; the machine may be shared, so compare
-the modes of one run as ratios. Model and batches are those of ``bench/train_throughput.py``
-(d_model 256, 3+3 layers, d_ff 1024, 4 heads, vocabulary 8000: the ``multi30k`` preset's
-size; token buckets of at most ``--max-tokens`` positions per side from a lognormal length
-distribution), in the precision ``aiayn train`` picks (``--precision``, default ``auto``:
-bf16 autocast on a CPU with native bf16, fp32 elsewhere; see ``aiayn.precision``). ``--steps``
-batches are drawn at random from the bucket pool (with repetition once the pool's ~250
-buckets are used up), the same sequence in both modes.
+the modes of one run as ratios. What trains is the real ``aiayn.trainer.Trainer`` stepping
+through its own loader, as ``bench/train_throughput.py``'s ``fast`` contender does (its
+worker class, its data preparation): the ``--preset`` (``multi30k`` by default, whose text
+``--corpus`` names; ``demo`` needs none), with ``-S`` overrides, batches of the preset's
+size or of ``--max-tokens`` positions, the sampler seeded by ``--seed``: the same sequence of
+batches in both modes. It computes in the precision ``aiayn train`` picks (``--precision``,
+default ``auto``: bf16 autocast on a CPU with native bf16, fp32 elsewhere; see
+``aiayn.precision``). The ``notrim`` worker replaces the trainer's trimmer by a disabled one.
 
 Reported per mode: the peak RSS in the warm-up (``--warmup`` steps) and in five windows
 after it (peaks, not samples: right after a trim step RSS is low, and sampling there would
@@ -36,9 +38,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from itertools import pairwise
 from pathlib import Path
@@ -52,34 +56,25 @@ MODES = ("notrim", "trim")
 
 def rss_mib() -> float:
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096 / 2**20
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def worker(mode: str, steps: int, max_tokens: int, seed: int, prec: str) -> dict:
-    """Train ``steps`` steps in this process; RSS and wall time of every step."""
-    import numpy as np
-    import torch
+def worker(mode: str, spec: dict, steps: int) -> dict:
+    """Train ``steps`` steps of the trainer ``spec`` describes (``bench/train_throughput.py``'s
+    worker spec) in this process; RSS and wall time of every step."""
 
     from aiayn.memory import HeapTrimmer
-    from aiayn.model import Transformer, TransformerConfig
-    from aiayn.precision import autocast_dtype
-    from bench.train_throughput import Runner, make_batches
+    from bench.train_throughput import TrainerWorker
 
-    cfg = TransformerConfig(vocab_size=8000, d_model=256, heads=4, encoder_layers=3,
-                            decoder_layers=3, d_ff=1024, dropout=0.1, norm="post")
-    torch.manual_seed(seed)
-    pool = make_batches(cfg, 200, max_tokens, seed)
-    order = np.random.default_rng(seed + 1).integers(len(pool), size=steps)
-    runner = Runner(Transformer(cfg))
-    bf16 = autocast_dtype(prec, torch.device("cpu")) is not None
-    heap = HeapTrimmer(enabled=mode == "trim")
-    if mode == "trim" and not heap.active:
+    runner = TrainerWorker(spec)
+    runner.heap = HeapTrimmer(enabled=mode == "trim")  # the trainer's own is enabled on CPU
+    if mode == "trim" and not runner.heap.active:
         raise SystemExit("this C library has no malloc_trim: nothing to compare")
+    bf16 = runner.trainer.amp_dtype is not None
     rss, secs = [], []
-    for step, b in enumerate(order, start=1):
+    for _ in range(steps):
         t0 = time.perf_counter()
-        runner.step(pool[b], bf16=bf16)
-        heap.after_step(step)
+        runner.step()
         secs.append(time.perf_counter() - t0)
         rss.append(rss_mib())
     return {"mode": mode, "precision": "bf16" if bf16 else "fp32", "rss_mib": rss,
@@ -133,6 +128,25 @@ def report(runs: list[dict], warmup: int, steps: int) -> tuple[list[dict], float
     return summary, end, speed
 
 
+def prepare(args: argparse.Namespace) -> dict:
+    """The workers' trainer spec: the preset's data made once (train_throughput.py's
+    ``prepare_data``), its params with ``--seed`` and ``--precision``, a scratch folder."""
+    import yaml
+
+    from bench.train_throughput import prepare_data
+
+    data_args = argparse.Namespace(set=args.set, workdir=args.workdir, preset=args.preset,
+                                   corpus=args.corpus, shards=None, tokenizer=None)
+    params, shards, tokenizer = prepare_data(data_args, args.max_tokens)
+    scratch = Path(tempfile.mkdtemp(prefix="memory-", dir=args.workdir))
+    raw = yaml.safe_load(params.read_text())
+    raw["seed"] = args.seed
+    (scratch / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    return {"name": "fast", "params": str(scratch / "params.yaml"), "shards": str(shards),
+            "tokenizer": str(tokenizer), "scratch": str(scratch),
+            "train": {"kernels": "fast", "precision": args.precision}}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -141,10 +155,19 @@ def main(argv: list[str] | None = None) -> dict:
                     help="steps before the baseline RSS and the timing start (20)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="how many notrim/trim pairs to run, alternating (1)")
-    ap.add_argument("--max-tokens", type=int, default=4096, help="positions per batch side")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="positions per batch side (default: the preset's shard.max_tokens)")
     ap.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
                     help="as train.precision (default auto)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="the batch sampler's seed (0)")
+    ap.add_argument("--preset", default="multi30k", help="conf/experiment preset (multi30k)")
+    ap.add_argument("--set", "-S", action="append", default=[], metavar="KEY=VALUE",
+                    help="Hydra override of the preset, as `dvc exp run -S` (repeatable)")
+    ap.add_argument("--corpus", type=Path, default=None, help="the local preset's text folder")
+    ap.add_argument("--workdir", type=Path,
+                    default=Path(tempfile.gettempdir()) / "aiayn-bench-train",
+                    help="where the data stages write (shared with train_throughput.py)")
+    ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path, default=None, help="write all results here")
     ap.add_argument("--report", type=Path, default=None,
                     help="print the tables of a file written by --json, run nothing")
@@ -154,29 +177,31 @@ def main(argv: list[str] | None = None) -> dict:
         saved = json.loads(args.report.read_text())
         report(saved["runs"], saved["args"]["warmup"], saved["args"]["steps"])
         return saved
-    if args.warmup >= args.steps and not args.worker:
-        ap.error(f"--warmup ({args.warmup}) must be below --steps ({args.steps})")
-
     if args.worker:  # the child process: one mode, result as JSON on stdout
-        print(json.dumps(worker(args.worker, args.steps, args.max_tokens, args.seed,
-                                args.precision)))
+        print(json.dumps(worker(args.worker, json.loads(args.spec), args.steps)))
         return {}
+    if args.warmup < 1 or args.warmup >= args.steps:
+        ap.error(f"--warmup ({args.warmup}) must be at least 1 and below --steps "
+                 f"({args.steps})")
+    if args.repeats < 1:
+        ap.error(f"--repeats ({args.repeats}) must be at least 1")
 
+    spec = prepare(args)
     runs = []
     for r in range(args.repeats):
         for mode in MODES:
             print(f"[{r + 1}/{args.repeats}] {mode}: {args.steps} steps ...", flush=True)
             res = subprocess.run(
                 [sys.executable, __file__, "--worker", mode, "--steps", str(args.steps),
-                 "--max-tokens", str(args.max_tokens), "--seed", str(args.seed),
-                 "--precision", args.precision],
+                 "--spec", json.dumps(spec)],
                 capture_output=True, text=True)
             if res.returncode:
                 sys.exit(f"the {mode} worker failed (exit {res.returncode}):\n{res.stderr}")
             runs.append(json.loads(res.stdout.strip().splitlines()[-1]))
 
     summary, end, speed = report(runs, args.warmup, args.steps)
-    out = {"args": {k: v for k, v in vars(args).items() if k not in ("json", "worker", "report")},
+    out = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+                    if k not in ("json", "worker", "report", "spec")},
            "summary": summary, "ratio_peak_last": end, "ratio_s_per_step": speed, "runs": runs}
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
