@@ -481,12 +481,24 @@ def generate_corpus(raw: Path, pairs: int, seed: int) -> dict:
     }
 
 
+def row_counts(raw: Path) -> dict[str, int]:
+    """Rows of each split's parquet file (its footer only)."""
+    return {s: pq.ParquetFile(raw / f"{s}.parquet").metadata.num_rows
+            for s in ("train", "valid", "test")}
+
+
 def check_corpus(raw: Path, stats: dict) -> None:
     """Cheap sanity check of the written files: row counts, schema, a few sentences."""
     for split, entry in stats["splits"].items():
         pf = pq.ParquetFile(raw / f"{split}.parquet")
-        assert pf.metadata.num_rows == entry["pairs"], (split, pf.metadata.num_rows)
-        assert pf.schema_arrow.names == ["de", "en"], pf.schema_arrow.names
+        if pf.metadata.num_rows != entry["pairs"]:
+            raise SystemExit(f"error: {raw / f'{split}.parquet'} holds {pf.metadata.num_rows:,} "
+                             f"pairs, not the {entry['pairs']:,} expected; run again with "
+                             "--regenerate")
+        if pf.schema_arrow.names != ["de", "en"]:
+            raise SystemExit(f"error: {raw / f'{split}.parquet'} has columns "
+                             f"{pf.schema_arrow.names}, not ['de', 'en']; run again with "
+                             "--regenerate")
     first = pq.ParquetFile(raw / "train.parquet").read_row_group(0).slice(0, 3).to_pylist()
     for row in first:
         print(f"    en: {row['en'][:150]}")
@@ -894,6 +906,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [s for s in args.stages if s not in STAGES]
     if unknown:
         ap.error(f"--stages: unknown stage(s) {unknown}; choose from {list(STAGES)}")
+    if not args.stages:
+        ap.error(f"--stages names no stage; choose from {list(STAGES)} (or --generate-only)")
     return args
 
 
@@ -931,6 +945,7 @@ def main(argv: list[str] | None = None) -> int:
     marker = work / "corpus.json"
     want = {"generator_version": GENERATOR_VERSION, "pairs": args.pairs, "seed": args.seed,
             "valid_pairs": VALID_PAIRS, "test_pairs": TEST_PAIRS}
+    want_rows = {"train": args.pairs, "valid": VALID_PAIRS, "test": TEST_PAIRS}
     corpus = None
     if args.skip_generate:
         if not all((raw / f"{s}.parquet").is_file() for s in ("train", "valid", "test")):
@@ -942,8 +957,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ncorpus: using {raw} as it is (--skip-generate)")
     else:
         previous = _read_json(marker)
-        if (not args.regenerate and previous and previous.get("spec") == want
-                and all((raw / f"{s}.parquet").is_file() for s in ("train", "valid", "test"))):
+        present = all((raw / f"{s}.parquet").is_file() for s in ("train", "valid", "test"))
+        reuse = not args.regenerate and previous and previous.get("spec") == want and present
+        if reuse and row_counts(raw) != want_rows:  # a file changed since it was generated
+            print(f"\ncorpus: {raw} no longer holds the pairs {marker.name} records "
+                  f"({row_counts(raw)}); generating it again")
+            reuse = False
+        if reuse:
             corpus = previous
             corpus["reused"] = True
             print(f"\ncorpus: reusing {raw} ({args.pairs:,} pairs, seed {args.seed}; generated "
@@ -968,8 +988,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{st['distinct_whitespace_tokens']:,} distinct whitespace tokens "
                   f"({st['distinct_pieces_used']:,} of the {voc['word_types']:,} words + "
                   f"{voc['names']:,} names + {voc['numbers']:,} numbers used)")
-    check_corpus(raw, {"splits": {s: {"pairs": pq.ParquetFile(raw / f"{s}.parquet").metadata
-                                      .num_rows} for s in ("train", "valid", "test")}})
+    # An external corpus (--skip-generate) is checked for its schema; ours for its rows too.
+    expected = row_counts(raw) if args.skip_generate else want_rows
+    check_corpus(raw, {"splits": {s: {"pairs": n} for s, n in expected.items()}})
     if args.generate_only:
         return 0
 

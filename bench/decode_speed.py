@@ -617,9 +617,18 @@ def main(argv: list[str] | None = None) -> dict:
     if args.references is not None and args.inputs is None:
         ap.error("--references requires --model and --inputs")
 
-    threads = [int(t) for t in args.threads.split(",")]
+    for name in ("rounds", "batches"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} ({getattr(args, name)}) must be at least 1")
+    try:
+        threads = [int(t) for t in args.threads.split(",")]
+    except ValueError:
+        ap.error(f"--threads {args.threads!r}: give thread counts separated by commas, e.g. 1,2")
+    if min(threads) < 1:
+        ap.error(f"--threads {args.threads!r}: each thread count must be at least 1")
     cfg = BeamConfig(beam=args.beam, alpha=args.alpha, max_len_a=1.0, max_len_b=args.max_len_b)
-    info: dict = {"command": " ".join([sys.executable, *sys.argv]), "torch": torch.__version__,
+    command = [sys.executable, __file__, *(sys.argv[1:] if argv is None else argv)]
+    info: dict = {"command": " ".join(command), "torch": torch.__version__,
                   "cpu": cpu_model(), "logical_cpus": os.cpu_count(),
                   "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                   "python": platform.python_version(), "threads": threads,

@@ -143,10 +143,15 @@ def main(argv: list[str] | None = None) -> dict:
         lp = our_log_p(model, ids, ours, limits)
         ct2 = engines["ctranslate2"]
         ended = [i for i, (o, lim) in enumerate(zip(ours, limits, strict=True)) if len(o) < lim]
-        scored = ct2.translator.score_batch(
-            [[ct2.vocab[t] for t in ids[i]] + [EOS] for i in ended],
-            [[ct2.vocab[t] for t in ours[i]] for i in ended], max_input_length=0)
-        d_ct2 = max(abs(sum(r.log_probs) - lp[i]) for r, i in zip(scored, ended, strict=True))
+        # Only outputs that end before their limit can be scored with the EOS ctranslate2
+        # appends; an undertrained model may have none, and then there is nothing to compare.
+        d_ct2 = None
+        if ended:
+            scored = ct2.translator.score_batch(
+                [[ct2.vocab[t] for t in ids[i]] + [EOS] for i in ended],
+                [[ct2.vocab[t] for t in ours[i]] for i in ended], max_input_length=0)
+            d_ct2 = max(abs(sum(r.log_probs) - lp[i])
+                        for r, i in zip(scored, ended, strict=True))
         hf = engines["transformers"].model
         d_hf = 0.0
         with torch.no_grad():
@@ -158,7 +163,9 @@ def main(argv: list[str] | None = None) -> dict:
                 total = float(F.log_softmax(logits, -1)[torch.arange(len(target)),
                                                         torch.tensor(target)].sum())
                 d_hf = max(d_hf, abs(total - ref))
-        report["max |log P| difference, ctranslate2 score_batch"] = f"{d_ct2:.2e}"
+        report["max |log P| difference, ctranslate2 score_batch"] = (
+            "none compared (no output ended before its limit)" if d_ct2 is None
+            else f"{d_ct2:.2e}")
         report["max |log P| difference, transformers forward"] = f"{d_hf:.2e}"
         ct2.patience = 1000.0
         d_search = 0.0

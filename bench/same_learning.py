@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> dict:
     if section not in ("model", "train") or not name or len(choices) != 2:
         raise SystemExit(f"error: --vary {args.vary!r}: expected model.KEY=A,B or "
                          "train.KEY=A,B")
+    if choices[0] == choices[1]:
+        raise SystemExit(f"error: --vary {args.vary!r}: the two values are the same; give "
+                         "two different ones (A,B)")
     from aiayn.precision import cpu_has_native_bf16
 
     params, shards, tokenizer = prepare_data(args)
@@ -127,8 +130,19 @@ def main(argv: list[str] | None = None) -> dict:
               "overrides": args.set, "vary": args.vary, "steps": args.steps, "rows": rows,
               "runs": runs}
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+        # Standard JSON: the cells read as NaN (e.g. BLEU not taken) are written as null.
+        args.json.write_text(json.dumps(_nan_to_none(result), indent=2, allow_nan=False))
     return result
+
+
+def _nan_to_none(value):
+    if isinstance(value, float) and value != value:
+        return None
+    if isinstance(value, dict):
+        return {k: _nan_to_none(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_nan_to_none(v) for v in value]
+    return value
 
 
 def subprocess_run(cmd: list[str]) -> None:

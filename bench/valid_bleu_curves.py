@@ -34,6 +34,9 @@ def load_run(folder: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
                          "folder of a training with train.valid_bleu_every > 0")
     train = pd.read_csv(folder / "train_log.tsv", sep="\t")
     bleu = pd.read_csv(folder / "valid_bleu.tsv", sep="\t").dropna()
+    if bleu.empty:  # the trainer writes the header even with valid_bleu_every 0
+        raise SystemExit(f"error: {folder / 'valid_bleu.tsv'} holds no validation BLEU; give "
+                         "the metrics folder of a training with train.valid_bleu_every > 0")
     train["minutes"] = train["elapsed_s"] / 60
     bleu["minutes"] = np.interp(bleu["step"], train["step"], train["minutes"])
     return train, bleu

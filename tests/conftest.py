@@ -82,6 +82,7 @@ def load_bench(name: str):
 
     spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # what dataclasses (and pickle) look a class's module up in
     spec.loader.exec_module(module)
     return module
 

@@ -1,0 +1,555 @@
+"""bench/decode_speed.py: its batches against aiayn.translation's own batching, its scoring
+(log P, length normalisations, the classification of disagreements) against token-by-token
+references, its summary against hand-computed medians, and two short runs, the copy task and
+a tiny exported model with references, whose results are checked field by field (sizes far
+below the benchmark's; no timing is asserted)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from aiayn.beam import BeamConfig
+from aiayn.model import Transformer, TransformerConfig
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from aiayn.translation import BatchTranslator, source_batch
+from tests.conftest import SENTENCES_DE, SENTENCES_EN, load_bench
+
+
+@pytest.fixture(scope="module")
+def ds():
+    return load_bench("decode_speed")
+
+
+@pytest.fixture
+def keep_threads():
+    """main() and build_model set torch's thread count; the test process gets its own back."""
+    saved = torch.get_num_threads()
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from aiayn.tokenizer import train_bpe
+
+    return train_bpe(SENTENCES_EN + SENTENCES_DE, vocab_size=400, min_frequency=1)
+
+
+def tiny_model(vocab: int, seed: int = 0, **changes) -> Transformer:
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=vocab, d_model=16, heads=2, encoder_layers=1, decoder_layers=1,
+               d_ff=32, dropout=0.1, max_positions=40)
+    return Transformer(TransformerConfig(**{**cfg, **changes})).eval()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tokenizer, tmp_path_factory):
+    """A tiny untrained model exported as `aiayn average` exports one (as test_translate)."""
+    from aiayn.checkpoint import export_model, file_sha256
+    from aiayn.tokenizer import save_tokenizer
+
+    root = tmp_path_factory.mktemp("decode_speed")
+    tok_path = root / "tokenizer.json"
+    save_tokenizer(tokenizer, tok_path)
+    model = tiny_model(tokenizer.get_vocab_size(), seed=3, d_model=32, heads=4, d_ff=64)
+    out = root / "model"
+    export_model(out, model.state_dict(),
+                 {"model": model.cfg.to_dict(), "vocab_size": model.cfg.vocab_size,
+                  "tokenizer_sha256": file_sha256(tok_path)},
+                 extra_files={"tokenizer.json": tok_path})
+    return out
+
+
+# Source lines for --inputs: blank lines, a line over the tiny model's 39-token limit, mixed
+# lengths (so that sorting by length changes the order).
+LINES = [SENTENCES_EN[1], "", SENTENCES_EN[0], "   ", SENTENCES_DE[4], "Hello", SENTENCES_EN[2],
+         " ".join(SENTENCES_EN[1:4]), SENTENCES_DE[0], SENTENCES_EN[5], "", SENTENCES_DE[2],
+         "Das Haus.", SENTENCES_EN[4]]
+
+
+# --------------------------------------------------------------------------- batches
+
+
+def test_copy_task_sentences_and_padding(ds):
+    """sentences() lengths/ids against lo..hi and 4..503; pad() against rows built by hand."""
+    # sentences(): lengths uniform over lo..hi (each one drawn), ids over the 500 word ids 4..503;
+    # pad(): each row is pre + ids + post, then PAD up to the longest.
+    seqs = ds.sentences(np.random.default_rng(0), 2000, 3, 7)
+    assert sorted({len(s) for s in seqs}) == [3, 4, 5, 6, 7]
+    ids = [i for s in seqs for i in s]
+    assert min(ids) == 4 and max(ids) == 503
+    rows = [[5, 6], [7], [8, 9, 10]]
+    padded = ds.pad(rows, pre=(BOS_ID,), post=(EOS_ID,))
+    assert padded.tolist() == [[BOS_ID, 5, 6, EOS_ID, PAD_ID],
+                               [BOS_ID, 7, EOS_ID, PAD_ID, PAD_ID],
+                               [BOS_ID, 8, 9, 10, EOS_ID]]
+
+
+def test_copy_task_batches_are_sorted_sources_with_eos_and_their_max_lengths(ds):
+    """make_batches against source_batch, 'w<id>' tokens and min(limit, source + EOS + b)."""
+    # make_batches: consecutive batches of a length-sorted pool; each source is the words + EOS,
+    # PAD-padded exactly as aiayn.translation.source_batch builds it; CTranslate2 tokens are "w<id>"
+    # + "</s>"; max length = source + EOS + b, capped by the model's limit.
+    cfg = BeamConfig(beam=4, alpha=0.6, max_len_a=1.0, max_len_b=7)
+    batches = ds.make_batches(3, 5, 2, 9, seed=4, cfg=cfg, limit=14)
+    assert [len(b.words) for b in batches] == [5, 5, 5]
+    words = [w for b in batches for w in b.words]
+    assert [len(w) for w in words] == sorted(len(w) for w in words)
+    assert min(len(w) for w in words) >= 2
+    assert max(len(w) for w in words) <= 9
+    assert any(len(w) + 1 + 7 > 14 for w in words)  # the cap is exercised
+    for b in batches:
+        assert torch.equal(b.src, source_batch(b.words))
+        assert b.tokens == [[f"w{i}" for i in w] + ["</s>"] for w in b.words]
+        assert b.max_len == [min(14, len(w) + 1 + 7) for w in b.words]
+        assert b.ct2_max_len == max(b.max_len)
+        assert b.texts == [] and b.refs == []
+    again = ds.make_batches(3, 5, 2, 9, seed=4, cfg=cfg, limit=14)
+    assert [b.words for b in again] == [b.words for b in batches]
+    other = ds.make_batches(3, 5, 2, 9, seed=5, cfg=cfg, limit=14)
+    assert [b.words for b in other] != [b.words for b in batches]
+
+
+class SpyTranslator(BatchTranslator):
+    """aiayn.translation's line handling (strip, drop empty, truncate, sort, batch) with a
+    decoder that records the batches it is given."""
+
+    def __init__(self, tokenizer, max_positions: int):
+        self.tokenizer = tokenizer
+        self.limit = max_positions - 1
+        self.batches: list[list[list[int]]] = []
+
+    @property
+    def max_source_tokens(self) -> int:
+        return self.limit
+
+    def decode_batch(self, sources, cfg):
+        self.batches.append(sources)
+        return [[] for _ in sources]
+
+
+@pytest.mark.parametrize("select", ["head", "shortest"])
+def test_inputs_are_the_batches_aiayn_translate_makes(ds, tokenizer, tmp_path, select):
+    """read_inputs + cut_batches against the batches aiayn.translation makes for the same lines."""
+    # --select head: the batches `aiayn translate --truncate` makes for the file's first batches x
+    # batch-size non-empty lines; shortest: its first batches for the whole file. The texts are
+    # those lines (stripped); the stats count lines, blanks and cut lines.
+    path = tmp_path / "in.txt"
+    path.write_text("".join(line + "\n" for line in LINES), encoding="utf-8")
+    limit, n_batches, size = 12, 2, 3
+    n = n_batches * size
+    pool, texts, stats, chosen = ds.read_inputs(path, tokenizer, n, select, limit)
+    nonblank = [i for i, line in enumerate(LINES) if line.strip()]
+    spy = SpyTranslator(tokenizer, limit)
+    if select == "head":
+        spy.translate(LINES[:nonblank[n - 1] + 1], BeamConfig(), batch_size=size, truncate=True)
+    else:
+        spy.translate(LINES, BeamConfig(), batch_size=size, truncate=True)
+    expected = spy.batches[:n_batches]
+    cfg = BeamConfig(max_len_a=1.0, max_len_b=5)
+    batches = ds.cut_batches(pool, size, [str(i) for i in range(400)], cfg, limit, texts)
+    assert [b.words for b in batches] == expected
+    assert [t for b in batches for t in b.texts] == [LINES[i].strip() for i in chosen]
+    lengths = {i: len(tokenizer.encode(line.strip(), add_special_tokens=False).ids)
+               for i, line in enumerate(LINES)}
+    assert [len(w) for w in pool] == [min(lengths[i], limit - 1) for i in chosen]
+    assert stats == {
+        "file": str(path), "lines": len(LINES), "empty_dropped": len(LINES) - len(nonblank),
+        "select": select, "selected": n,
+        "truncated_in_file": sum(k > limit - 1 for k in lengths.values()),
+        "mean_src_tokens": pytest.approx(statistics.fmean(len(w) for w in pool)),
+        "min_src_tokens": min(len(w) for w in pool), "max_src_tokens": max(len(w) for w in pool)}
+    assert stats["truncated_in_file"] > 0
+
+
+# --------------------------------------------------------------------------- scoring
+
+
+def brute_log_prob(model, words: list[int], out: list[int]) -> float:
+    """log P(out | words + EOS), one full forward pass per output token, unpadded."""
+    src = torch.tensor([words + [EOS_ID]])
+    total = 0.0
+    with torch.no_grad():
+        for t, token in enumerate(out):
+            logits = model(src, torch.tensor([[BOS_ID] + out[:t]]))[0, -1].double()
+            logits[[PAD_ID, BOS_ID]] = float("-inf")
+            total += float(F.log_softmax(logits, -1)[token])
+    return total
+
+
+def scoring_batch(ds, b: int = 6):
+    pool = [[5, 6], [7, 8, 9], [10, 11, 12, 13], [14, 15, 16, 17, 18]]
+    return ds.cut_batches(pool, 4, [str(i) for i in range(30)], BeamConfig(max_len_b=b), 40)[0]
+
+
+def test_log_probs_of_is_the_token_by_token_log_probability(ds):
+    """log_probs_of against log-softmax summed one token at a time, unpadded."""
+    # log_probs_of (one padded teacher-forced pass) equals summing log-softmax one token at a time
+    # without padding, PAD and BOS banned; EOS is scored unless the hypothesis is as long as its
+    # maximum length (then it was cut there).
+    model = tiny_model(30)
+    batch = scoring_batch(ds)
+    hyps = [[], [20, 21], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [29, 3]]
+    max_len = [5, 5, 11, 9]  # row 2 is exactly at its maximum: no EOS after it
+    scores, ended = ds.log_probs_of(model, batch, hyps, max_len)
+    assert ended == [True, True, False, True]
+    for words, h, e, got in zip(batch.words, hyps, ended, scores, strict=True):
+        assert got == pytest.approx(brute_log_prob(model, words, h + [EOS_ID] * e), abs=1e-4)
+    assert ds.log_probs_of(model, batch, [[]] * 4, [0] * 4) == ([0.0] * 4, [False] * 4)
+
+
+def test_length_normalisations_are_gnmts_and_ctranslate2s(ds):
+    """gnmt, ct2_norm and agreement against the docstring's formulas, computed by hand."""
+    # gnmt: log P / ((5 + |Y|) / 6)^alpha; ct2_norm: log P / |Y|^alpha, as is at alpha 0 or for no
+    # token at all (the module docstring's formulas).
+    assert ds.gnmt(-6.0, 7, 0.6) == pytest.approx(-6.0 / 2 ** 0.6)
+    assert ds.gnmt(-6.0, 1, 0.6) == pytest.approx(-6.0)
+    assert ds.ct2_norm(-6.0, 4, 0.5) == pytest.approx(-3.0)
+    assert ds.ct2_norm(-6.0, 0, 0.6) == -6.0
+    assert ds.ct2_norm(-6.0, 4, 0.0) == -6.0
+    assert ds.agreement([[1], [2, 3], []], [[1], [2], []]) == {
+        "sentences": 3, "identical": 2, "rate": pytest.approx(2 / 3)}
+    assert ds.agreement([], [])["rate"] == 1.0
+
+
+def test_disagreements_are_classified_by_the_documented_rules(ds):
+    """classify_beam against outputs built to fall in each documented class."""
+    # Same outputs agree; of two same-length outputs the one with the higher log P wins under both
+    # formulas ("ct2 stopped early" / "ours stopped early"); an empty output against a long one, at
+    # an alpha between the two formulas' break-even points, wins under GNMT only ("formula");
+    # with per-sentence limits, an output at its limit is "max length".
+    model = tiny_model(30, seed=1)
+    batch = scoring_batch(ds, b=12)
+
+    def extreme(words, n, best):  # n tokens, each the most (or least) likely next one
+        out = []
+        src = torch.tensor([words + [EOS_ID]])
+        with torch.no_grad():
+            for _ in range(n):
+                logits = model(src, torch.tensor([[BOS_ID] + out]))[0, -1]
+                logits[[PAD_ID, BOS_ID, EOS_ID]] = float("nan")
+                pick = logits.nan_to_num(-1e9 if best else 1e9)
+                out.append(int(pick.argmax() if best else pick.argmin()))
+        return out
+
+    w = batch.words
+    good, bad = extreme(w[1], 4, True), extreme(w[1], 4, False)
+    long_ = extreme(w[2], 10, False)
+    ours = [[8, 9], good, [], bad]
+    ct2 = [[8, 9], bad, long_, good]
+    # alpha between the break-even points of an empty output (|Y| = 1 with EOS) and a
+    # 10-token one (|Y| = 11): (8/3)^alpha < r < 11^alpha, r = log P(long) / log P(empty)
+    r = brute_log_prob(model, w[2], long_ + [EOS_ID]) / brute_log_prob(model, w[2], [EOS_ID])
+    assert r > 1
+    alpha = math.log(r) / math.sqrt(math.log(11) * math.log(8 / 3))
+    res = ds.classify_beam(model, [batch], [ours], [ct2], alpha, uniform=True)
+    assert res["counts"] == {"agree": 1, "formula": 1, "ct2 stopped early": 1,
+                             "ours stopped early": 1, "tie": 0, "max length": 0}
+    assert res["rate"] == pytest.approx(1 / 4)
+    assert [e["kind"] for e in res["examples"]] == ["ct2 stopped early", "formula",
+                                                    "ours stopped early"]
+    assert res["examples"][1]["ours_len"] == 0 and res["examples"][1]["ct2_len"] == 10
+    # per sentence, row 3's limit is 5 + EOS + 12 = 18 tokens: an output that long was cut
+    at_limit = extreme(w[3], batch.max_len[3], True)
+    res = ds.classify_beam(model, [batch], [[[8, 9], good, [], at_limit]],
+                           [[[8, 9], good, [], bad]], 0.6, uniform=False)
+    assert res["counts"]["max length"] == 1 and res["counts"]["agree"] == 3
+
+
+# --------------------------------------------------------------------------- our search
+
+
+def test_counting_decode_steps_counts_the_searchs_calls_and_puts_the_method_back(
+        ds, monkeypatch):
+    """counting_decode_steps against a class-level spy on decode_step; the model is left clean."""
+    # The wrapper's steps and rows equal the decode_step calls (and their batch x beam rows) that a
+    # class-level spy sees during a beam search; afterwards the model has no instance attribute left
+    # over.
+    model = tiny_model(30)
+    batch = scoring_batch(ds)
+    seen = []
+    real = Transformer.decode_step
+
+    def spy(self, tokens, state, projection=None):
+        seen.append(tokens.shape[0])
+        return real(self, tokens, state, projection)
+
+    monkeypatch.setattr(Transformer, "decode_step", spy)
+    with ds.counting_decode_steps(model) as work:
+        ds.ours_decode(model, batch, BeamConfig(beam=3, max_len_b=6))
+    assert seen and seen[0] == 3 * len(batch.words)  # the first step: every row x beam
+    assert work == {"steps": len(seen), "rows": sum(seen)}
+    assert "decode_step" not in vars(model)
+
+
+def test_masked_decoding_spans_the_whole_vocabulary_and_decodes_the_same(ds, monkeypatch):
+    """Masked decoding: no projection passed, same outputs as spanned rows, attribute restored."""
+    # A model with an output vocabulary: masked decoding passes no projection (logits of the whole
+    # vocabulary, the others -inf) yet finds the same outputs, all within the spanned tokens; the
+    # model's own projection is back afterwards, even after an error.
+    model = tiny_model(30, output_vocab="target")
+    spanned = [EOS_ID, 3, 7, 11, 12, 20, 25]
+    model.set_output_vocab(torch.tensor(spanned))
+    batch = scoring_batch(ds)
+    cfg = BeamConfig(beam=3, max_len_b=6)
+    projections = []
+    real = Transformer.decode_step
+
+    def spy(self, tokens, state, projection=None):
+        projections.append(projection is not None)
+        return real(self, tokens, state, projection)
+
+    monkeypatch.setattr(Transformer, "decode_step", spy)
+    plain = ds.ours_decode(model, batch, cfg)
+    assert projections and all(projections)
+    projections.clear()
+    masked = ds.ours_decode(model, batch, cfg, masked=True)
+    assert projections and not any(projections)
+    assert masked == plain
+    assert {t for h in masked for t in h} <= set(spanned) - {EOS_ID}
+    assert "output_projection" not in vars(model)
+
+    def fail(*_args, **_kwargs):
+        raise RuntimeError("search failed")
+
+    monkeypatch.setattr(ds, "beam_search", fail)
+    with pytest.raises(RuntimeError, match="search failed"):
+        ds.ours_decode(model, batch, cfg, masked=True)
+    assert "output_projection" not in vars(model)
+    assert model.output_projection() is not None
+
+
+def test_copy_model_is_trained_once_then_loaded_from_its_cache(ds, tmp_path, monkeypatch,
+                                                                 keep_threads):
+    """build_model: trains and caches once, then loads identical weights; 0 steps = seed's init."""
+    # --train-steps N: the first call trains and saves the weights, the second loads the same
+    # weights without training; --train-steps 0 keeps the seed's initialisation.
+    monkeypatch.setattr(ds, "model_config", lambda: TransformerConfig(
+        vocab_size=ds.VOCAB, d_model=16, heads=2, encoder_layers=1, decoder_layers=1, d_ff=32))
+    weights = tmp_path / "copy.pt"
+    args = argparse.Namespace(seed=2, train_steps=2, weights=weights, train_threads=1)
+    trained, info = ds.build_model(args)
+    assert info["trained"] == "now" and info["weights"] == str(weights) and weights.is_file()
+    assert math.isfinite(info["final_loss"]) and not trained.training
+    loaded, info2 = ds.build_model(args)
+    assert info2["trained"] == "loaded"
+    for (name, a), (_, b) in zip(trained.state_dict().items(), loaded.state_dict().items(),
+                                 strict=True):
+        assert torch.equal(a, b), name
+    fresh, info0 = ds.build_model(argparse.Namespace(seed=2, train_steps=0, weights=None,
+                                                     train_threads=1))
+    torch.manual_seed(2)
+    init = Transformer(ds.model_config())
+    assert info0 == {"train_steps": 0, "task": "copy"}
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(),
+                                                 init.state_dict().values(), strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(trained.state_dict().values(),
+                                                     init.state_dict().values(), strict=True))
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def test_summary_takes_medians_and_ratios_of_the_same_rounds(ds):
+    """summarize against medians and per-round ratios computed by hand (not ratios of medians)."""
+    # Figures are medians over rounds; a speed ratio is the median over rounds of that round's time
+    # ratio on the same batches (recompute's batches for cached / recompute), not a ratio of
+    # medians; ratios of methods that did not run are left out.
+    # (wall, cpu, sentences, tokens) per batch index, per round
+    cached = [{0: (1.0, 2.0, 4, 30), 1: (2.0, 4.0, 4, 50)},
+              {0: (1.0, 1.0, 4, 30), 1: (5.0, 5.0, 4, 50)},
+              {0: (2.0, 3.0, 4, 30), 1: (2.0, 2.0, 4, 50)}]
+    recompute = [{1: (10.0, 10.0, 4, 50)}, {1: (12.0, 12.0, 4, 50)}, {1: (8.0, 8.0, 4, 50)}]
+    ct2 = [{0: (1.0, 1.0, 4, 31), 1: (1.0, 1.0, 4, 52)},
+           {0: (1.0, 1.0, 4, 31), 1: (1.0, 1.0, 4, 52)},
+           {0: (4.0, 4.0, 4, 31), 1: (4.0, 4.0, 4, 52)}]
+    out = ds.summarize({"cached": cached, "recompute": recompute, "ct2": ct2}, [1], 3)
+    c = out["cached"]
+    assert c["walls"] == [3.0, 6.0, 4.0]
+    assert c["wall_s"] == 4.0 and c["cpu_s"] == 6.0
+    assert (c["sentences"], c["tokens"]) == (8, 80)
+    assert c["sent_per_s"] == pytest.approx(2.0)  # median of 8/3, 8/6, 8/4
+    assert c["tok_per_s"] == pytest.approx(20.0)
+    assert c["cpu_per_wall"] == pytest.approx(1.25)  # median of 6/3, 6/6, 5/4
+    assert out["recompute"]["sentences"] == 4
+    # per round recompute / cached on batch 1: 5, 2.4, 4 -> 4 (a ratio of medians: 10 / 2)
+    assert out["ratios"]["cached / recompute"] == pytest.approx(4.0)
+    # per round ct2 / cached: 2/3, 2/6, 8/4 -> 2/3 (of medians: 1/2); cached / ct2: 1.5, 3,
+    # 0.5 -> 1.5 (of medians: 2)
+    assert out["ratios"]["ours cached / ct2"] == pytest.approx(2 / 3)
+    assert out["ratios"]["ct2 fp32 / ours cached"] == pytest.approx(1.5)
+    assert set(out["ratios"]) == {"cached / recompute", "ours cached / ct2",
+                                  "ct2 fp32 / ours cached"}
+
+
+# --------------------------------------------------------------------------- main
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--inputs", "in.txt"], "--inputs requires --model"),
+    (["--model", "."], "--model requires --inputs FILE"),
+    (["--model", "no-such-folder", "--inputs", "in.txt"], "--model no-such-folder: not a folder"),
+    (["--references", "refs.txt"], "--references requires --model and --inputs"),
+    (["--rounds", "0"], "--rounds (0) must be at least 1"),
+    (["--batches", "0"], "--batches (0) must be at least 1"),
+    (["--threads", "1,"], "--threads '1,': give thread counts separated by commas, e.g. 1,2"),
+    (["--threads", "0"], "--threads '0': each thread count must be at least 1"),
+])
+def test_bad_arguments_stop_with_the_fix(ds, argv, message, capsys):
+    """Options that only go together, or out of range: argparse's exit 2 and the fix."""
+    with pytest.raises(SystemExit) as stop:
+        ds.main(argv)
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case, message", [
+    ("references", "has 3 lines, --inputs 14"),
+    ("blank", "has no non-empty line"),
+    ("missing", "no such file"),
+])
+def test_unusable_inputs_or_references_stop_with_a_message(ds, model_dir, tmp_path, case,
+                                                           message, keep_threads):
+    """Unusable --inputs/--references: the run stops before decoding with a message."""
+    # --references of another length, an --inputs of blank lines only, or a missing one: the run
+    # stops before decoding, naming the file.
+    inputs, refs = tmp_path / "in.txt", tmp_path / "refs.txt"
+    inputs.write_text("\n".join(LINES) + "\n" if case != "blank" else "\n  \n\n")
+    refs.write_text("a\nb\nc\n")
+    argv = ["--model", str(model_dir), "--inputs", str(inputs if case != "missing"
+                                                      else tmp_path / "none.txt"),
+            "--no-ct2", "--no-hf", "--threads", "1"]
+    if case == "references":
+        argv += ["--references", str(refs)]
+    with pytest.raises(SystemExit) as stop:
+        ds.main(argv)
+    assert message in str(stop.value.code)
+
+
+def test_copy_task_run_reports_every_method_and_the_engines_agree(ds, tmp_path, keep_threads):
+    """A tiny copy-task run: the JSON field by field, CTranslate2's scores and outputs as ours."""
+    # Two batches of four random-weight copy-task sentences: the JSON is the returned report;
+    # batches are length-sorted with max length = source + EOS + b; every method decoded every
+    # sentence (recompute: the middle batch); CTranslate2 returns the scores our model gives its
+    # outputs (same weights) and decodes greedy and beam at alpha 0 as ours does; cached and
+    # recompute decode the same.
+    out = tmp_path / "copy.json"
+    info = ds.main(["--train-steps", "0", "--batches", "2", "--batch-size", "4", "--rounds", "2",
+                    "--threads", "1", "--min-words", "3", "--max-words", "6", "--max-len-b", "5",
+                    "--no-hf", "--no-bf16", "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(info, default=str))
+    assert info["model"]["task"] == "copy" and info["model"]["train_steps"] == 0
+    mc = info["model"]["config"]
+    assert (mc["vocab_size"], mc["d_model"], mc["encoder_layers"], mc["decoder_layers"],
+            mc["heads"], mc["d_ff"], mc["norm"]) == (8000, 256, 3, 3, 4, 1024, "post")
+    assert info["beam"]["beam"] == 4 and info["beam"]["alpha"] == 0.6
+    assert info["threads"] == [1] and info["rounds"] == 2
+    assert info["command"].endswith("bench/decode_speed.py --train-steps 0 --batches 2 "
+                                    "--batch-size 4 --rounds 2 --threads 1 --min-words 3 "
+                                    "--max-words 6 --max-len-b 5 --no-hf --no-bf16 --json "
+                                    f"{out}")  # the arguments main was given, not pytest's
+    lengths = [n for b in info["batches"] for n in b["words"]]
+    assert lengths == sorted(lengths) and 3 <= lengths[0] and lengths[-1] <= 6
+    for b in info["batches"]:
+        assert b["shape"] == [4, b["words"][1] + 1]  # the longest source + EOS
+        assert b["ct2_max_len"] == b["words"][1] + 1 + 5
+    assert info["recompute_batches"] == [1]
+    res = info["results"]["1"]
+    methods = {"cached", "recompute", "ct2", "ct2_int8"}
+    assert set(res) == methods | {"ratios"}
+    timed = info["timed_outputs"]
+    assert set(timed) == methods
+    for m in methods:
+        n = 4 if m == "recompute" else 8
+        assert res[m]["sentences"] == n and timed[m]["sentences"] == n
+        assert res[m]["tokens"] == timed[m]["tokens"]
+        assert timed[m]["tokens"] >= n  # every output counts its EOS
+        assert len(res[m]["walls"]) == 2 and res[m]["wall_s"] > 0
+    assert set(res["ratios"]) == {"cached / recompute", "ours cached / ct2",
+                                  "ct2 fp32 / ours cached", "ct2 int8 / ours cached",
+                                  "ct2 int8 / ct2 fp32"}
+    single = info["single_pass"]
+    for name in ("beam 4 alpha=0.0", "beam 4 alpha=0.6"):
+        assert single[name]["max |ct2 score - our log P normalised|"] < 1e-3
+        assert single[name]["ours_decoder_rows"] <= 4 * 4 * single[name]["ours_decoder_steps"]
+    agree = info["agreement"]
+    assert agree["greedy ours vs ct2"]["rate"] == 1.0
+    assert agree["beam 4 alpha=0.0 ours vs ct2"]["counts"]["agree"] == 8
+    assert agree["beam cached vs recompute"] == {"sentences": 4, "identical": 4, "rate": 1.0}
+    timed_vs = agree["timed beam 4 alpha=0.6 ours (max len per sentence) vs ct2"]
+    assert sum(timed_vs["counts"].values()) == 8
+    g = info["greedy_outputs"]
+    assert g["min_len"] <= g["max_len"]
+    assert g["max_len"] <= max(b["ct2_max_len"] for b in info["batches"])
+    assert g["exact_copies"] <= 8  # the copy task counts outputs equal to their source
+
+
+def test_exported_model_run_scores_each_engine_against_the_references(ds, model_dir,
+                                                                      tokenizer, tmp_path,
+                                                                      keep_threads):
+    """A tiny exported-model run: ours' BLEU equals sacreBLEU of aiayn's Translator on the lines."""
+    # --model/--inputs/--references on a tiny exported model: the inputs' stats; BLEU of every
+    # method but recompute on the selected lines, where ours equals sacreBLEU of what
+    # aiayn.translation's Translator outputs for the same lines against their references (line for
+    # line: a misaligned reference would change it); the examples show the sources with the
+    # Translator's outputs.
+    import sacrebleu
+
+    from aiayn.translation import load_translator
+
+    inputs, refs = tmp_path / "in.txt", tmp_path / "refs.txt"
+    inputs.write_text("\n".join(LINES) + "\n", encoding="utf-8")
+    nonblank = [i for i, line in enumerate(LINES) if line.strip()]
+    chosen = nonblank[:8]  # --select head, 2 x 4
+    cfg = BeamConfig(beam=4, alpha=0.6, max_len_a=1.0, max_len_b=4)
+    ours = load_translator(model_dir, device="cpu").translate(
+        [LINES[i] for i in chosen], cfg, truncate=True)
+    by_line = dict(zip(chosen, ours, strict=True))
+    # half the references are our output itself, the others another sentence
+    ref_lines = [by_line[i] if k % 2 == 0 else "The house is small." for k, i in
+                 enumerate(chosen)]
+    all_refs = ["unused reference"] * len(LINES)
+    for i, r in zip(chosen, ref_lines, strict=True):
+        all_refs[i] = r
+    refs.write_text("\n".join(all_refs) + "\n", encoding="utf-8")
+    out = tmp_path / "real.json"
+    info = ds.main(["--model", str(model_dir), "--inputs", str(inputs), "--references",
+                    str(refs), "--batches", "2", "--batch-size", "4", "--rounds", "1",
+                    "--threads", "1", "--max-len-b", "4", "--no-bf16", "--examples", "3",
+                    "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(info, default=str))
+    assert info["model"]["task"] == "real" and info["model"]["dir"] == str(model_dir)
+    assert info["inputs"]["lines"] == len(LINES) and info["inputs"]["selected"] == 8
+    assert info["inputs"]["empty_dropped"] == len(LINES) - len(nonblank)
+    assert info["references"] == str(refs)
+    bleu = info["bleu"]
+    assert bleu["sentences"] == 8
+    assert set(bleu["scores"]) == {"cached", "ct2", "ct2_int8", "hf"}  # not recompute
+    expected = sacrebleu.corpus_bleu(ours, [ref_lines]).score
+    assert bleu["scores"]["cached"] == pytest.approx(expected)
+    # the half-and-half references make it a telling number, neither 0 nor 100
+    assert expected > 0
+    assert expected < 100
+    assert "nrefs:1" in bleu["signature"] and "tok:13a" in bleu["signature"]
+    examples = info["examples"]
+    assert len(examples) == 3
+    selected = {LINES[i].strip(): by_line[i] for i in chosen}
+    for ex in examples:
+        assert ex["ours"] == selected[ex["source"]]
+        assert ex["src_tokens"] == min(
+            39, len(tokenizer.encode(ex["source"], add_special_tokens=False).ids))
+        for m in ("ct2", "ct2_int8", "hf"):
+            assert isinstance(ex[f"{m}_same_tokens"], bool)
+    # spread over the length range: the shortest and the longest selected sentence
+    assert examples[0]["src_tokens"] == info["inputs"]["min_src_tokens"]
+    assert examples[-1]["src_tokens"] == info["inputs"]["max_src_tokens"]
+    assert info["agreement"]["greedy ours vs ct2"]["rate"] == 1.0
+    assert info["agreement"]["greedy ours vs transformers"]["rate"] == 1.0

@@ -1,0 +1,149 @@
+"""bench/valid_bleu_curves.py: training logs in the layout the train stage writes, the
+steps-to-minutes interpolation, the printed last/best BLEU and the data of the drawn curves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib.figure
+import pytest
+
+from tests.conftest import load_bench
+
+
+@pytest.fixture(scope="module")
+def curves():
+    return load_bench("valid_bleu_curves")
+
+
+def metrics_folder(root: Path, train: list[tuple[int, float, float]],
+                   bleu: list[tuple[int, float | None]]) -> Path:
+    """A metrics folder: train_log.tsv rows (step, lr, elapsed_s) with the trainer's other
+    columns, valid_bleu.tsv rows (step, BLEU), an empty cell where BLEU is None."""
+    root.mkdir(parents=True)
+    head = "step\tloss\tnll\tlr\tgrad_norm\ttokens\ttokens_per_s\telapsed_s\n"
+    (root / "train_log.tsv").write_text(head + "".join(
+        f"{s}\t5.0\t4.5\t{lr}\t1.0\t900\t100.0\t{e}\n" for s, lr, e in train))
+    (root / "valid_bleu.tsv").write_text("step\tvalid_bleu\n" + "".join(
+        f"{s}\t{'' if b is None else b}\n" for s, b in bleu))
+    return root
+
+
+# Run "fast": elapsed 60, 120, 240, 300 s at steps 10..40, so step 15 is at 1.5 min (halfway
+# between 1 and 2), step 30 at 4 and step 40 at 5. Its step-20 BLEU cell is empty.
+FAST_TRAIN = [(10, 1e-3, 60.0), (20, 2e-3, 120.0), (30, 1.5e-3, 240.0), (40, 1e-3, 300.0)]
+FAST_BLEU = [(15, 5.0), (20, None), (30, 12.5), (40, 11.0)]
+SLOW_TRAIN = [(20, 4e-4, 600.0), (40, 8e-4, 1800.0)]
+SLOW_BLEU = [(20, 3.25), (40, 7.5)]
+
+
+@pytest.fixture
+def runs(tmp_path: Path) -> dict[str, Path]:
+    return {"fast": metrics_folder(tmp_path / "a" / "metrics", FAST_TRAIN, FAST_BLEU),
+            "slow": metrics_folder(tmp_path / "b" / "metrics", SLOW_TRAIN, SLOW_BLEU)}
+
+
+@pytest.fixture
+def drawn(monkeypatch) -> list:
+    """The figures the script saves (savefig still writes the file)."""
+    figures = []
+    save = matplotlib.figure.Figure.savefig
+
+    def keep(fig, *args, **kwargs):
+        figures.append(fig)
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
+    return figures
+
+
+def test_load_run_puts_each_bleu_step_at_its_interpolated_minute(curves, runs):
+    """BLEU steps get minutes by linear interpolation between logged steps; empty cells go."""
+    train, bleu = curves.load_run(runs["fast"])
+    assert train["minutes"].tolist() == pytest.approx([e / 60 for _, _, e in FAST_TRAIN])
+    assert bleu["step"].tolist() == [15, 30, 40]
+    assert bleu["valid_bleu"].tolist() == [5.0, 12.5, 11.0]
+    # by hand: 15 is halfway from step 10 (1 min) to 20 (2 min); 30 and 40 are logged steps
+    assert bleu["minutes"].tolist() == pytest.approx([1.5, 4.0, 5.0])
+
+
+def test_each_run_prints_its_last_and_best_bleu(curves, runs, tmp_path, capsys):
+    """The printed table holds each run's last step and minutes, last and best BLEU."""
+    out = tmp_path / "deep" / "er" / "curves.png"
+    curves.main(["--run", f"fast={runs['fast']}", "--run", f"slow={runs['slow']}",
+                 "--out", str(out)])
+    captured = capsys.readouterr()
+    rows = {line.split()[0]: line.split() for line in captured.out.splitlines()[1:]}
+    assert rows["fast"] == ["fast", "40", "5.0", "11.00", "12.50", "(30)"]
+    assert rows["slow"] == ["slow", "40", "30.0", "7.50", "7.50", "(40)"]
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # its folders were made
+    assert f"wrote {out}" in captured.err
+
+
+@pytest.mark.parametrize("axis", ["minutes", "steps"])
+def test_the_curves_are_bleu_above_and_lr_below_on_the_chosen_axis(curves, runs, tmp_path,
+                                                                  drawn, axis):
+    """Plotted points are the logs' BLEU and lr against minutes or steps, one colour a run."""
+    curves.main(["--run", f"fast={runs['fast']}", "--run", f"slow={runs['slow']}",
+                 "--out", str(tmp_path / "c.png"), "--x", axis])
+    (fig,) = drawn
+    bleu_ax, lr_ax = fig.axes
+    by_minutes = axis == "minutes"
+    assert bleu_ax.get_title() == ("greedy validation BLEU against training "
+                                   + ("time" if by_minutes else "steps"))
+    assert lr_ax.get_xlabel() == "training " + axis
+    assert [t.get_text() for t in bleu_ax.get_legend().get_texts()] == ["fast", "slow"]
+    fast_bleu, slow_bleu = bleu_ax.get_lines()
+    fast_lr, slow_lr = lr_ax.get_lines()
+    assert list(fast_bleu.get_xdata()) == pytest.approx([1.5, 4.0, 5.0] if by_minutes
+                                                        else [15, 30, 40])
+    assert list(fast_bleu.get_ydata()) == [5.0, 12.5, 11.0]
+    assert list(slow_bleu.get_xdata()) == pytest.approx([10.0, 30.0] if by_minutes
+                                                        else [20, 40])
+    assert list(fast_lr.get_xdata()) == pytest.approx(
+        [e / 60 if by_minutes else s for s, _, e in FAST_TRAIN])
+    assert list(fast_lr.get_ydata()) == pytest.approx([lr for _, lr, _ in FAST_TRAIN])
+    assert list(slow_lr.get_ydata()) == pytest.approx([lr for _, lr, _ in SLOW_TRAIN])
+    assert fast_lr.get_color() == fast_bleu.get_color()
+    assert slow_lr.get_color() == slow_bleu.get_color()
+    assert fast_bleu.get_color() != slow_bleu.get_color()
+
+
+def test_a_title_given_replaces_the_default(curves, runs, tmp_path, drawn):
+    """--title is the BLEU panel's title as given."""
+    curves.main(["--run", f"fast={runs['fast']}", "--out", str(tmp_path / "c.png"),
+                 "--title", "d256 against tiny"])
+    assert drawn[0].axes[0].get_title() == "d256 against tiny"
+
+
+@pytest.mark.parametrize("spec", ["metrics", "=metrics"])
+def test_a_run_without_a_label_stops_with_the_form_to_use(curves, tmp_path, spec):
+    """--run FOLDER or =FOLDER is an error naming LABEL=FOLDER; no picture is written."""
+    out = tmp_path / "c.png"
+    with pytest.raises(SystemExit, match="write it LABEL=FOLDER"):
+        curves.main(["--run", spec, "--out", str(out)])
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("missing", ["train_log.tsv", "valid_bleu.tsv"])
+def test_a_folder_without_a_log_names_the_file_and_the_setting(curves, runs, tmp_path,
+                                                               missing):
+    """A missing log is named, with train.valid_bleu_every as the fix; nothing is written."""
+    (runs["fast"] / missing).unlink()
+    out = tmp_path / "c.png"
+    with pytest.raises(SystemExit) as stop:
+        curves.main(["--run", f"fast={runs['fast']}", "--out", str(out)])
+    assert f"has no {missing}" in str(stop.value)
+    assert "train.valid_bleu_every > 0" in str(stop.value)
+    assert not out.exists()
+
+
+def test_a_training_without_validation_bleu_stops_with_the_setting_to_change(curves, runs,
+                                                                            tmp_path):
+    """A header-only valid_bleu.tsv (what the trainer writes with valid_bleu_every 0) stops
+    with the script's message naming the file and the setting, and no picture is written."""
+    (runs["fast"] / "valid_bleu.tsv").write_text("step\tvalid_bleu\n")
+    with pytest.raises(SystemExit, match="train.valid_bleu_every > 0") as stop:
+        curves.main(["--run", f"fast={runs['fast']}", "--out", str(tmp_path / "c.png")])
+    assert str(runs["fast"] / "valid_bleu.tsv") in str(stop.value)
+    assert not (tmp_path / "c.png").exists()
