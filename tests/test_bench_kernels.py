@@ -1,5 +1,6 @@
-"""bench/attention.py and bench/loss_kernel.py: their float64 reference and correctness gates,
-and short runs that return what they print (shapes far below the benchmarks' own)."""
+"""bench/attention.py, bench/loss_kernel.py and bench/linear_kernel.py: their references and
+correctness gates, and short runs that return what they print (shapes far below the
+benchmarks' own)."""
 
 from __future__ import annotations
 
@@ -85,3 +86,57 @@ def test_loss_kernel_puts_the_alignment_back_when_the_widths_disagree(loss_kerne
     with pytest.raises(AssertionError, match="differ"):
         loss_kernel.main(["--rows", "16", "--d-model", "8", "--vocab", "37", "--rounds", "1"])
     assert kernels.VOCAB_ALIGN == saved
+
+
+@pytest.fixture(scope="module")
+def linear_kernel():
+    return load_bench("linear_kernel")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_linear_kernel_times_every_shape_both_passes_and_writes_json(linear_kernel, precision,
+                                                                     tmp_path, capsys):
+    """A short run on two small shapes: one row per shape and pass with both contenders'
+    rates (fp32: the fast kernels' linear; bf16: the fused oneDNN primitive on bf16 copies),
+    the ratios over all shapes, the JSON equal to what main returns. A CPU where oneDNN has
+    no bf16 gets an error naming the fix instead."""
+    out = tmp_path / "linear.json"
+    argv = ["--rows", "24", "--rounds", "2", "--repeat", "1", "--shapes", "16:24,24:16:relu",
+            "--precision", precision, "--json", str(out)]
+    if precision == "bf16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        with pytest.raises(SystemExit, match="run --precision fp32"):
+            linear_kernel.main(argv)
+        assert not out.exists()
+        return
+    result = linear_kernel.main(argv)
+    assert json.loads(out.read_text()) == result
+    assert result["precision"] == ("fp32" if precision == "fp32" else "bf16 autocast")
+    other = "aiayn.kernels" if precision == "fp32" else "oneDNN bf16"
+    assert list(result["shapes"]) == ["16->24", "24->16 relu"]
+    for shape in result["shapes"].values():
+        assert list(shape) == ["forward", "forward+backward"]
+        for figures in shape.values():
+            assert set(figures["gflops"]) == {"F.linear", other}
+            assert min(figures["gflops"].values()) > 0 and figures["ratio"] > 0
+    assert set(result["all_shapes"]) == {"forward", "forward+backward"}
+    assert "all shapes" in capsys.readouterr().out
+
+
+def test_linear_kernel_stops_when_the_contenders_disagree(linear_kernel, monkeypatch):
+    """The correctness gate runs before any timing: a kernel that drops the bias fails it."""
+    monkeypatch.setattr(linear_kernel, "ours", lambda x, w, b, relu: linear_kernel.torchs(
+        x, w, 0 * b, relu))
+    with pytest.raises(AssertionError):
+        linear_kernel.main(["--rows", "8", "--rounds", "1", "--repeat", "1", "--shapes", "8:8",
+                            "--precision", "fp32"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--shapes", "8x8"], "--shapes '8x8': write IN:OUT or IN:OUT:relu"),
+    (["--shapes", "8:8:gelu"], "--shapes '8:8:gelu': write IN:OUT or IN:OUT:relu"),
+    (["--rounds", "0"], "--rounds (0) must be at least 1"),
+])
+def test_linear_kernel_argument_errors_name_the_fix(linear_kernel, argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        linear_kernel.main(argv)
+    assert stop.value.code == 2 and message in capsys.readouterr().err
