@@ -8,7 +8,10 @@ one fixed shape. Calling glibc's ``malloc_trim(0)`` every few steps returns the 
 (it also releases pages inside the heap, not only at its top) and keeps the run flat at
 ~1.05 GiB at no measurable cost per step. ``MALLOC_ARENA_MAX=2`` did not help; a low
 ``MALLOC_MMAP_THRESHOLD_`` did, but made steps 40% slower. In fp32 (on a CPU without
-native bf16) the heap did not grow, and the trim cost nothing there either.
+native bf16) the heap did not grow, and the trim cost nothing there either. (Those figures
+are from AMD CPUs and an earlier benchmark harness. On an Intel CPU with AMX, the real
+trainer's peaks still climbed with the trim, 2.1 to 3.4 GiB over 150 steps against 4.3
+without, and the trim every 10 steps cost ~12% of a step: bench/README.md.)
 ``bench/train_memory.py`` measures both modes side by side.
 
 There is no library for this; ``ctypes`` reaches the C library the process already runs

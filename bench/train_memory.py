@@ -63,11 +63,13 @@ def worker(mode: str, spec: dict, steps: int) -> dict:
     """Train ``steps`` steps of the trainer ``spec`` describes (``bench/train_throughput.py``'s
     worker spec) in this process; RSS and wall time of every step."""
 
-    from aiayn.memory import HeapTrimmer
+    from aiayn.memory import TRIM_EVERY_STEPS, HeapTrimmer
     from bench.train_throughput import TrainerWorker
 
     runner = TrainerWorker(spec)
-    runner.heap = HeapTrimmer(enabled=mode == "trim")  # the trainer's own is enabled on CPU
+    # the trainer's own trims every TRIM_EVERY_STEPS on CPU
+    runner.heap = HeapTrimmer(every=spec.get("trim_every", TRIM_EVERY_STEPS),
+                              enabled=mode == "trim")
     if mode == "trim" and not runner.heap.active:
         raise SystemExit("this C library has no malloc_trim: nothing to compare")
     bf16 = runner.trainer.amp_dtype is not None
@@ -167,6 +169,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--workdir", type=Path,
                     default=Path(tempfile.gettempdir()) / "aiayn-bench-train",
                     help="where the data stages write (shared with train_throughput.py)")
+    ap.add_argument("--trim-every", type=int, default=None, metavar="N",
+                    help="the trim mode trims every N steps (default: the trainer's, "
+                         "aiayn.memory.TRIM_EVERY_STEPS)")
     ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path, default=None, help="write all results here")
     ap.add_argument("--report", type=Path, default=None,
@@ -185,8 +190,12 @@ def main(argv: list[str] | None = None) -> dict:
                  f"({args.steps})")
     if args.repeats < 1:
         ap.error(f"--repeats ({args.repeats}) must be at least 1")
+    if args.trim_every is not None and args.trim_every < 1:
+        ap.error(f"--trim-every ({args.trim_every}) must be at least 1")
 
     spec = prepare(args)
+    if args.trim_every is not None:
+        spec["trim_every"] = args.trim_every
     runs = []
     for r in range(args.repeats):
         for mode in MODES:

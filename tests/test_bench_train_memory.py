@@ -105,7 +105,8 @@ def test_a_run_alternates_the_modes_and_writes_the_summaries_and_ratios(memory, 
     assert json.loads(out.read_text()) == result
     assert result["args"] == {"steps": 30, "warmup": 5, "repeats": 2, "max_tokens": 512,
                               "precision": "fp32", "seed": 7, "preset": "multi30k", "set": [],
-                              "corpus": None, "workdir": asked["workdir"]}
+                              "corpus": None, "workdir": asked["workdir"],
+                              "trim_every": None}
     assert result["runs"] == [fake_run(m, 30, seed=i) for i, m in enumerate(modes, start=1)]
     # by hand: warm-up steps 1-5, then windows of 5 steps; the last is steps 26-30
     for s, run in zip(result["summary"], result["runs"], strict=True):
@@ -167,6 +168,17 @@ def test_a_warmup_outside_one_to_below_the_steps_is_an_argument_error(memory, wo
     assert stop.value.code == 2
     assert (f"--warmup ({warmup}) must be at least 1 and below --steps ({steps})"
             in capsys.readouterr().err)
+    assert workers == []
+
+
+def test_trim_every_reaches_the_workers_and_must_be_positive(memory, workers, capsys):
+    """--trim-every N goes into every worker's spec; 0 exits 2 before any worker starts."""
+    memory.main(["--steps", "12", "--warmup", "2", "--trim-every", "4"])
+    assert [json.loads(cmd[cmd.index("--spec") + 1])["trim_every"] for cmd in workers] == [4, 4]
+    workers.clear()
+    with pytest.raises(SystemExit) as stop:
+        memory.main(["--steps", "12", "--warmup", "2", "--trim-every", "0"])
+    assert stop.value.code == 2 and "--trim-every (0) must be at least 1" in capsys.readouterr().err
     assert workers == []
 
 
