@@ -87,6 +87,18 @@ def load_bench(name: str):
     return module
 
 
+def save_model_folder(model, tokenizer: Path, out: Path, **config) -> Path:
+    """``model`` as `aiayn average` writes its folder: weights, config.json (plus ``config``)
+    and the tokenizer beside them."""
+    from aiayn.checkpoint import export_model, file_sha256
+
+    export_model(out, model.state_dict(),
+                 {"model": model.cfg.to_dict(), "vocab_size": model.cfg.vocab_size,
+                  "tokenizer_sha256": file_sha256(tokenizer), **config},
+                 extra_files={"tokenizer.json": tokenizer})
+    return out
+
+
 @pytest.fixture
 def cli_env() -> dict[str, str]:
     """Environment for running the project's commands in a subprocess, offline."""

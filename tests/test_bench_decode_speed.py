@@ -20,7 +20,7 @@ from aiayn.beam import BeamConfig
 from aiayn.model import Transformer, TransformerConfig
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from aiayn.translation import BatchTranslator, source_batch
-from tests.conftest import SENTENCES_DE, SENTENCES_EN, load_bench
+from tests.conftest import SENTENCES_DE, SENTENCES_EN, load_bench, save_model_folder
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,6 @@ def tiny_model(vocab: int, seed: int = 0, **changes) -> Transformer:
 @pytest.fixture(scope="module")
 def model_dir(tokenizer, tmp_path_factory):
     """A tiny untrained model exported as `aiayn average` exports one (as test_translate)."""
-    from aiayn.checkpoint import export_model, file_sha256
     from aiayn.tokenizer import save_tokenizer
 
     root = tmp_path_factory.mktemp("decode_speed")
@@ -61,11 +60,7 @@ def model_dir(tokenizer, tmp_path_factory):
     save_tokenizer(tokenizer, tok_path)
     model = tiny_model(tokenizer.get_vocab_size(), seed=3, d_model=32, heads=4, d_ff=64)
     out = root / "model"
-    export_model(out, model.state_dict(),
-                 {"model": model.cfg.to_dict(), "vocab_size": model.cfg.vocab_size,
-                  "tokenizer_sha256": file_sha256(tok_path)},
-                 extra_files={"tokenizer.json": tok_path})
-    return out
+    return save_model_folder(model, tok_path, out)
 
 
 # Source lines for --inputs: blank lines, a line over the tiny model's 39-token limit, mixed

@@ -11,12 +11,11 @@ import pytest
 import torch
 
 from aiayn.beam import BeamConfig, beam_search
-from aiayn.checkpoint import export_model, file_sha256
 from aiayn.corpus import iter_raw
 from aiayn.model import Transformer, TransformerConfig
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, encode_ids, load_tokenizer
 from aiayn.translation import source_batch
-from tests.conftest import load_bench
+from tests.conftest import load_bench, save_model_folder
 
 pytest.importorskip("ctranslate2")
 pytest.importorskip("transformers")
@@ -41,13 +40,8 @@ def tiny_model(toy: Path, seed: int, eos_scale: float = 1.0) -> Transformer:
 
 
 def save_folder(model: Transformer, toy: Path, out: Path) -> Path:
-    """``model`` as `aiayn average` writes a folder."""
-    tok_path = toy / "data/vocab/tokenizer.json"
-    export_model(out, model.state_dict(),
-                 {"model": model.cfg.to_dict(), "vocab_size": model.cfg.vocab_size,
-                  "tokenizer_sha256": file_sha256(tok_path)},
-                 extra_files={"tokenizer.json": tok_path})
-    return out
+    """``model`` as `aiayn average` writes a folder, with the toy workspace's tokenizer."""
+    return save_model_folder(model, toy / "data/vocab/tokenizer.json", out)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 from aiayn.beam import BeamConfig
-from aiayn.checkpoint import export_model, file_sha256
 from aiayn.corpus import iter_raw
 from aiayn.errors import DataError, MissingPackageError
 from aiayn.export import (
@@ -37,6 +36,7 @@ from aiayn.model_card import model_card
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, encode_ids, load_tokenizer
 from aiayn.translation import source_batch
 from stages.cli import app
+from tests.conftest import save_model_folder as conftest_save_model_folder
 
 ct2 = pytest.importorskip("ctranslate2")
 transformers = pytest.importorskip("transformers")
@@ -92,13 +92,9 @@ def train_tiny(toy: Path, steps: int = 120, norm: str = "post") -> Transformer:
 
 
 def save_model_folder(model: Transformer, toy: Path, out: Path) -> Path:
-    """``model`` as `aiayn average` writes a folder."""
-    tok_path = toy / "data/vocab/tokenizer.json"
-    export_model(out, model.state_dict(),
-                 {"model": model.cfg.to_dict(), "vocab_size": model.cfg.vocab_size,
-                  "tokenizer_sha256": file_sha256(tok_path), "averaged_steps": [120]},
-                 extra_files={"tokenizer.json": tok_path})
-    return out
+    """``model`` as `aiayn average` writes a folder, with the toy workspace's tokenizer."""
+    return conftest_save_model_folder(model, toy / "data/vocab/tokenizer.json", out,
+                                      averaged_steps=[120])
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,10 @@ import torch
 from typer.testing import CliRunner
 
 from aiayn.beam import BeamConfig
-from aiayn.checkpoint import export_model, file_sha256
 from aiayn.errors import DataError
 from aiayn.model import Transformer, TransformerConfig
 from aiayn.translation import load_translator
-from tests.conftest import write_params
+from tests.conftest import save_model_folder, write_params
 
 
 @pytest.fixture
@@ -28,11 +27,7 @@ def model_dir(toy_workspace, tmp_path) -> Path:
                             heads=4, encoder_layers=1, decoder_layers=1, d_ff=64,
                             max_positions=40)
     model = Transformer(cfg)
-    out = tmp_path / "model"
-    export_model(out, model.state_dict(), {"model": cfg.to_dict(), "vocab_size": cfg.vocab_size,
-                                           "tokenizer_sha256": file_sha256(tok_path)},
-                 extra_files={"tokenizer.json": tok_path})
-    return out
+    return save_model_folder(model, tok_path, tmp_path / "model")
 
 
 LINES = ["The small dog sees the cat.", "", "A man reads a book because it rains.",
