@@ -959,9 +959,10 @@ def main(argv: list[str] | None = None) -> int:
         previous = _read_json(marker)
         present = all((raw / f"{s}.parquet").is_file() for s in ("train", "valid", "test"))
         reuse = not args.regenerate and previous and previous.get("spec") == want and present
-        if reuse and row_counts(raw) != want_rows:  # a file changed since it was generated
+        rows = row_counts(raw) if reuse else None
+        if reuse and rows != want_rows:  # a file changed since it was generated
             print(f"\ncorpus: {raw} no longer holds the pairs {marker.name} records "
-                  f"({row_counts(raw)}); generating it again")
+                  f"({rows}); generating it again")
             reuse = False
         if reuse:
             corpus = previous

@@ -181,6 +181,7 @@ from aiayn.beam import BeamConfig, beam_search, max_lengths  # noqa: E402
 from aiayn.model import Transformer, TransformerConfig  # noqa: E402
 from aiayn.precision import cpu_has_native_bf16  # noqa: E402
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, decode, encode_ids  # noqa: E402
+from bench.cli import require_positive  # noqa: E402
 from bench.machine import cpu_model  # noqa: E402
 
 VOCAB = 8000
@@ -617,9 +618,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.references is not None and args.inputs is None:
         ap.error("--references requires --model and --inputs")
 
-    for name in ("rounds", "batches"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name} ({getattr(args, name)}) must be at least 1")
+    require_positive(ap, args, "rounds", "batches")
     try:
         threads = [int(t) for t in args.threads.split(",")]
     except ValueError:

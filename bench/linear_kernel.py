@@ -42,6 +42,7 @@ if str(REPO) not in sys.path:  # run as a script: make `bench` importable
 
 from aiayn import kernels  # noqa: E402
 from aiayn.precision import autocast_dtype  # noqa: E402
+from bench.cli import require_positive  # noqa: E402
 from bench.machine import cpu_model, describe_caps  # noqa: E402
 
 # (inputs, outputs, ReLU) of the multi30k model's linear layers
@@ -89,9 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="torch.set_num_threads (default: torch's default)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
-    for name in ("rows", "rounds", "repeat"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} ({getattr(args, name)}) must be at least 1")
+    require_positive(parser, args, "rows", "rounds", "repeat")
     shapes = SHAPES
     if args.shapes:
         try:

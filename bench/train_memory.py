@@ -51,6 +51,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script: make `aiayn` importable without installing
     sys.path.insert(0, str(REPO))
 
+from bench.cli import require_positive  # noqa: E402
+
 MODES = ("notrim", "trim")
 
 
@@ -188,10 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.warmup < 1 or args.warmup >= args.steps:
         ap.error(f"--warmup ({args.warmup}) must be at least 1 and below --steps "
                  f"({args.steps})")
-    if args.repeats < 1:
-        ap.error(f"--repeats ({args.repeats}) must be at least 1")
-    if args.trim_every is not None and args.trim_every < 1:
-        ap.error(f"--trim-every ({args.trim_every}) must be at least 1")
+    require_positive(ap, args, "repeats", "trim_every")
 
     spec = prepare(args)
     if args.trim_every is not None:

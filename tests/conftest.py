@@ -87,6 +87,15 @@ def load_bench(name: str):
     return module
 
 
+def usage_error(call, capsys) -> str:
+    """Run ``call``, which must stop as argparse does on a bad argument (exit status 2), and
+    return what it wrote to stderr."""
+    with pytest.raises(SystemExit) as stop:
+        call()
+    assert stop.value.code == 2
+    return capsys.readouterr().err
+
+
 def save_model_folder(model, tokenizer: Path, out: Path, **config) -> Path:
     """``model`` as `aiayn average` writes its folder: weights, config.json (plus ``config``)
     and the tokenizer beside them."""

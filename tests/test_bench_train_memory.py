@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import load_bench
+from tests.conftest import load_bench, usage_error
 
 
 @pytest.fixture(scope="module")
@@ -163,11 +163,9 @@ def test_a_warmup_outside_one_to_below_the_steps_is_an_argument_error(memory, wo
                                                                       warmup, steps):
     """--warmup of 0 or >= --steps exits 2 naming both values, before any worker starts (a
     warm-up of 0 has no window to take the baseline peak from)."""
-    with pytest.raises(SystemExit) as stop:
-        memory.main(["--steps", str(steps), "--warmup", str(warmup)])
-    assert stop.value.code == 2
-    assert (f"--warmup ({warmup}) must be at least 1 and below --steps ({steps})"
-            in capsys.readouterr().err)
+    err = usage_error(lambda: memory.main(["--steps", str(steps), "--warmup", str(warmup)]),
+                      capsys)
+    assert f"--warmup ({warmup}) must be at least 1 and below --steps ({steps})" in err
     assert workers == []
 
 
@@ -176,18 +174,15 @@ def test_trim_every_reaches_the_workers_and_must_be_positive(memory, workers, ca
     memory.main(["--steps", "12", "--warmup", "2", "--trim-every", "4"])
     assert [json.loads(cmd[cmd.index("--spec") + 1])["trim_every"] for cmd in workers] == [4, 4]
     workers.clear()
-    with pytest.raises(SystemExit) as stop:
-        memory.main(["--steps", "12", "--warmup", "2", "--trim-every", "0"])
-    assert stop.value.code == 2 and "--trim-every (0) must be at least 1" in capsys.readouterr().err
+    assert "--trim-every (0) must be at least 1" in usage_error(
+        lambda: memory.main(["--steps", "12", "--warmup", "2", "--trim-every", "0"]), capsys)
     assert workers == []
 
 
 def test_no_repeats_is_an_argument_error(memory, workers, capsys):
     """--repeats 0 exits 2 naming the value, before any worker starts."""
-    with pytest.raises(SystemExit) as stop:
-        memory.main(["--steps", "10", "--warmup", "2", "--repeats", "0"])
-    assert stop.value.code == 2
-    assert "--repeats (0) must be at least 1" in capsys.readouterr().err
+    assert "--repeats (0) must be at least 1" in usage_error(
+        lambda: memory.main(["--steps", "10", "--warmup", "2", "--repeats", "0"]), capsys)
     assert workers == []
 
 
