@@ -26,7 +26,18 @@
 #      train.steps; the lr cooldown by steps, SCREEN_MINUTES only a guard), then average
 #      (the count chosen on valid), translate valid, score valid.
 #      Valid only: the recipe is chosen on valid.
-# Results: $OUT/session.log, $OUT/gpu_step_*.json, $OUT/m30k.tar.gz (metrics/, params.yaml),
+#   5. micro-batch size (issue 44): bench/gpu_step.py, base and big, bf16, new shapes
+#      every step, 25k target tokens per step as 4 x 6,250 (the default) or 1 x 25,000,
+#      eager, ABAB, with the kernel launches of a step counted; then 1 x 25,000 compiled.
+#      All under one deadline (PART5_SECONDS) so that part 6 keeps its time.
+#   6. multi30k towards convergence (issue 45): runs of CONV arms x CONV_SEEDS side by side
+#      on the one GPU, each with 8,192-token batches (one micro-batch a step; shards of
+#      `prepare`'s .gpu/m30k8k), up to CONV_STEPS steps, the time budget CONV_MINUTES (the
+#      cooldown follows whichever ends first), greedy valid BLEU every 1000 steps (the
+#      curve), then average (the count chosen on valid), translate valid, score valid; the
+#      arm with the best mean valid sacreBLEU alone then translates and scores test2016.
+# Results: $OUT/session.log, $OUT/results.tar.gz (parts 5 and 6: JSON records, run folders'
+# params.yaml, run.log and metrics/), and for parts 1-4, $OUT/gpu_step_*.json, $OUT/m30k.tar.gz (metrics/, params.yaml),
 # $OUT/screen/<arm>-s<seed>/ (params.yaml, run.log, metrics/).
 # About 10 minutes on an H200 (the machine's start not counted); PARTS="1c 1d 2 3" MINUTES=2
 # took 7 minutes (docs/results/gpu-h200/session4); PARTS=4 with 12 runs of 1750 steps
@@ -51,6 +62,12 @@ SCREEN=${SCREEN:-"preset:;ff512:model.d_ff=512 train.steps=2055;l2:model.encoder
 SEEDS=${SEEDS:-"1 2 3"}
 SCREEN_STEPS=${SCREEN_STEPS:-1750}      # the AVX2-only CPU's hour: steps 1683-1750 (2026-11-26/27)
 SCREEN_MINUTES=${SCREEN_MINUTES:-7}     # a guard only: the steps end each run first
+PART5_SECONDS=${PART5_SECONDS:-190}     # part 5's deadline, all its runs together
+# part 6: arms as SCREEN's ("name:KEY=VALUE ..."), on top of the preset with 8k-token steps
+CONV=${CONV:-"d0.2:;d0.3:model.dropout=0.3"}
+CONV_SEEDS=${CONV_SEEDS:-"1 2"}
+CONV_STEPS=${CONV_STEPS:-8000}          # the published recipe's 8,000 updates of ~8k tokens
+CONV_MINUTES=${CONV_MINUTES:-4}         # each run's time budget (validation included)
 
 if [ "${1:-}" = prepare ]; then
     set -e
@@ -78,6 +95,24 @@ if [ "${1:-}" = prepare ]; then
         done
     done
     ls .gpu/screen
+    # part 6: the preset's data cut into 8,192-token batches, and one params file per run
+    rm -rf .gpu/m30k8k .gpu/conv && mkdir -p .gpu/m30k8k .gpu/conv
+    .venv/bin/aiayn params multi30k shard.max_tokens=8192 data.local.dir="$(realpath "$M30K")" \
+        --out .gpu/m30k8k/params.yaml >/dev/null
+    (cd .gpu/m30k8k && for s in download vocab survey shard; do
+        ../../.venv/bin/aiayn "$s" --params params.yaml; done)
+    rm -rf .gpu/m30k8k/data/survey .gpu/m30k8k/metrics
+    IFS=';' read -ra arms <<< "$CONV"
+    for arm in "${arms[@]}"; do
+        for seed in $CONV_SEEDS; do  # shell word splitting of the arm's settings is meant
+            # shellcheck disable=SC2086
+            .venv/bin/aiayn params multi30k shard.max_tokens=8192 train.tokens_per_step=8192 \
+                train.steps="$CONV_STEPS" train.max_minutes="$CONV_MINUTES" \
+                train.valid_bleu_every=1000 train.checkpoint_every_steps=200 seed="$seed" \
+                ${arm#*:} --out ".gpu/conv/${arm%%:*}-s$seed.yaml" >/dev/null
+        done
+    done
+    ls .gpu/conv
     du -sh .whl .gpu
     exit 0
 fi
@@ -176,5 +211,78 @@ for f in .gpu/screen/*.yaml; do
 done
 wait "${pids[@]}"
 $PY bench/screen_table.py --runs .gpu/screen/*/
+fi
+RES=$PWD/.gpu/out  # parts 5 and 6 write here; packed into $OUT/results.tar.gz after each
+mkdir -p "$RES"
+pack() { tar czf "$OUT/results.tar.gz" -C "$RES" . 2>/dev/null; }
+
+if want 5; then
+part "5. micro-batch size: 4 x 6250 against 1 x 25000 (eager, ABAB), then 1 x 25000 compiled"
+deadline=$((SECONDS + PART5_SECONDS))
+step_run() {  # $1: the JSON's name, $2: the seconds it may take at most; the rest: arguments
+    local name=$1 limit=$2 left=$((deadline - SECONDS)); shift 2
+    [ "$left" -lt "$limit" ] && limit=$left
+    if [ "$limit" -lt 15 ]; then echo "PART 5 SKIPPED $name: part 5's deadline"; return; fi
+    local run=($PY)
+    case " $* " in *" --ddp "*) run=($PY -m torch.distributed.run --standalone --nproc-per-node 1);; esac
+    timeout "$limit" "${run[@]}" bench/gpu_step.py --configs base,big --count-kernels "$@" \
+        --json "$RES/gpu_step_$name.json" || echo "PART 5 FAILED $name ($?)"
+}
+for round in 1 2; do
+    step_run "mb6250_$round" 50 --warmup 3 --steps 8 --max-tokens 6250
+    step_run "mb25000_$round" 50 --warmup 3 --steps 8 --max-tokens 25000 \
+        $([ "$round" = 2 ] && echo --profile)  # where the time goes, in the log
+done
+step_run mb25000_ddp 60 --warmup 3 --steps 8 --max-tokens 25000 --ddp  # torchrun, NCCL
+step_run mb25000_compile 150 --warmup 6 --steps 8 --max-tokens 25000 --compile --configs base
+pack
+fi
+
+if want 6; then
+part "6. multi30k towards convergence: $(ls .gpu/conv/*.yaml | wc -l) runs side by side"
+conv_run() (  # $1: the run's folder, holding params.yaml; the 8k-batch data linked in
+    cd "$1" && mkdir -p data && for x in raw vocab shards; do ln -sfn "$ROOT/.gpu/m30k8k/data/$x" data/$x; done \
+    && OMP_NUM_THREADS=3 timeout $((CONV_MINUTES * 60 + 90)) $PY -m stages.train --no-progress --no-mlflow \
+    && OMP_NUM_THREADS=3 $PY -m stages.average --no-mlflow \
+    && OMP_NUM_THREADS=3 $PY -m stages.translate --split valid --no-progress \
+    && $PY -m stages.score --split valid --metrics metrics/bleu_valid.json --no-mlflow
+)
+keep() {  # copy a run's records into $RES/conv/<run>/
+    mkdir -p "$RES/conv/${1##*/}" && cp -r "$1/params.yaml" "$1/run.log" "$1/metrics" \
+        "$RES/conv/${1##*/}/" 2>/dev/null
+}
+ROOT=$PWD
+pids=()
+for f in .gpu/conv/*.yaml; do
+    d=.gpu/conv/$(basename "$f" .yaml) && mkdir -p "$d" && cp "$f" "$d/params.yaml"
+    (conv_run "$d" > "$d/run.log" 2>&1 || echo "PART 6 FAILED: $d ($?)"; keep "$d") &
+    pids+=($!)
+done
+wait "${pids[@]}"
+pack
+$PY bench/screen_table.py --runs .gpu/conv/*/ | tee "$RES/conv_summary.log"
+# the recipe is chosen on valid: the arm with the best mean valid sacreBLEU translates test
+best=$($PY - <<'PYEOF'
+import json, pathlib, statistics
+arms = {}
+for f in pathlib.Path(".gpu/conv").glob("*/metrics/bleu_valid.json"):
+    arm = f.parent.parent.name.rsplit("-s", 1)[0]
+    arms.setdefault(arm, []).append(json.loads(f.read_text())["sacrebleu"]["score"])
+print(max(arms, key=lambda a: statistics.fmean(arms[a])) if arms else "")
+PYEOF
+)
+echo "chosen on valid: ${best:-none}"
+pids=()
+for d in .gpu/conv/"$best"-s*/; do
+    [ -n "$best" ] || break
+    d=${d%/}
+    ( cd "$d" && OMP_NUM_THREADS=4 $PY -m stages.translate --split test --no-progress >> run.log 2>&1 \
+      && $PY -m stages.score --no-mlflow >> run.log 2>&1 ) || echo "PART 6 TEST FAILED: $d"
+    keep "$d"
+    $PY -c "import json, sys; b = json.load(open(sys.argv[1])); print(sys.argv[1], 'test2016 \
+sacreBLEU', b['sacrebleu']['score'], 'chrF', b.get('chrf', {}).get('score'), 'lowercased \
+tokenized', b['lowercase_bleu']['score'])" "$d/metrics/bleu.json" || true
+done
+pack
 fi
 part "done"

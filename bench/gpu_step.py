@@ -29,6 +29,10 @@ second over the GPU's dense bf16 peak (H100 SXM/H200 989, H100 PCIe 756, A100 31
 A10 125 TFLOP/s; ``--peak-tflops`` for others). With ``--compile`` it also counts the
 graphs Dynamo made and its graph breaks over all the batch shapes it met; ``--profile``
 prints torch.profiler's top operators of the first and the last step (not measured).
+``--count-kernels`` profiles one more step after the measured ones and records what a step
+launches: on a GPU its CUDA kernels (and memory copies/sets), on a CPU the operators called
+from Python (torch.profiler's ``aten::`` events with no ``aten::`` parent), so that a
+change that cuts launches is seen on a CPU before a GPU measures it.
 
 Without a GPU (or with ``--estimate``) it measures nothing and says so, and prints an
 estimate from the counted FLOPs: the time the paper's schedules (100k base steps and 300k
@@ -228,6 +232,8 @@ def measure(name: str, args, device: torch.device) -> dict:
             flops.append(sum(train_flops(cfg, (b.src != 0).sum(1).numpy(),
                                          (b.tgt_out != 0).sum(1).numpy()) for b in group))
     shapes = {tuple(b.src.shape) + tuple(b.tgt_in.shape) for b in batches}
+    launches = (count_launches(run_step, batches[:accum], device) if args.count_kernels
+                else None)
     step_s = statistics.median(parts["step"])
     achieved = statistics.fmean(f / s for f, s in zip(flops, parts["step"], strict=True))
     result = {"config": name, "accumulation": accum, "precision": "bf16" if amp else "fp32",
@@ -236,6 +242,8 @@ def measure(name: str, args, device: torch.device) -> dict:
               "cudnn_attention": torch.backends.cuda.cudnn_sdp_enabled(),
               "loss_blocks": kernels.loss_blocks(device, cfg.vocab_size),
               "batch_shapes": len(shapes),
+              "max_tokens": args.max_tokens,
+              "launches_per_step": launches,
               "step_s": step_s,
               "tokens_per_s": statistics.fmean(t / s for t, s in zip(tokens, parts["step"],
                                                                       strict=True)),
@@ -271,6 +279,34 @@ def profile(run_step, group: list[Batch], device: torch.device, title: str) -> N
                           max_name_column_width=50))
 
 
+def count_launches(run_step, group: list[Batch], device: torch.device) -> dict:
+    """One step under torch.profiler: {"kernels": CUDA kernels launched, "copies": CUDA memory
+    copies and sets} on a GPU; {"ops": the aten operators called from Python} on a CPU."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch_profile(activities=activities) as prof:
+        run_step(group)
+        if cuda:
+            torch.cuda.synchronize(device)
+    events = prof.events()
+    if cuda:
+        from torch.autograd import DeviceType
+        on_gpu = [e for e in events if e.device_type == DeviceType.CUDA]
+        copies = sum(1 for e in on_gpu if e.name.startswith(("Memcpy", "Memset")))
+        return {"kernels": len(on_gpu) - copies, "copies": copies}
+
+    def from_python(e) -> bool:
+        parent = e.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("aten::"):
+                return False
+            parent = parent.cpu_parent
+        return True
+    return {"ops": sum(1 for e in events if e.name.startswith("aten::") and from_python(e))}
+
+
 def peak_tflops(device_name: str) -> float | None:
     for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):  # "H100 PCIe" before "H100"
         if key in device_name:
@@ -297,6 +333,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="measured steps reuse the warm-up's batches (shapes met before)")
     ap.add_argument("--profile", action="store_true",
                     help="profile the first and the last step (not measured)")
+    ap.add_argument("--count-kernels", action="store_true",
+                    help="profile one more step and record its kernel launches (GPU) or the "
+                         "operators called from Python (CPU)")
     ap.add_argument("--ddp", action="store_true",
                     help="wrap the model in DistributedDataParallel (run under torchrun)")
     ap.add_argument("--steps", type=int, default=20, help="measured optimizer steps")
@@ -350,6 +389,9 @@ def main(argv: list[str] | None = None) -> dict:
             line = (f"{name}: {r['precision']}, accumulation {r['accumulation']}, "
                     f"{r['tokens_per_s']:,.0f} target tokens/s, {r['tflops']:.1f} TFLOP/s; "
                     f"{split}")
+            if r["launches_per_step"]:
+                line += "; per step " + ", ".join(f"{v:,} {k}"
+                                                  for k, v in r["launches_per_step"].items())
             if "graphs" in r:
                 line += (f"; {r['graphs']} graph(s), {r['graph_breaks']} graph break(s) over "
                          f"{r['batch_shapes']} batch shapes")
