@@ -11,6 +11,7 @@ committed ``params.yaml`` is the small demo preset composed from ``conf/``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,7 +21,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from aiayn.errors import ParamsError
 
 # Languages the corpus sources know how to name. WMT14 pairs English with these.
-KNOWN_LANGUAGES = ("cs", "de", "en", "fr", "hi", "ru")
 Language = Literal["cs", "de", "en", "fr", "hi", "ru"]
 SPLITS = ("train", "valid", "test")
 
@@ -334,6 +334,101 @@ class Params(Strict):
                 f"({self.model.max_positions})"
             )
         return self
+
+
+# --------------------------------------------------------------------------- what each affects
+
+
+@dataclass(frozen=True)
+class Affects:
+    """What a parameter (or a whole section) affects: the stages that read it, and whether
+    it shapes the steps of a training run."""
+
+    stages: tuple[str, ...]
+    # Part of a training run's identity: a checkpoint resumes only while every such value
+    # is unchanged (a changed one sets the run aside and a new one starts). The run's
+    # length, logging, checkpointing, device, process count and validation are not: a
+    # longer or re-logged run is the same run.
+    shapes_training: bool = False
+
+
+TRAINS = Affects(("train",), shapes_training=True)
+RUNS_TRAINING = Affects(("train",))  # the train stage reads it, its steps do not depend on it
+AVERAGING = ("average", "score")  # score too: its MLflow run is the experiment's own
+VALIDATION_BLEU = Affects(("train", "average"))  # training's curve, the average's choice
+
+# Every parameter and what it affects, declared once. A key names a setting or a whole
+# section, as dvc.yaml's `params:` lists name them: each stage there lists exactly the keys
+# declared for it here (tests/test_config.py checks, also that every setting is covered),
+# and a training run's identity is the values of the keys that shape training
+# (aiayn.trainer.run_identity).
+PARAM_EFFECTS: dict[str, Affects] = {
+    "seed": TRAINS,
+    "data.source": Affects(("download",)),
+    "data.hub": Affects(("download",)),
+    "data.local": Affects(("download",)),
+    "data.toy": Affects(("download",)),
+    "data.clean": Affects(("download",)),
+    # the direction: which side is encoded, which is scored (export names it in its card)
+    "data.src_lang": Affects(("survey", "shard", "train", "average", "translate", "export")),
+    "data.tgt_lang": Affects(("survey", "shard", "train", "average", "translate", "score",
+                              "export")),
+    "vocab": Affects(("vocab",)),
+    "survey": Affects(("survey",)),
+    "shard": Affects(("shard",)),
+    "model": TRAINS,
+    "train.tokens_per_step": TRAINS,
+    "train.steps": RUNS_TRAINING,  # a longer run resumes (with a cooldown: from its branch point)
+    "train.warmup_steps": TRAINS,
+    "train.lr_scale": TRAINS,
+    "train.cooldown": TRAINS,
+    "train.label_smoothing": TRAINS,
+    "train.adam_betas": TRAINS,
+    "train.adam_eps": TRAINS,
+    "train.clip_norm": TRAINS,
+    "train.precision": TRAINS,
+    "train.kernels": TRAINS,
+    "train.compile": RUNS_TRAINING,
+    "train.max_minutes": RUNS_TRAINING,
+    "train.device": RUNS_TRAINING,
+    "train.nproc_per_node": RUNS_TRAINING,
+    "train.max_restarts": RUNS_TRAINING,
+    "train.log_every": RUNS_TRAINING,
+    "train.valid_every": RUNS_TRAINING,
+    "train.checkpoint_every_steps": RUNS_TRAINING,
+    "train.checkpoint_every_minutes": RUNS_TRAINING,
+    "train.keep_checkpoints": RUNS_TRAINING,
+    "train.average_last": Affects(AVERAGING),
+    "train.average": Affects(AVERAGING),
+    "train.average_candidates": Affects(AVERAGING),
+    "train.valid_bleu_every": RUNS_TRAINING,
+    "train.valid_bleu_sentences": VALIDATION_BLEU,
+    "train.valid_bleu_beam": VALIDATION_BLEU,
+    "train.valid_bleu_alpha": VALIDATION_BLEU,
+    "train.attention_dropout": TRAINS,
+    "train.activation_dropout": TRAINS,
+    "train.subword_split": TRAINS,
+    "decode": Affects(("translate", "score")),
+    "decode.batch_size": Affects(("average",)),  # the average's candidates are decoded
+    "decode.beam": Affects(("export",)),  # the exported model's default decoding
+    "decode.alpha": Affects(("export",)),
+}
+
+
+def stage_params(stage: str) -> list[str]:
+    """The parameter keys ``stage`` reads (dvc.yaml's ``params:`` list for it)."""
+    return [key for key, affects in PARAM_EFFECTS.items() if stage in affects.stages]
+
+
+def shapes_training(key: str) -> bool:
+    """Whether the setting ``key`` (dotted, e.g. ``train.lr_scale``) shapes a training run's
+    steps: its own declaration or its section's."""
+    name = key
+    while name:
+        if name in PARAM_EFFECTS:
+            return PARAM_EFFECTS[name].shapes_training
+        name = name.rpartition(".")[0]
+    raise KeyError(f"{key!r} is not declared in aiayn.config.PARAM_EFFECTS")
 
 
 def _format_location(loc: tuple[Any, ...]) -> str:

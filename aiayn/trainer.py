@@ -56,7 +56,7 @@ from aiayn.checkpoint import (
     save_checkpoint,
     unsaved_checkpoints,
 )
-from aiayn.config import Params, TrainConfig
+from aiayn.config import Params, TrainConfig, shapes_training
 from aiayn.distributed import World
 from aiayn.errors import AiaynError, DataError, OutputError
 from aiayn.io import atomic_path, free_bytes, human_bytes, write_json
@@ -360,23 +360,18 @@ class Trainer:
     def run_identity(self) -> dict:
         """Every setting that shapes the computation of the steps already taken.
 
-        A checkpoint resumes only if all of these are unchanged. Left out on purpose: the
-        number of steps and the time budget (the paper's schedule does not depend on them,
-        so extending a finished run equals a longer fresh one; with train.cooldown the rates
-        of the cooldown do, and a longer run resumes with them recomputed for the new end),
-        logging and checkpoint cadence, device, compilation, and the process count (a
-        resumed run may move to more GPUs; see _resume).
+        A checkpoint resumes only if all of these are unchanged. Which settings they are is
+        declared once, in aiayn.config.PARAM_EFFECTS: the model, the seed and the training
+        settings that shape the steps, not the run's length, logging, checkpointing, device,
+        compilation, process count (a resumed run may move to more GPUs; see _resume) or
+        validation, nor averaging and decoding. Beside them: the vocabulary, the tokenizer
+        and the shards, by their hashes.
         """
-        ignored = {"steps", "max_minutes", "log_every", "valid_every", "checkpoint_every_steps",
-                   "checkpoint_every_minutes", "keep_checkpoints", "average_last", "average",
-                   "valid_bleu_every", "valid_bleu_sentences", "valid_bleu_beam",
-                   "valid_bleu_alpha",
-                   "nproc_per_node", "max_restarts", "device", "compile"}
         identity = {"seed": self.p.seed, "vocab_size": self.fingerprint["vocab_size"],
                     "tokenizer_sha256": self.fingerprint["tokenizer_sha256"]}
         identity.update({f"model.{k}": v for k, v in self.cfg.to_dict().items()})
         identity.update({f"train.{k}": v for k, v in self.p.train.model_dump(mode="json").items()
-                         if k not in ignored})
+                         if shapes_training(f"train.{k}")})
         digest = hashlib.sha256()
         for split in ("train", "valid"):
             for name in ("meta.json", "batches.npy", "rows.npy"):
@@ -424,13 +419,16 @@ class Trainer:
                         folder, why, dest)
 
     def _identity_changes(self, ckpt: dict) -> list[str]:
-        """How the settings that shaped ``ckpt`` differ from this run's; none: it resumes."""
-        saved, now = ckpt["meta"].get("identity") or {}, self.identity
-        # A training setting added since the run started, at its default, computes as the
-        # code the run started with did: the run goes on.
-        now = {k: v for k, v in now.items() if k in saved or v != identity_default(k)}
-        return [f"{k}: {saved.get(k, '(absent)')!r} -> {now.get(k, '(absent)')!r}"
-                for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+        """How the settings that shaped ``ckpt`` differ from this run's; none: it resumes.
+
+        Only this run's identity is compared: a setting the checkpoint recorded that no
+        longer shapes training (as declared now) changes nothing. A training setting added
+        since the run started, at its default, computes as the code the run started with
+        did: the run goes on."""
+        saved = ckpt["meta"].get("identity") or {}
+        absent = "(absent)"
+        return [f"{k}: {saved.get(k, absent)!r} -> {v!r}" for k, v in sorted(self.identity.items())
+                if saved.get(k, absent) != v and not (k not in saved and v == identity_default(k))]
 
     def _resume(self) -> None:
         self._recover_progress()

@@ -7,7 +7,14 @@ import copy
 import pytest
 import yaml
 
-from aiayn.config import Params, load_params, parse_params
+from aiayn.config import (
+    PARAM_EFFECTS,
+    Params,
+    load_params,
+    parse_params,
+    shapes_training,
+    stage_params,
+)
 from aiayn.errors import ParamsError
 from stages.params import compose
 from tests.conftest import REPO
@@ -153,28 +160,57 @@ def leaf_params(model: type, prefix: str = "") -> list[str]:
     return names
 
 
-def stage_params() -> dict[str, list[str]]:
-    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
-    return {name: stage.get("params", []) for name, stage in stages.items()}
+def dvc_stage_params() -> dict[str, list[str]]:
+    """Each stage's `params:` list, from dvc.yaml and the optional export/dvc.yaml."""
+    out = {}
+    for path in (REPO / "dvc.yaml", REPO / "export" / "dvc.yaml"):
+        for name, stage in yaml.safe_load(path.read_text())["stages"].items():
+            out[name] = stage.get("params", [])
+    return out
 
 
 def reads(listed: list[str], name: str) -> bool:
     return any(name == p or name.startswith(p + ".") for p in listed)
 
 
-def test_every_setting_is_a_param_of_a_stage_so_changing_it_re_runs_that_stage():
+def test_dvc_yaml_lists_for_each_stage_exactly_the_params_declared_for_it():
+    """aiayn.config.PARAM_EFFECTS is the one declaration of what each parameter affects; a
+    stage that does not list a key it reads keeps stale outputs under `dvc exp run -S`, and
+    one that lists a key it does not read re-runs for nothing."""
+    stages = dvc_stage_params()
+    declared = {s for affects in PARAM_EFFECTS.values() for s in affects.stages}
+    assert declared <= set(stages), f"declared for stages dvc.yaml lacks: {declared - set(stages)}"
+    for name, listed in stages.items():
+        assert sorted(listed) == sorted(stage_params(name)), name
+
+
+def test_every_setting_is_declared_and_read_by_some_stage():
     """A setting no stage lists is silently ignored by `dvc exp run -S` (the stage is
     'unchanged' and its old outputs are reused)."""
-    stages = stage_params()
+    stages = dvc_stage_params()
     missed = [name for name in leaf_params(Params)
               if not any(reads(listed, name) for listed in stages.values())]
     assert not missed, f"in no stage's params in dvc.yaml: {missed}"
+    undeclared = [name for name in leaf_params(Params)
+                  if not any(reads([key], name) for key in PARAM_EFFECTS)]
+    assert not undeclared
+    for name in leaf_params(Params):
+        shapes_training(name)  # every setting resolves to one declaration
 
 
-def test_every_training_setting_re_runs_training_except_the_averaging():
-    stages = stage_params()
-    not_train = [name for name in leaf_params(Params)
-                 if name.startswith("train.") and not reads(stages["train"], name)]
-    assert sorted(not_train) == ["train.average", "train.average_candidates",
-                                 "train.average_last"]
-    assert all(reads(stages["average"], name) for name in not_train)
+def test_only_settings_the_train_stage_reads_can_shape_a_training_run():
+    train = stage_params("train")
+    for key, affects in PARAM_EFFECTS.items():
+        if affects.shapes_training:
+            assert reads(train, key), key
+    # The paper's knobs shape the steps; length, logging, checkpointing and where it runs
+    # do not (a longer run resumes); averaging and decoding happen after training.
+    assert shapes_training("model.d_model") and shapes_training("train.lr_scale")
+    assert shapes_training("seed") and shapes_training("train.label_smoothing")
+    for key in ("train.steps", "train.max_minutes", "train.log_every", "train.device",
+                "train.compile", "train.nproc_per_node", "train.valid_bleu_beam",
+                "train.average_last", "train.average", "train.average_candidates",
+                "decode.beam", "data.src_lang"):
+        assert not shapes_training(key), key
+    with pytest.raises(KeyError, match="nothing.here"):
+        shapes_training("nothing.here")

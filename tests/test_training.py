@@ -206,6 +206,32 @@ def test_more_steps_or_other_logging_continue_the_same_run(toy_workspace, tmp_pa
     assert not (tmp_path / "checkpoints.replaced").exists()
 
 
+def test_averaging_or_decoding_settings_changed_with_a_longer_run_still_resume(
+        toy_workspace, tmp_path, caplog):
+    """Averaging happens after training: changing what it averages together with anything
+    that re-runs training (here a longer run) must resume, not start again at step 0."""
+    make_trainer(toy_workspace, tmp_path, {"train": {"steps": 3}}).fit()
+    with caplog.at_level(logging.INFO, logger="aiayn"):
+        longer = make_trainer(toy_workspace, tmp_path, {
+            "train": {"steps": 5, "average_candidates": [1, 2], "average_last": 2,
+                      "valid_bleu_beam": 2},
+            "decode": {"beam": 2, "alpha": 1.0}})
+    assert longer.state.step == 3, caplog.text
+    assert "does not resume" not in caplog.text
+    assert not (tmp_path / "checkpoints.replaced").exists()
+
+
+def test_a_setting_recorded_by_an_older_run_that_no_longer_shapes_training_is_ignored(
+        toy_workspace, tmp_path):
+    # Runs made before the declaration recorded train.average_candidates in their identity.
+    make_trainer(toy_workspace, tmp_path, {"train": {"steps": 3}}).fit()
+    last = list_checkpoints(tmp_path / "checkpoints")[-1]
+    ckpt = load_checkpoint(last)
+    ckpt["meta"]["identity"]["train.average_candidates"] = [1, 3, 5]
+    torch.save(ckpt, last)
+    assert make_trainer(toy_workspace, tmp_path, {"train": {"steps": 6}}).state.step == 3
+
+
 def test_a_run_from_before_a_setting_existed_resumes_while_it_is_at_its_default(
         toy_workspace, tmp_path, caplog):
     make_trainer(toy_workspace, tmp_path, {"train": {"steps": 3}}).fit()
