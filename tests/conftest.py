@@ -76,17 +76,6 @@ def fake_hub(tmp_path: Path) -> Path:
                                               "test": pairs[2:]})
 
 
-def load_bench(name: str):
-    """A script of bench/ (not a package) as a module, for testing its functions."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # what dataclasses (and pickle) look a class's module up in
-    spec.loader.exec_module(module)
-    return module
-
-
 def usage_error(call, capsys) -> str:
     """Run ``call``, which must stop as argparse does on a bad argument (exit status 2), and
     return what it wrote to stderr."""

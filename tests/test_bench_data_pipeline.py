@@ -19,18 +19,14 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from tests.conftest import REPO, load_bench, usage_error
+from bench import data_pipeline as dp
+from tests.conftest import REPO, usage_error
 
 PUNCT = ",:;.?!"  # what a separator can leave at the end of a whitespace token
 
 
-@pytest.fixture(scope="module")
-def dp():
-    return load_bench("data_pipeline")
-
-
 @pytest.fixture
-def tiny(dp, monkeypatch):
+def tiny(monkeypatch):
     """Word tables of thousands of types instead of 500k/750k, small valid/test splits and
     chunks, so that a corpus takes well under a second; the module is put back afterwards."""
     monkeypatch.setattr(dp, "EN", dataclasses.replace(dp.EN, word_types=3000))
@@ -62,7 +58,7 @@ def tokens_of(sentences: list[str]) -> list[str]:
 # --------------------------------------------------------------------------- corpus model
 
 
-def test_sentence_lengths_are_the_documented_lognormal_and_ratio(dp):
+def test_sentence_lengths_are_the_documented_lognormal_and_ratio():
     """Lengths against the docstring: median 20, mean 23, 1..250, German/English ratio 0.6-1.5."""
     # English lengths: median 20, mean 23, a tail past 100, within 1..250; German = English x ratio
     # in [0.6, 1.5] with mean 0.95 (the module docstring's figures).
@@ -81,7 +77,7 @@ def test_sentence_lengths_are_the_documented_lognormal_and_ratio(dp):
     assert np.array_equal(en, again)
 
 
-def test_piece_table_round_trips_every_string_through_its_byte_blob(dp):
+def test_piece_table_round_trips_every_string_through_its_byte_blob():
     """Each string's blob slice decodes back to it; lower_first is exactly 'starts with a-z'."""
     # Each string is its bytes at starts[i]:starts[i] + lengths[i] of the blob (UTF-8), and
     # lower_first marks exactly the strings that start with an ASCII a-z letter.
@@ -95,7 +91,7 @@ def test_piece_table_round_trips_every_string_through_its_byte_blob(dp):
     assert len(blob) == sum(len(s.encode("utf-8")) for s in strings)
 
 
-def test_word_table_is_unique_case_insensitively_with_function_words_first(dp):
+def test_word_table_is_unique_case_insensitively_with_function_words_first():
     """Word table: function words first, unique case-insensitively, 40% capitalised, short first."""
     # A German table: the function words in order, then generated words; no two equal
     # case-insensitively, none taken before; ~40% of generated types capitalised (p_capital)
@@ -325,7 +321,7 @@ def test_a_corpus_whose_files_lost_rows_is_generated_again(tiny, tmp_path, capsy
     assert pq.ParquetFile(train).metadata.num_rows == 200
 
 
-def test_check_corpus_names_the_file_whose_rows_or_columns_are_wrong(dp, tmp_path):
+def test_check_corpus_names_the_file_whose_rows_or_columns_are_wrong(tmp_path):
     """check_corpus stops (not an assert that -O would drop) naming the file and the fix."""
     raw = tmp_path / "raw"
     raw.mkdir()
@@ -338,7 +334,7 @@ def test_check_corpus_names_the_file_whose_rows_or_columns_are_wrong(dp, tmp_pat
         dp.check_corpus(raw, {"splits": {"valid": {"pairs": 2}}})
 
 
-def test_skip_generate_without_a_corpus_stops_with_exit_2(dp, tmp_path, capsys, keep_sigterm):
+def test_skip_generate_without_a_corpus_stops_with_exit_2(tmp_path, capsys, keep_sigterm):
     """--skip-generate on an empty work folder: exit 2 and a message naming the files."""
     assert dp.main(["--workdir", str(tmp_path / "empty"), "--skip-generate"]) == 2
     err = capsys.readouterr().err
@@ -352,7 +348,7 @@ def test_skip_generate_without_a_corpus_stops_with_exit_2(dp, tmp_path, capsys, 
                                 "'shard']"),
     (["--stages", ","], "--stages names no stage; choose from ['vocab', 'survey', 'shard']"),
 ])
-def test_bad_arguments_stop_with_the_fix(dp, argv, message, capsys):
+def test_bad_arguments_stop_with_the_fix(argv, message, capsys):
     """Argument errors: argparse's exit 2 and a message saying what to pass instead."""
     assert message in usage_error(lambda: dp.parse_args(argv), capsys)
 
@@ -360,7 +356,7 @@ def test_bad_arguments_stop_with_the_fix(dp, argv, message, capsys):
 # --------------------------------------------------------------------------- params, stages
 
 
-def test_params_are_the_repositorys_with_the_papers_wmt14_data_settings(dp, tmp_path):
+def test_params_are_the_repositorys_with_the_papers_wmt14_data_settings(tmp_path):
     """WORKDIR/params.yaml against the repository's params.yaml plus the paper's WMT14 settings."""
     # WORKDIR/params.yaml: the repository's params.yaml with en->de, a 37000-token BPE (min
     # frequency 2), survey candidates 64..512, shard max_tokens 6250 and max_len 256 (Section 5.1 /
@@ -383,7 +379,7 @@ def test_params_are_the_repositorys_with_the_papers_wmt14_data_settings(dp, tmp_
     assert p.model.max_positions >= 258
 
 
-def test_relocate_moves_data_and_metrics_paths_under_the_work_folder(dp, tmp_path):
+def test_relocate_moves_data_and_metrics_paths_under_the_work_folder(tmp_path):
     """relocate: data/X -> WORK/X, metrics/X -> WORK/metrics/X, anything else None."""
     # data/X lands at WORK/X (data/raw is WORK/raw), metrics/X at WORK/metrics/X; other paths are
     # not relocated.
@@ -394,7 +390,7 @@ def test_relocate_moves_data_and_metrics_paths_under_the_work_folder(dp, tmp_pat
     assert dp.relocate("conf/experiment/demo.yaml", tmp_path) is None
 
 
-def test_stage_commands_wire_every_dvc_yaml_path_to_the_work_folder(dp, tmp_path, monkeypatch):
+def test_stage_commands_wire_every_dvc_yaml_path_to_the_work_folder(tmp_path, monkeypatch):
     """Stage command lines against dvc.yaml: every declared data/metrics path, under WORK."""
     # Each stage's command line reads and writes, under the work folder, every data/ dep, out,
     # metric and plot that dvc.yaml declares for it, with the work folder's params; no argument
@@ -443,7 +439,7 @@ sys.exit(3)
 """
 
 
-def test_run_stage_measures_the_stage_itself_and_logs_its_lines(dp, tmp_path):
+def test_run_stage_measures_the_stage_itself_and_logs_its_lines(tmp_path):
     """run_stage on a known child: exit code, its own peak RSS (not ours), its log lines."""
     # A child that holds 200 MiB for a second and exits 3: its exit code, a peak RSS of at least 200
     # MiB but not the benchmark's own (this process holds 600 MiB more), the RSS sampled while it
@@ -481,13 +477,13 @@ def test_run_stage_measures_the_stage_itself_and_logs_its_lines(dp, tmp_path):
     ([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"],
      128 + 9),  # killed by a signal: 128 + its number, as a shell reports it
 ])
-def test_run_stage_reports_a_failed_start_or_a_kill_as_a_shell_would(dp, tmp_path, argv, code):
+def test_run_stage_reports_a_failed_start_or_a_kill_as_a_shell_would(tmp_path, argv, code):
     """The wrapper's exit code: 127 when the stage cannot start, 128 + N for signal N."""
     res = dp.run_stage("x", argv, tmp_path / "x.log")
     assert res.returncode == code
 
 
-def _result(dp, name, wall, cpu, peak, code=0):
+def _result(name, wall, cpu, peak, code=0):
     return dp.StageResult(name=name, argv=[name], returncode=code, wall_s=wall,
                           user_s=cpu * 0.75, sys_s=cpu * 0.25, peak_rss_gib=peak,
                           sampled_peak_rss_gib=peak, sampled_peak_at_s=1.0, events=[],
@@ -505,11 +501,11 @@ def _result(dp, name, wall, cpu, peak, code=0):
     ([("vocab", 100, 90, 1.0), ("survey", 20, 19, 1.0, 1), ("shard", 10, 9, 1.0)],
      False, True, False),  # a stage failed: the wall goal is not met, however fast
 ])
-def test_table_totals_and_goals(dp, stages, wall_ok, rss_ok, all_ok, capsys):
+def test_table_totals_and_goals(stages, wall_ok, rss_ok, all_ok, capsys):
     """print_table's totals (sums, max) and goals (15 min for all three, 4 GiB each) by hand."""
     # Totals are sums (wall, CPU) and the maximum (peak RSS) over the stages; the wall goal needs
     # all three stages to succeed within 15 minutes, the RSS goal every stage at most 4 GiB.
-    results = [_result(dp, *s) for s in stages]
+    results = [_result(*s) for s in stages]
     total = sum(s[1] for s in stages)
     summary = dp.print_table(results, total)
     assert summary["total_wall_s"] == total

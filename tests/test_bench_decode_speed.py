@@ -20,18 +20,13 @@ from aiayn.beam import BeamConfig
 from aiayn.model import Transformer, TransformerConfig
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from aiayn.translation import BatchTranslator, source_batch
+from bench import decode_speed as ds
 from tests.conftest import (
     SENTENCES_DE,
     SENTENCES_EN,
-    load_bench,
     save_model_folder,
     usage_error,
 )
-
-
-@pytest.fixture(scope="module")
-def ds():
-    return load_bench("decode_speed")
 
 
 @pytest.fixture
@@ -79,7 +74,7 @@ LINES = [SENTENCES_EN[1], "", SENTENCES_EN[0], "   ", SENTENCES_DE[4], "Hello", 
 # --------------------------------------------------------------------------- batches
 
 
-def test_copy_task_sentences_and_padding(ds):
+def test_copy_task_sentences_and_padding():
     """sentences() lengths/ids against lo..hi and 4..503; pad() against rows built by hand."""
     # sentences(): lengths uniform over lo..hi (each one drawn), ids over the 500 word ids 4..503;
     # pad(): each row is pre + ids + post, then PAD up to the longest.
@@ -94,7 +89,7 @@ def test_copy_task_sentences_and_padding(ds):
                                [BOS_ID, 8, 9, 10, EOS_ID]]
 
 
-def test_copy_task_batches_are_sorted_sources_with_eos_and_their_max_lengths(ds):
+def test_copy_task_batches_are_sorted_sources_with_eos_and_their_max_lengths():
     """make_batches against source_batch, 'w<id>' tokens and min(limit, source + EOS + b)."""
     # make_batches: consecutive batches of a length-sorted pool; each source is the words + EOS,
     # PAD-padded exactly as aiayn.translation.source_batch builds it; CTranslate2 tokens are "w<id>"
@@ -138,7 +133,7 @@ class SpyTranslator(BatchTranslator):
 
 
 @pytest.mark.parametrize("select", ["head", "shortest"])
-def test_inputs_are_the_batches_aiayn_translate_makes(ds, tokenizer, tmp_path, select):
+def test_inputs_are_the_batches_aiayn_translate_makes(tokenizer, tmp_path, select):
     """read_inputs + cut_batches against the batches aiayn.translation makes for the same lines."""
     # --select head: the batches `aiayn translate --truncate` makes for the file's first batches x
     # batch-size non-empty lines; shortest: its first batches for the whole file. The texts are
@@ -186,18 +181,18 @@ def brute_log_prob(model, words: list[int], out: list[int]) -> float:
     return total
 
 
-def scoring_batch(ds, b: int = 6):
+def scoring_batch(b: int = 6):
     pool = [[5, 6], [7, 8, 9], [10, 11, 12, 13], [14, 15, 16, 17, 18]]
     return ds.cut_batches(pool, 4, [str(i) for i in range(30)], BeamConfig(max_len_b=b), 40)[0]
 
 
-def test_log_probs_of_is_the_token_by_token_log_probability(ds):
+def test_log_probs_of_is_the_token_by_token_log_probability():
     """log_probs_of against log-softmax summed one token at a time, unpadded."""
     # log_probs_of (one padded teacher-forced pass) equals summing log-softmax one token at a time
     # without padding, PAD and BOS banned; EOS is scored unless the hypothesis is as long as its
     # maximum length (then it was cut there).
     model = tiny_model(30)
-    batch = scoring_batch(ds)
+    batch = scoring_batch()
     hyps = [[], [20, 21], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [29, 3]]
     max_len = [5, 5, 11, 9]  # row 2 is exactly at its maximum: no EOS after it
     scores, ended = ds.log_probs_of(model, batch, hyps, max_len)
@@ -207,7 +202,7 @@ def test_log_probs_of_is_the_token_by_token_log_probability(ds):
     assert ds.log_probs_of(model, batch, [[]] * 4, [0] * 4) == ([0.0] * 4, [False] * 4)
 
 
-def test_length_normalisations_are_gnmts_and_ctranslate2s(ds):
+def test_length_normalisations_are_gnmts_and_ctranslate2s():
     """gnmt, ct2_norm and agreement against the docstring's formulas, computed by hand."""
     # gnmt: log P / ((5 + |Y|) / 6)^alpha; ct2_norm: log P / |Y|^alpha, as is at alpha 0 or for no
     # token at all (the module docstring's formulas).
@@ -221,14 +216,14 @@ def test_length_normalisations_are_gnmts_and_ctranslate2s(ds):
     assert ds.agreement([], [])["rate"] == 1.0
 
 
-def test_disagreements_are_classified_by_the_documented_rules(ds):
+def test_disagreements_are_classified_by_the_documented_rules():
     """classify_beam against outputs built to fall in each documented class."""
     # Same outputs agree; of two same-length outputs the one with the higher log P wins under both
     # formulas ("ct2 stopped early" / "ours stopped early"); an empty output against a long one, at
     # an alpha between the two formulas' break-even points, wins under GNMT only ("formula");
     # with per-sentence limits, an output at its limit is "max length".
     model = tiny_model(30, seed=1)
-    batch = scoring_batch(ds, b=12)
+    batch = scoring_batch(b=12)
 
     def extreme(words, n, best):  # n tokens, each the most (or least) likely next one
         out = []
@@ -268,14 +263,13 @@ def test_disagreements_are_classified_by_the_documented_rules(ds):
 # --------------------------------------------------------------------------- our search
 
 
-def test_counting_decode_steps_counts_the_searchs_calls_and_puts_the_method_back(
-        ds, monkeypatch):
+def test_counting_decode_steps_counts_the_searchs_calls_and_puts_the_method_back(monkeypatch):
     """counting_decode_steps against a class-level spy on decode_step; the model is left clean."""
     # The wrapper's steps and rows equal the decode_step calls (and their batch x beam rows) that a
     # class-level spy sees during a beam search; afterwards the model has no instance attribute left
     # over.
     model = tiny_model(30)
-    batch = scoring_batch(ds)
+    batch = scoring_batch()
     seen = []
     real = Transformer.decode_step
 
@@ -291,7 +285,7 @@ def test_counting_decode_steps_counts_the_searchs_calls_and_puts_the_method_back
     assert "decode_step" not in vars(model)
 
 
-def test_masked_decoding_spans_the_whole_vocabulary_and_decodes_the_same(ds, monkeypatch):
+def test_masked_decoding_spans_the_whole_vocabulary_and_decodes_the_same(monkeypatch):
     """Masked decoding: no projection passed, same outputs as spanned rows, attribute restored."""
     # A model with an output vocabulary: masked decoding passes no projection (logits of the whole
     # vocabulary, the others -inf) yet finds the same outputs, all within the spanned tokens; the
@@ -299,7 +293,7 @@ def test_masked_decoding_spans_the_whole_vocabulary_and_decodes_the_same(ds, mon
     model = tiny_model(30, output_vocab="target")
     spanned = [EOS_ID, 3, 7, 11, 12, 20, 25]
     model.set_output_vocab(torch.tensor(spanned))
-    batch = scoring_batch(ds)
+    batch = scoring_batch()
     cfg = BeamConfig(beam=3, max_len_b=6)
     projections = []
     real = Transformer.decode_step
@@ -328,7 +322,7 @@ def test_masked_decoding_spans_the_whole_vocabulary_and_decodes_the_same(ds, mon
     assert model.output_projection() is not None
 
 
-def test_copy_model_is_trained_once_then_loaded_from_its_cache(ds, tmp_path, monkeypatch,
+def test_copy_model_is_trained_once_then_loaded_from_its_cache(tmp_path, monkeypatch,
                                                                  keep_threads):
     """build_model: trains and caches once, then loads identical weights; 0 steps = seed's init."""
     # --train-steps N: the first call trains and saves the weights, the second loads the same
@@ -359,7 +353,7 @@ def test_copy_model_is_trained_once_then_loaded_from_its_cache(ds, tmp_path, mon
 # --------------------------------------------------------------------------- summary
 
 
-def test_summary_takes_medians_and_ratios_of_the_same_rounds(ds):
+def test_summary_takes_medians_and_ratios_of_the_same_rounds():
     """summarize against medians and per-round ratios computed by hand (not ratios of medians)."""
     # Figures are medians over rounds; a speed ratio is the median over rounds of that round's time
     # ratio on the same batches (recompute's batches for cached / recompute), not a ratio of
@@ -404,7 +398,7 @@ def test_summary_takes_medians_and_ratios_of_the_same_rounds(ds):
     (["--threads", "1,"], "--threads '1,': give thread counts separated by commas, e.g. 1,2"),
     (["--threads", "0"], "--threads '0': each thread count must be at least 1"),
 ])
-def test_bad_arguments_stop_with_the_fix(ds, argv, message, capsys):
+def test_bad_arguments_stop_with_the_fix(argv, message, capsys):
     """Options that only go together, or out of range: argparse's exit 2 and the fix."""
     assert message in usage_error(lambda: ds.main(argv), capsys)
 
@@ -414,7 +408,7 @@ def test_bad_arguments_stop_with_the_fix(ds, argv, message, capsys):
     ("blank", "has no non-empty line"),
     ("missing", "no such file"),
 ])
-def test_unusable_inputs_or_references_stop_with_a_message(ds, model_dir, tmp_path, case,
+def test_unusable_inputs_or_references_stop_with_a_message(model_dir, tmp_path, case,
                                                            message, keep_threads):
     """Unusable --inputs/--references: the run stops before decoding with a message."""
     # --references of another length, an --inputs of blank lines only, or a missing one: the run
@@ -432,7 +426,7 @@ def test_unusable_inputs_or_references_stop_with_a_message(ds, model_dir, tmp_pa
     assert message in str(stop.value.code)
 
 
-def test_copy_task_run_reports_every_method_and_the_engines_agree(ds, tmp_path, keep_threads):
+def test_copy_task_run_reports_every_method_and_the_engines_agree(tmp_path, keep_threads):
     """A tiny copy-task run: the JSON field by field, CTranslate2's scores and outputs as ours."""
     # Two batches of four random-weight copy-task sentences: the JSON is the returned report;
     # batches are length-sorted with max length = source + EOS + b; every method decoded every
@@ -490,7 +484,7 @@ def test_copy_task_run_reports_every_method_and_the_engines_agree(ds, tmp_path, 
     assert g["exact_copies"] <= 8  # the copy task counts outputs equal to their source
 
 
-def test_exported_model_run_scores_each_engine_against_the_references(ds, model_dir,
+def test_exported_model_run_scores_each_engine_against_the_references(model_dir,
                                                                       tokenizer, tmp_path,
                                                                       keep_threads):
     """A tiny exported-model run: ours' BLEU equals sacreBLEU of aiayn's Translator on the lines."""

@@ -15,15 +15,11 @@ from aiayn.corpus import iter_raw
 from aiayn.model import Transformer, TransformerConfig
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, encode_ids, load_tokenizer
 from aiayn.translation import source_batch
-from tests.conftest import load_bench, save_model_folder
+from bench import export_agreement as agreement
+from tests.conftest import save_model_folder
 
 pytest.importorskip("ctranslate2")
 pytest.importorskip("transformers")
-
-
-@pytest.fixture(scope="module")
-def agreement():
-    return load_bench("export_agreement")
 
 
 def tiny_model(toy: Path, seed: int, eos_scale: float = 1.0) -> Transformer:
@@ -53,8 +49,7 @@ def inputs(toy_workspace, tmp_path_factory) -> Path:
     return path
 
 
-def test_our_log_p_is_the_sum_of_each_prefixs_next_token_log_probability(agreement,
-                                                                         toy_workspace):
+def test_our_log_p_is_the_sum_of_each_prefixs_next_token_log_probability(toy_workspace):
     """our_log_p equals a prefix-by-prefix sum, with EOS only below the limit, PAD/BOS banned."""
     model = tiny_model(toy_workspace, seed=5)
     sources = [[17, 40, 99, 23], [8, 300, 12], [250, 6], [77]]
@@ -102,7 +97,7 @@ def documented_counts(model: Transformer, ids: list[list[int]], batch_size: int,
             "ended": ended}
 
 
-def test_a_run_reports_the_engines_agreeing_and_our_own_counts(agreement, toy_workspace,
+def test_a_run_reports_the_engines_agreeing_and_our_own_counts(toy_workspace,
                                                                inputs, tmp_path, capsys):
     """Exact engine settings agree 8/8, log P to 1e-3; our own counts match a separate decode."""
     # (the first 8 non-empty lines of 10; a separate decode as the docstring batches it)
@@ -137,8 +132,8 @@ def test_a_run_reports_the_engines_agreeing_and_our_own_counts(agreement, toy_wo
         assert re.search(rf"^  {re.escape(key)} +{re.escape(value)}$", printed, re.M), key
 
 
-def test_a_model_whose_outputs_all_run_to_the_limit_still_gets_its_report(
-        agreement, toy_workspace, inputs, tmp_path):
+def test_a_model_whose_outputs_all_run_to_the_limit_still_gets_its_report(toy_workspace, inputs,
+                                                                           tmp_path):
     """A model whose beam outputs all run to the length limit (none ends with EOS) still gets
     its report; the ctranslate2 score comparison, which needs outputs that end, says that
     none was compared instead of a number."""

@@ -10,13 +10,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from aiayn.model import Transformer, TransformerConfig
-from tests.conftest import load_bench
-
-
-@pytest.fixture(scope="module")
-def flops():
-    return load_bench("flops")
-
+from bench import flops
 
 SHAPES = [  # (encoder layers, decoder layers, d_model, heads, d_ff, source, target lengths)
     (2, 3, 16, 2, 24, [7, 7], [5, 5]),
@@ -33,7 +27,7 @@ def make(enc, dec, d, heads, d_ff) -> Transformer:
 
 
 @pytest.mark.parametrize("enc, dec, d, heads, d_ff, src_len, tgt_len", SHAPES)
-def test_train_flops_match_pytorchs_count_of_a_training_step(flops, enc, dec, d, heads, d_ff,
+def test_train_flops_match_pytorchs_count_of_a_training_step(enc, dec, d, heads, d_ff,
                                                             src_len, tgt_len):
     # PyTorch's FlopCounterMode counts every matrix product (2 n k m) of the forward and the
     # backward; the math attention backend makes attention plain products it can see. It
@@ -49,7 +43,7 @@ def test_train_flops_match_pytorchs_count_of_a_training_step(flops, enc, dec, d,
 
 
 @pytest.mark.parametrize("enc, dec, d, heads, d_ff", [s[:5] for s in SHAPES])
-def test_weight_params_are_the_models_projection_matrices(flops, enc, dec, d, heads, d_ff):
+def test_weight_params_are_the_models_projection_matrices(enc, dec, d, heads, d_ff):
     model = make(enc, dec, d, heads, d_ff)
 
     def matrices(layers: nn.Module) -> int:
@@ -58,7 +52,7 @@ def test_weight_params_are_the_models_projection_matrices(flops, enc, dec, d, he
     assert flops.weight_params(model.cfg) == (matrices(model.encoder), matrices(model.decoder))
 
 
-def test_a_shorter_source_costs_less_through_the_cross_attention(flops):
+def test_a_shorter_source_costs_less_through_the_cross_attention():
     # The cross-attention's key and value projections read the encoder's output: they scale
     # with the source's length, not the target's.
     cfg = make(1, 2, 16, 2, 24).cfg

@@ -11,15 +11,10 @@ import torch
 from torch import nn
 
 from aiayn.model import Transformer
-from tests.conftest import load_bench
+from bench import gpu_step
 
 
-@pytest.fixture(scope="module")
-def gpu_step():
-    return load_bench("gpu_step")
-
-
-def test_estimate_hours_follow_from_the_models_own_weights(gpu_step):
+def test_estimate_hours_follow_from_the_models_own_weights():
     # An independent count: every nn.Linear weight of the real model (built on the meta
     # device, so no memory) and the tied output projection, 6 FLOPs per weight and target
     # token for forward + backward (the usual 6ND), at equal source and target lengths.
@@ -49,7 +44,7 @@ def test_estimate_hours_follow_from_the_models_own_weights(gpu_step):
     assert 9.0 < base["tflop_per_step"] < 10.5
 
 
-def test_batches_are_token_buckets_with_consistent_labels(gpu_step):
+def test_batches_are_token_buckets_with_consistent_labels():
     max_tokens = 2000
     batches = gpu_step.make_batches(12, max_tokens, seed=3, device=torch.device("cpu"))
     assert len(batches) == 12
@@ -78,7 +73,7 @@ def test_batches_are_token_buckets_with_consistent_labels(gpu_step):
     assert any(not torch.equal(a.rows, b.rows) for a, b in zip(batches, other, strict=True))
 
 
-def test_tiny_config_measures_on_the_cpu_and_writes_its_json(gpu_step, tmp_path, capsys):
+def test_tiny_config_measures_on_the_cpu_and_writes_its_json(tmp_path, capsys):
     out = tmp_path / "gpu_step.json"
     result = gpu_step.main(["--device", "cpu", "--configs", "tiny", "--steps", "2",
                             "--warmup", "1", "--tokens-per-step", "1200", "--max-tokens", "600",
@@ -98,7 +93,7 @@ def test_tiny_config_measures_on_the_cpu_and_writes_its_json(gpu_step, tmp_path,
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="measures when a GPU is there")
-def test_without_a_gpu_it_says_so_and_prints_the_estimate_only(gpu_step, capsys):
+def test_without_a_gpu_it_says_so_and_prints_the_estimate_only(capsys):
     result = gpu_step.main([])
     printed = capsys.readouterr().out
     assert "nothing was measured on a GPU" in printed
@@ -113,7 +108,7 @@ def test_without_a_gpu_it_says_so_and_prints_the_estimate_only(gpu_step, capsys)
     (["--device", "cpu", "--reuse", "--warmup", "0"], "--warmup 1 or more"),
     (["--device", "cpu", "--ddp"], "--ddp needs torchrun"),
 ])
-def test_bad_arguments_stop_with_the_fix(gpu_step, argv, message, capsys, monkeypatch):
+def test_bad_arguments_stop_with_the_fix(argv, message, capsys, monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     with pytest.raises(SystemExit) as stop:
         gpu_step.main(argv)

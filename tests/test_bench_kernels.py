@@ -12,21 +12,12 @@ import torch.nn.functional as F
 
 from aiayn import kernels
 from aiayn import model as model_mod
-from tests.conftest import load_bench, usage_error
-
-
-@pytest.fixture(scope="module")
-def attention():
-    return load_bench("attention")
-
-
-@pytest.fixture(scope="module")
-def loss_kernel():
-    return load_bench("loss_kernel")
+from bench import attention, linear_kernel, loss_kernel
+from tests.conftest import usage_error
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_attention_reference_is_torchs_attention_in_float64(attention, causal):
+def test_attention_reference_is_torchs_attention_in_float64(causal):
     q, k, v, mask, _ = attention.inputs(length=9, tokens=40, heads=2, d_head=8, seed=1)
     mask = None if causal else mask
     assert mask is None or not bool(mask.all())  # some keys really are padding
@@ -36,7 +27,7 @@ def test_attention_reference_is_torchs_attention_in_float64(attention, causal):
     torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
 
 
-def test_attention_inputs_are_the_shard_stages_buckets(attention):
+def test_attention_inputs_are_the_shard_stages_buckets():
     q, k, v, mask, upstream = attention.inputs(length=16, tokens=100, heads=3, d_head=4, seed=0)
     assert q.shape == k.shape == v.shape == upstream.shape == (6, 3, 16, 4)  # B = 100 // 16
     assert q.dtype == torch.bfloat16 and q.requires_grad
@@ -45,7 +36,7 @@ def test_attention_inputs_are_the_shard_stages_buckets(attention):
     assert torch.equal(mask.reshape(6, 16), torch.arange(16) < lengths[:, None])
 
 
-def test_attention_run_reports_each_contenders_error_and_writes_json(attention, tmp_path):
+def test_attention_run_reports_each_contenders_error_and_writes_json(tmp_path):
     out = tmp_path / "attention.json"
     saved = model_mod.EXPLICIT_ATTENTION_KEYS
     results = attention.main(["--lengths", "8,12", "--tokens", "48", "--heads", "2",
@@ -61,7 +52,7 @@ def test_attention_run_reports_each_contenders_error_and_writes_json(attention, 
     assert json.loads(out.read_text()) == results
 
 
-def test_loss_kernel_compares_both_widths_and_puts_the_alignment_back(loss_kernel, capsys):
+def test_loss_kernel_compares_both_widths_and_puts_the_alignment_back(capsys):
     saved = kernels.VOCAB_ALIGN
     width = kernels.padded_width(101)
     assert width % saved == 0 and 101 <= width < 101 + saved
@@ -75,8 +66,7 @@ def test_loss_kernel_compares_both_widths_and_puts_the_alignment_back(loss_kerne
     assert "rounded / as is" in capsys.readouterr().out
 
 
-def test_loss_kernel_puts_the_alignment_back_when_the_widths_disagree(loss_kernel,
-                                                                       monkeypatch):
+def test_loss_kernel_puts_the_alignment_back_when_the_widths_disagree(monkeypatch):
     saved = kernels.VOCAB_ALIGN
 
     def disagree(*_args, **_kwargs):
@@ -88,13 +78,8 @@ def test_loss_kernel_puts_the_alignment_back_when_the_widths_disagree(loss_kerne
     assert kernels.VOCAB_ALIGN == saved
 
 
-@pytest.fixture(scope="module")
-def linear_kernel():
-    return load_bench("linear_kernel")
-
-
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_linear_kernel_times_every_shape_both_passes_and_writes_json(linear_kernel, precision,
+def test_linear_kernel_times_every_shape_both_passes_and_writes_json(precision,
                                                                      tmp_path, capsys):
     """A short run on two small shapes: one row per shape and pass with both contenders'
     rates (fp32: the fast kernels' linear; bf16: the fused oneDNN primitive on bf16 copies),
@@ -122,7 +107,7 @@ def test_linear_kernel_times_every_shape_both_passes_and_writes_json(linear_kern
     assert "all shapes" in capsys.readouterr().out
 
 
-def test_linear_kernel_stops_when_the_contenders_disagree(linear_kernel, monkeypatch):
+def test_linear_kernel_stops_when_the_contenders_disagree(monkeypatch):
     """The correctness gate runs before any timing: a kernel that drops the bias fails it."""
     monkeypatch.setattr(linear_kernel, "ours", lambda x, w, b, relu: linear_kernel.torchs(
         x, w, 0 * b, relu))
@@ -136,5 +121,5 @@ def test_linear_kernel_stops_when_the_contenders_disagree(linear_kernel, monkeyp
     (["--shapes", "8:8:gelu"], "--shapes '8:8:gelu': write IN:OUT or IN:OUT:relu"),
     (["--rounds", "0"], "--rounds (0) must be at least 1"),
 ])
-def test_linear_kernel_argument_errors_name_the_fix(linear_kernel, argv, message, capsys):
+def test_linear_kernel_argument_errors_name_the_fix(argv, message, capsys):
     assert message in usage_error(lambda: linear_kernel.main(argv), capsys)

@@ -7,12 +7,7 @@ from urllib.parse import parse_qs, unquote
 
 import pytest
 
-from tests.conftest import load_bench
-
-
-@pytest.fixture(scope="module")
-def compare():
-    return load_bench("mlflow_compare")
+from bench import mlflow_compare as compare
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +35,7 @@ def store(tmp_path_factory: pytest.TempPathFactory):
     return uri, exp, ids
 
 
-def test_finds_each_name_in_the_order_given(compare, store):
+def test_finds_each_name_in_the_order_given(store):
     uri, exp, ids = store
     runs = compare.find_runs(uri, "aiayn", ["ls0.3", "ls0.2-a1.6", "by-hand", "ls0.2"])
     expected = [ids["ls0.3"], ids["ls0.2-a1.6"], ids["by-hand"], ids["ls0.2"]]
@@ -48,7 +43,7 @@ def test_finds_each_name_in_the_order_given(compare, store):
     assert ids["old ls0.3"] != ids["ls0.3"]
 
 
-def test_unknown_name_is_a_clear_error(compare, store):
+def test_unknown_name_is_a_clear_error(store):
     uri, _, _ = store
     with pytest.raises(compare.CompareError) as e:
         compare.find_runs(uri, "aiayn", ["ls0.2", "ls0.5", "ls0.6"])
@@ -58,7 +53,7 @@ def test_unknown_name_is_a_clear_error(compare, store):
         compare.find_runs(uri, "nope", ["ls0.2"])
 
 
-def test_compare_url_round_trips(compare):
+def test_compare_url_round_trips():
     url = compare.compare_url("http://127.0.0.1:5000/", ["b", "a"], ["7", "3", "7"])
     base, fragment = url.split("/#/compare-runs?")
     assert base == "http://127.0.0.1:5000"
@@ -67,7 +62,7 @@ def test_compare_url_round_trips(compare):
     assert json.loads(unquote(query["experiments"][0])) == ["3", "7"]
 
 
-def test_missing_store_exits_2_and_writes_nothing(compare, tmp_path, capsys):
+def test_missing_store_exits_2_and_writes_nothing(tmp_path, capsys):
     out = tmp_path / "shot.png"
     uri = f"sqlite:///{tmp_path}/none.db"
     code = compare.main(["ls0.2", "--tracking-uri", uri, "--out", str(out)])

@@ -18,17 +18,13 @@ from aiayn.corpus import iter_raw
 from aiayn.model import Transformer, TransformerConfig
 from aiayn.tokenizer import load_tokenizer
 from aiayn.translation import Translator
-from tests.conftest import load_bench, write_params
+from bench import quality_curve as quality
+from tests.conftest import write_params
 
 DECODE = {"beam": 2, "alpha": 0.6, "max_len_a": 0.0, "max_len_b": 8, "batch_size": 4}
 STEPS = (2, 4, 6, 8, 10)
 # The train log: elapsed seconds at logged steps 3, 6, 9, 12.
 LOGGED = {3: 30.0, 6: 66.0, 9: 90.0, 12: 150.0}
-
-
-@pytest.fixture(scope="module")
-def quality():
-    return load_bench("quality_curve")
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +88,7 @@ def minutes_near(step: int) -> float:
     return round(LOGGED[nearest] / 60, 2)
 
 
-def test_points_decode_the_mean_of_the_last_checkpoints(quality, curve_run, tmp_path, capsys):
+def test_points_decode_the_mean_of_the_last_checkpoints(curve_run, tmp_path, capsys):
     """Points averaging to M score 100 on M's references; the last scores N's, by sacrebleu."""
     # every 4th step and the last, each the mean of its last 2 checkpoints
     refs, n_hyps = curve_run["references"], curve_run["n_hyps"]
@@ -117,14 +113,14 @@ def test_points_decode_the_mean_of_the_last_checkpoints(quality, curve_run, tmp_
     assert "8 test sentences, en->de, beam 2, alpha 0.6, average 2, fp32" in printed
 
 
-def test_without_averaging_no_single_checkpoint_is_the_reference_model(quality, curve_run):
+def test_without_averaging_no_single_checkpoint_is_the_reference_model(curve_run):
     """--average 1 (the default) decodes each checkpoint alone: none of them is M."""
     rows = quality.main(argv(curve_run, "--every", "4"))
     assert [(r["step"], r["averaged"]) for r in rows] == [(4, 1), (8, 1), (10, 1)]
     assert all(r["chrf"] < 100.0 for r in rows)
 
 
-def test_fewer_checkpoints_are_averaged_at_the_start(quality, curve_run, tmp_path):
+def test_fewer_checkpoints_are_averaged_at_the_start(curve_run, tmp_path):
     """--every 2 takes every checkpoint; the i-th (from 1) averages min(i, --average)."""
     png = tmp_path / "curve.png"
     rows = quality.main(argv(curve_run, "--every", "2", "--average", "3", "--png", str(png)))
@@ -134,7 +130,7 @@ def test_fewer_checkpoints_are_averaged_at_the_start(quality, curve_run, tmp_pat
     assert matplotlib.image.imread(png).shape[:2] == (4 * 110, 6 * 110)  # 6x4 in at 110 dpi
 
 
-def test_an_empty_checkpoint_folder_is_an_error_naming_it(quality, curve_run, tmp_path):
+def test_an_empty_checkpoint_folder_is_an_error_naming_it(curve_run, tmp_path):
     """No checkpoints: the run stops naming the folder, and writes no TSV."""
     empty, out = tmp_path / "none", tmp_path / "curve.tsv"
     empty.mkdir()

@@ -12,13 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import load_bench
-
-
-@pytest.fixture(scope="module")
-def same():
-    return load_bench("same_learning")
-
+from bench import same_learning as same
 
 # A model and batch budget the size of the toy shards (the demo preset's are 4x larger).
 TINY = ["model.d_model=32", "model.heads=4", "model.encoder_layers=1",
@@ -31,7 +25,7 @@ def read_log(path: Path) -> list[dict]:
         return list(csv.DictReader(f, delimiter="\t"))
 
 
-def test_read_tsv_gives_floats_and_nan_for_an_empty_cell(same, tmp_path):
+def test_read_tsv_gives_floats_and_nan_for_an_empty_cell(tmp_path):
     """Every cell of a log becomes a float, an empty BLEU cell NaN, as the csv module reads."""
     path = tmp_path / "valid_log.tsv"
     path.write_text("step\tvalid_loss\tvalid_nll\tvalid_ppl\ttokens\tvalid_bleu\n"
@@ -52,7 +46,7 @@ def test_read_tsv_gives_floats_and_nan_for_an_empty_cell(same, tmp_path):
 @pytest.mark.parametrize("vary", ["kernels=plain,fast", "data.vocab_size=4000,8000",
                                   "train.=a,b", "train.kernels=fast",
                                   "train.kernels=plain,fast,fast"])
-def test_a_malformed_vary_stops_before_any_data_is_made(same, tmp_path, vary):
+def test_a_malformed_vary_stops_before_any_data_is_made(tmp_path, vary):
     """--vary not of the form model.KEY=A,B or train.KEY=A,B is an error naming both forms."""
     work = tmp_path / "work"
     with pytest.raises(SystemExit) as stop:
@@ -62,7 +56,7 @@ def test_a_malformed_vary_stops_before_any_data_is_made(same, tmp_path, vary):
     assert not work.exists()
 
 
-def test_a_failing_command_stops_with_its_stderr_and_without_mlflow(same, monkeypatch):
+def test_a_failing_command_stops_with_its_stderr_and_without_mlflow(monkeypatch):
     """A failed command stops with its name and stderr's tail; children never see MLflow's URI."""
     # (a benchmark run must not log to the user's tracking server)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
@@ -78,7 +72,7 @@ def test_a_failing_command_stops_with_its_stderr_and_without_mlflow(same, monkey
     assert len(message) < 3100  # the tail only
 
 
-def test_the_same_value_twice_stops_before_any_data_is_made(same, tmp_path):
+def test_the_same_value_twice_stops_before_any_data_is_made(tmp_path):
     """--vary with two equal values (nothing to compare, and one run folder for both) is an
     error saying to give two different ones."""
     work = tmp_path / "work"
@@ -87,8 +81,8 @@ def test_the_same_value_twice_stops_before_any_data_is_made(same, tmp_path):
     assert not work.exists()
 
 
-def test_two_toy_runs_differ_in_the_varied_setting_and_their_curves_are_compared(
-        same, toy_workspace, tmp_path, capsys):
+def test_two_toy_runs_differ_in_the_varied_setting_and_their_curves_are_compared(toy_workspace,
+                                                                                 tmp_path, capsys):
     """Runs differ only in train.kernels; rows are their valid logs and differences from them."""
     work, out = tmp_path / "work", tmp_path / "same.json"
     result = same.main(["--preset", "demo", *(a for o in TINY for a in ("-S", o)),

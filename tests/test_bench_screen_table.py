@@ -8,12 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import load_bench
-
-
-@pytest.fixture(scope="module")
-def screen_table():
-    return load_bench("screen_table")
+from bench import screen_table
 
 
 def run_folder(root: Path, name: str, bleu: float | None, steps: int = 1750,
@@ -30,7 +25,7 @@ def run_folder(root: Path, name: str, bleu: float | None, steps: int = 1750,
     return root / name
 
 
-def test_summary_lines_read_back_into_means_and_paired_differences(screen_table, tmp_path):
+def test_summary_lines_read_back_into_means_and_paired_differences(tmp_path):
     scores = {("preset", 1): 39.5, ("preset", 2): 39.0, ("preset", 3): 39.3,
               ("dropout0.1", 1): 40.0, ("dropout0.1", 2): 38.8,
               ("lr0.7", 4): 38.0}  # a seed the baseline never ran: no pair

@@ -13,12 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import load_bench
-
-
-@pytest.fixture(scope="module")
-def sweep_table():
-    return load_bench("sweep_table")
+from bench import sweep_table
 
 
 def entry(params: dict, valid: float | None, test: float | None = None,
@@ -76,7 +71,7 @@ def rows_by_name(text: str) -> dict[str, list[str]]:
     return {row[0].strip("*"): row for row in cells[1:]}
 
 
-def test_one_row_per_scored_experiment_with_what_it_changed(sweep_table, shown, capsys):
+def test_one_row_per_scored_experiment_with_what_it_changed(shown, capsys):
     text = sweep_table.main(["--json", str(shown), "--chosen", "ls0.3,ls0.3-seed2"])
     assert capsys.readouterr().out == text
     rows = rows_by_name(text)
@@ -96,7 +91,7 @@ def test_one_row_per_scored_experiment_with_what_it_changed(sweep_table, shown, 
     assert "| **ls0.3** |" in text and "| ls0.2 |" in text
 
 
-def test_base_and_names_choose_the_reference_row_and_the_order(sweep_table, shown):
+def test_base_and_names_choose_the_reference_row_and_the_order(shown):
     text = sweep_table.main(["--json", str(shown), "--base", "ls0.3",
                              "--names", "ls0.3-b4,ls0.3,ls0.2"])
     rows = rows_by_name(text)
@@ -106,7 +101,7 @@ def test_base_and_names_choose_the_reference_row_and_the_order(sweep_table, show
     assert rows["ls0.2"][1] == "train.label_smoothing=0.2"
 
 
-def test_markdown_and_csv_files_hold_the_printed_rows(sweep_table, shown, tmp_path):
+def test_markdown_and_csv_files_hold_the_printed_rows(shown, tmp_path):
     out, table_csv = tmp_path / "out" / "sweep.md", tmp_path / "out" / "sweep.csv"
     text = sweep_table.main(["--json", str(shown), "--chosen", "ls0.3",
                              "--out", str(out), "--csv", str(table_csv)])
@@ -120,7 +115,7 @@ def test_markdown_and_csv_files_hold_the_printed_rows(sweep_table, shown, tmp_pa
     assert not [p.name for p in out.parent.iterdir() if p.name.startswith(".")]
 
 
-def test_a_scored_workspace_is_a_row_of_its_own(sweep_table, shown):
+def test_a_scored_workspace_is_a_row_of_its_own(shown):
     data = json.loads(shown.read_text())
     data[0] = entry(params(0.4), valid=41.03, minutes=61.0)
     shown.write_text(json.dumps(data))
@@ -135,7 +130,7 @@ def test_a_scored_workspace_is_a_row_of_its_own(sweep_table, shown):
     (["--base", "ls9"], "--base ls9: no such row; the rows are workspace, baseline 9e4e687, ls0.2"),
     (["--names", "ls0.3,nope"], "no experiment named nope"),
 ])
-def test_an_unknown_row_is_an_error_and_writes_nothing(sweep_table, shown, tmp_path, argv, says):
+def test_an_unknown_row_is_an_error_and_writes_nothing(shown, tmp_path, argv, says):
     out = tmp_path / "sweep.md"
     with pytest.raises(SystemExit) as exc:
         sweep_table.main(["--json", str(shown), "--out", str(out), *argv])
@@ -143,7 +138,7 @@ def test_an_unknown_row_is_an_error_and_writes_nothing(sweep_table, shown, tmp_p
     assert not out.exists()
 
 
-def test_without_dvc_on_path_it_says_how_to_run_it(sweep_table, monkeypatch, tmp_path):
+def test_without_dvc_on_path_it_says_how_to_run_it(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no dvc there
     with pytest.raises(SystemExit) as exc:
         sweep_table.main([])

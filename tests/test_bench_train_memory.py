@@ -11,12 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import load_bench, usage_error
-
-
-@pytest.fixture(scope="module")
-def memory():
-    return load_bench("train_memory")
+from bench import train_memory as memory
+from tests.conftest import usage_error
 
 
 def fake_run(mode: str, steps: int, seed: int) -> dict:
@@ -30,7 +26,7 @@ def fake_run(mode: str, steps: int, seed: int) -> dict:
 
 @pytest.mark.parametrize("warmup", [1, 2, 7, 20])
 @pytest.mark.parametrize("after", [1, 2, 4, 5, 6, 9, 10, 11, 29, 280])
-def test_windows_are_the_warmup_then_up_to_five_about_equal_windows(memory, warmup, after):
+def test_windows_are_the_warmup_then_up_to_five_about_equal_windows(warmup, after):
     """Edges 0, warmup, .., steps: min(5, n) windows after it, n//5 long, the last + rest."""
     # n = steps after the warm-up; the last window takes the remainder (under 5 more steps)
     steps = warmup + after
@@ -45,7 +41,7 @@ def test_windows_are_the_warmup_then_up_to_five_about_equal_windows(memory, warm
         assert lengths[4] - after // 5 < 5
 
 
-def test_window_max_is_the_peak_of_steps_start_plus_one_to_stop(memory):
+def test_window_max_is_the_peak_of_steps_start_plus_one_to_stop():
     """window_max(rss, a, b) is the largest RSS of 1-based steps a+1..b (rss[0] is step 1)."""
     rss = [5.0, 9.0, 1.0, 7.0, 3.0, 8.0]
     for a in range(len(rss)):
@@ -54,7 +50,7 @@ def test_window_max_is_the_peak_of_steps_start_plus_one_to_stop(memory):
                 rss[step - 1] for step in range(a + 1, b + 1))
 
 
-def test_summarise_takes_the_warmup_and_last_window_peaks_and_the_median_step(memory):
+def test_summarise_takes_the_warmup_and_last_window_peaks_and_the_median_step():
     """peak_warmup, peak_last, growth, peak and s/step as recomputed from the run's lists."""
     run = fake_run("notrim", 40, seed=1)
     edges = [0, 8, 14, 20, 26, 32, 40]
@@ -69,7 +65,7 @@ def test_summarise_takes_the_warmup_and_last_window_peaks_and_the_median_step(me
 
 
 @pytest.fixture
-def workers(memory, monkeypatch):
+def workers(monkeypatch):
     """subprocess.run standing in for the worker processes: each call's argv is recorded
     and answered with a fake_run of its mode, after a line of chatter on stdout."""
     calls: list[list[str]] = []
@@ -88,7 +84,7 @@ def workers(memory, monkeypatch):
     return calls
 
 
-def test_a_run_alternates_the_modes_and_writes_the_summaries_and_ratios(memory, workers,
+def test_a_run_alternates_the_modes_and_writes_the_summaries_and_ratios(workers,
                                                                         tmp_path, capsys):
     """Workers alternate notrim/trim; JSON, summaries and ratios match a recomputation."""
     out = tmp_path / "memory.json"
@@ -129,7 +125,7 @@ def test_a_run_alternates_the_modes_and_writes_the_summaries_and_ratios(memory, 
                                                for a in range(0, 30, 5))]
 
 
-def test_report_reprints_the_tables_of_a_saved_run_without_running(memory, workers, tmp_path,
+def test_report_reprints_the_tables_of_a_saved_run_without_running(workers, tmp_path,
                                                                    capsys):
     """--report FILE prints what the run that wrote FILE printed, less its progress lines."""
     out = tmp_path / "memory.json"
@@ -143,7 +139,7 @@ def test_report_reprints_the_tables_of_a_saved_run_without_running(memory, worke
     assert saved == json.loads(out.read_text())
 
 
-def test_a_failed_worker_stops_the_run_with_its_error(memory, monkeypatch, tmp_path):
+def test_a_failed_worker_stops_the_run_with_its_error(monkeypatch, tmp_path):
     """A worker's non-zero exit stops the run naming the mode, the status and its stderr."""
     def run(cmd, **kwargs):
         return subprocess.CompletedProcess(cmd, 3, stdout="", stderr="Traceback: no luck\n")
@@ -159,7 +155,7 @@ def test_a_failed_worker_stops_the_run_with_its_error(memory, monkeypatch, tmp_p
 
 
 @pytest.mark.parametrize("warmup, steps", [(20, 20), (30, 10), (0, 10)])
-def test_a_warmup_outside_one_to_below_the_steps_is_an_argument_error(memory, workers, capsys,
+def test_a_warmup_outside_one_to_below_the_steps_is_an_argument_error(workers, capsys,
                                                                       warmup, steps):
     """--warmup of 0 or >= --steps exits 2 naming both values, before any worker starts (a
     warm-up of 0 has no window to take the baseline peak from)."""
@@ -169,7 +165,7 @@ def test_a_warmup_outside_one_to_below_the_steps_is_an_argument_error(memory, wo
     assert workers == []
 
 
-def test_trim_every_reaches_the_workers_and_must_be_positive(memory, workers, capsys):
+def test_trim_every_reaches_the_workers_and_must_be_positive(workers, capsys):
     """--trim-every N goes into every worker's spec; 0 exits 2 before any worker starts."""
     memory.main(["--steps", "12", "--warmup", "2", "--trim-every", "4"])
     assert [json.loads(cmd[cmd.index("--spec") + 1])["trim_every"] for cmd in workers] == [4, 4]
@@ -179,14 +175,14 @@ def test_trim_every_reaches_the_workers_and_must_be_positive(memory, workers, ca
     assert workers == []
 
 
-def test_no_repeats_is_an_argument_error(memory, workers, capsys):
+def test_no_repeats_is_an_argument_error(workers, capsys):
     """--repeats 0 exits 2 naming the value, before any worker starts."""
     assert "--repeats (0) must be at least 1" in usage_error(
         lambda: memory.main(["--steps", "10", "--warmup", "2", "--repeats", "0"]), capsys)
     assert workers == []
 
 
-def test_rss_mib_is_the_resident_set_the_kernel_reports(memory):
+def test_rss_mib_is_the_resident_set_the_kernel_reports():
     """rss_mib() agrees with VmRSS of /proc/self/status (kB), read right after it."""
     if not Path("/proc/self/statm").exists():
         pytest.skip("no /proc on this system")
@@ -198,7 +194,7 @@ def test_rss_mib_is_the_resident_set_the_kernel_reports(memory):
 
 
 @pytest.mark.slow
-def test_a_real_run_trains_the_trainer_in_both_modes_and_records_every_step(memory, tmp_path):
+def test_a_real_run_trains_the_trainer_in_both_modes_and_records_every_step(tmp_path):
     """End to end on the toy preset: the data stages run once, each mode's worker process
     trains the real trainer for the steps asked, one RSS and one time per step, in the
     precision `aiayn train` picks on this CPU, and the JSON holds what main returned."""

@@ -8,12 +8,7 @@ from pathlib import Path
 import matplotlib.figure
 import pytest
 
-from tests.conftest import load_bench
-
-
-@pytest.fixture(scope="module")
-def curves():
-    return load_bench("valid_bleu_curves")
+from bench import valid_bleu_curves as curves
 
 
 def metrics_folder(root: Path, train: list[tuple[int, float, float]],
@@ -57,7 +52,7 @@ def drawn(monkeypatch) -> list:
     return figures
 
 
-def test_load_run_puts_each_bleu_step_at_its_interpolated_minute(curves, runs):
+def test_load_run_puts_each_bleu_step_at_its_interpolated_minute(runs):
     """BLEU steps get minutes by linear interpolation between logged steps; empty cells go."""
     train, bleu = curves.load_run(runs["fast"])
     assert train["minutes"].tolist() == pytest.approx([e / 60 for _, _, e in FAST_TRAIN])
@@ -67,7 +62,7 @@ def test_load_run_puts_each_bleu_step_at_its_interpolated_minute(curves, runs):
     assert bleu["minutes"].tolist() == pytest.approx([1.5, 4.0, 5.0])
 
 
-def test_each_run_prints_its_last_and_best_bleu(curves, runs, tmp_path, capsys):
+def test_each_run_prints_its_last_and_best_bleu(runs, tmp_path, capsys):
     """The printed table holds each run's last step and minutes, last and best BLEU."""
     out = tmp_path / "deep" / "er" / "curves.png"
     curves.main(["--run", f"fast={runs['fast']}", "--run", f"slow={runs['slow']}",
@@ -81,7 +76,7 @@ def test_each_run_prints_its_last_and_best_bleu(curves, runs, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("axis", ["minutes", "steps"])
-def test_the_curves_are_bleu_above_and_lr_below_on_the_chosen_axis(curves, runs, tmp_path,
+def test_the_curves_are_bleu_above_and_lr_below_on_the_chosen_axis(runs, tmp_path,
                                                                   drawn, axis):
     """Plotted points are the logs' BLEU and lr against minutes or steps, one colour a run."""
     curves.main(["--run", f"fast={runs['fast']}", "--run", f"slow={runs['slow']}",
@@ -109,7 +104,7 @@ def test_the_curves_are_bleu_above_and_lr_below_on_the_chosen_axis(curves, runs,
     assert fast_bleu.get_color() != slow_bleu.get_color()
 
 
-def test_a_title_given_replaces_the_default(curves, runs, tmp_path, drawn):
+def test_a_title_given_replaces_the_default(runs, tmp_path, drawn):
     """--title is the BLEU panel's title as given."""
     curves.main(["--run", f"fast={runs['fast']}", "--out", str(tmp_path / "c.png"),
                  "--title", "d256 against tiny"])
@@ -117,7 +112,7 @@ def test_a_title_given_replaces_the_default(curves, runs, tmp_path, drawn):
 
 
 @pytest.mark.parametrize("spec", ["metrics", "=metrics"])
-def test_a_run_without_a_label_stops_with_the_form_to_use(curves, tmp_path, spec):
+def test_a_run_without_a_label_stops_with_the_form_to_use(tmp_path, spec):
     """--run FOLDER or =FOLDER is an error naming LABEL=FOLDER; no picture is written."""
     out = tmp_path / "c.png"
     with pytest.raises(SystemExit, match="write it LABEL=FOLDER"):
@@ -126,7 +121,7 @@ def test_a_run_without_a_label_stops_with_the_form_to_use(curves, tmp_path, spec
 
 
 @pytest.mark.parametrize("missing", ["train_log.tsv", "valid_bleu.tsv"])
-def test_a_folder_without_a_log_names_the_file_and_the_setting(curves, runs, tmp_path,
+def test_a_folder_without_a_log_names_the_file_and_the_setting(runs, tmp_path,
                                                                missing):
     """A missing log is named, with train.valid_bleu_every as the fix; nothing is written."""
     (runs["fast"] / missing).unlink()
@@ -138,7 +133,7 @@ def test_a_folder_without_a_log_names_the_file_and_the_setting(curves, runs, tmp
     assert not out.exists()
 
 
-def test_a_training_without_validation_bleu_stops_with_the_setting_to_change(curves, runs,
+def test_a_training_without_validation_bleu_stops_with_the_setting_to_change(runs,
                                                                             tmp_path):
     """A header-only valid_bleu.tsv (what the trainer writes with valid_bleu_every 0) stops
     with the script's message naming the file and the setting, and no picture is written."""
