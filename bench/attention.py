@@ -15,28 +15,22 @@ Contenders take turns within every round and the order rotates, so a noisy machi
 hits all alike; the table gives medians, and ratios are medians of per-round ratios. Each
 contender's output is compared with a float64 reference of the same inputs.
 
-    .venv/bin/python bench/attention.py                    # lengths 16..160, 4096 tokens
-    .venv/bin/python bench/attention.py --lengths 23 --rounds 30
+    .venv/bin/python -m bench.attention                    # lengths 16..160, 4096 tokens
+    .venv/bin/python -m bench.attention --lengths 23 --rounds 30
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from aiayn import model as model_mod  # noqa: E402
+from aiayn import model as model_mod
+from bench import harness
 
 
 def contenders() -> dict:
@@ -79,9 +73,34 @@ def reference(q, k, v, mask, causal) -> torch.Tensor:
     return scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v64
 
 
+def measure(length: int, causal: bool, args, fns: dict) -> dict:
+    """One case: each contender's error against float64 (untimed, also the warm-up), then
+    forward + backward timed in alternating rounds."""
+    q, k, v, mask, upstream = inputs(length, args.tokens, args.heads, args.d_head, length)
+    mask = mask if not causal else None
+    ref = reference(q, k, v, mask, causal)
+
+    def timed(fn):
+        def run() -> float:
+            for x in (q, k, v):
+                x.grad = None
+            t0 = time.perf_counter()
+            fn(q, k, v, mask, causal).backward(upstream)
+            return time.perf_counter() - t0
+        return run
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.no_grad():
+            errors = {n: float((f(q, k, v, mask, causal).double() - ref).abs().max())
+                      for n, f in fns.items()}
+        times = harness.alternate({n: timed(f) for n, f in fns.items()}, args.rounds)
+    return {"ms": {n: statistics.median(t) * 1e3 for n, t in times.items()},
+            "flash32_over_explicit": harness.ratio(times["flash32"], times["explicit"]).median,
+            "max_abs_error": errors}
+
+
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--lengths", default="16,23,32,64,128,160",
                     help="sequence lengths T (comma-separated); 23 is Multi30k's mean")
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per batch (B = tokens//T)")
@@ -91,12 +110,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    harness.require_positive(ap, args, "tokens", "heads", "d_head", "rounds", "threads")
+    lengths = harness.int_list(ap, "--lengths", args.lengths)
     if args.threads:
         torch.set_num_threads(args.threads)
-    lengths = [int(x) for x in args.lengths.split(",")]
     fns = contenders()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"explicit path up to {model_mod.EXPLICIT_ATTENTION_KEYS} keys; batches of "
+    print(harness.machine_line())
+    print(f"explicit path up to {model_mod.EXPLICIT_ATTENTION_KEYS} keys; batches of "
           f"{args.tokens} tokens, {args.heads} heads of {args.d_head}; forward + backward")
     results = {}
     head = f"{'case':<14}" + "".join(f"{n + ' ms':>13}" for n in fns)
@@ -104,33 +124,13 @@ def main(argv: list[str] | None = None) -> dict:
     print(head)
     for length in lengths:
         for kind, causal in (("encoder", False), ("decoder", True)):
-            q, k, v, mask, upstream = inputs(length, args.tokens, args.heads, args.d_head, length)
-            mask = mask if not causal else None
-            ref = reference(q, k, v, mask, causal)
-            errors, times = {}, {n: [] for n in fns}
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                with torch.no_grad():  # warm-up, and the error against float64
-                    for n, f in fns.items():
-                        errors[n] = float((f(q, k, v, mask, causal).double() - ref).abs().max())
-                names = list(fns)
-                for r in range(args.rounds):
-                    for n in names[r % len(names):] + names[:r % len(names)]:
-                        for x in (q, k, v):
-                            x.grad = None
-                        t0 = time.perf_counter()
-                        fns[n](q, k, v, mask, causal).backward(upstream)
-                        times[n].append(time.perf_counter() - t0)
-            ratio = statistics.median(a / b for a, b in zip(times["flash32"], times["explicit"],
-                                                            strict=True))
             case = f"{kind} T={length}"
-            med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
-            results[case] = {"ms": med, "flash32_over_explicit": ratio, "max_abs_error": errors}
-            print(f"{case:<14}" + "".join(f"{med[n]:>13.1f}" for n in fns)
-                  + f"{ratio:>17.2f}x{errors['explicit']:>16.4f} / {errors['flash32']:.4f}")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
-        print(f"wrote {args.json}")
-    return results
+            r = results[case] = measure(length, causal, args, fns)
+            print(f"{case:<14}" + "".join(f"{r['ms'][n]:>13.1f}" for n in fns)
+                  + f"{r['flash32_over_explicit']:>17.2f}x"
+                  + f"{r['max_abs_error']['explicit']:>16.4f} / "
+                  + f"{r['max_abs_error']['flash32']:.4f}")
+    return harness.save(results, args.json, argv)
 
 
 if __name__ == "__main__":

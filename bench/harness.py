@@ -54,7 +54,10 @@ def parser(doc: str, epilog: bool = False) -> argparse.ArgumentParser:
     """A script's parser: the first paragraph of its docstring as the description (and,
     with ``epilog``, the rest after the options), laid out as written."""
     head, _, rest = doc.strip().partition("\n\n")
-    return argparse.ArgumentParser(description=head,
+    main = getattr(sys.modules.get("__main__"), "__spec__", None)  # python -m bench.NAME
+    ran = main.name if main and main.name.startswith("bench.") else None
+    return argparse.ArgumentParser(prog=f"python -m {ran}" if ran else None,
+                                   description=head,
                                    formatter_class=argparse.RawDescriptionHelpFormatter,
                                    epilog=rest if epilog else None)
 
@@ -183,6 +186,8 @@ def ratio(numerators: Sequence[float], denominators: Sequence[float]) -> Ratio:
 
 
 # =========================================================================== the JSON record
+
+RECORD_FIELDS = ("argv", "time", "machine")  # what ``record`` adds to a script's results
 
 
 def record(results: dict, argv: Sequence[str] | None = None,

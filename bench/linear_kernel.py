@@ -1,9 +1,9 @@
 """Linear layers on the multi30k model's shapes: ``F.linear`` against the fast kernels'
 way of computing them, in the precision training computes in.
 
-    .venv/bin/python bench/linear_kernel.py                   # bf16 where the CPU has it
-    .venv/bin/python bench/linear_kernel.py --precision fp32  # the fp32 oneDNN forward
-    .venv/bin/python bench/linear_kernel.py --rows 2048 --rounds 20
+    .venv/bin/python -m bench.linear_kernel                   # bf16 where the CPU has it
+    .venv/bin/python -m bench.linear_kernel --precision fp32  # the fp32 oneDNN forward
+    .venv/bin/python -m bench.linear_kernel --rows 2048 --rounds 20
 
 Each shape of the model's linear layers (d 256, d_ff 1024: q/k/v 256->768, cross-attention
 256->256 and 256->512, the output projection 256->256, the FFN's 256->1024 with its ReLU and
@@ -27,23 +27,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script: make `bench` importable
-    sys.path.insert(0, str(REPO))
-
-from aiayn import kernels  # noqa: E402
-from aiayn.precision import autocast_dtype  # noqa: E402
-from bench.cli import require_positive  # noqa: E402
-from bench.machine import cpu_model, describe_caps  # noqa: E402
+from aiayn import kernels
+from aiayn.precision import autocast_dtype
+from bench import harness
 
 # (inputs, outputs, ReLU) of the multi30k model's linear layers
 SHAPES = ((256, 768, False), (256, 256, False), (256, 512, False), (256, 1024, True),
@@ -76,8 +69,54 @@ def measure(fn, backward: bool, case: tuple, amp) -> list[torch.Tensor]:
     return [y, *torch.autograd.grad(y, (x, w, b), g.to(y.dtype))]
 
 
+def parse_shapes(parser: argparse.ArgumentParser, text: str | None) -> tuple:
+    """``--shapes`` (IN:OUT[:relu],...) as SHAPES holds them; None: SHAPES."""
+    if not text:
+        return SHAPES
+    try:
+        shapes = tuple((int(f[0]), int(f[1]), f[2:] == ["relu"])
+                       for f in (s.split(":") for s in text.split(","))
+                       if len(f) in (2, 3) and f[2:] in ([], ["relu"]))
+    except ValueError:
+        shapes = ()
+    if len(shapes) != len(text.split(",")):
+        parser.error(f"--shapes {text!r}: write IN:OUT or IN:OUT:relu, comma-separated")
+    return shapes
+
+
+def measure_shape(shape: tuple, contenders: dict, args, amp, tol: dict) -> dict:
+    """One shape: both contenders' outputs and gradients compared, then each pass timed in
+    alternating rounds; {pass: {contender: seconds per product, per round}}."""
+    k, n, relu = shape
+    torch.manual_seed(k * 7 + n)
+    x = torch.randn(args.rows, k, requires_grad=True)
+    w = (k ** -0.5 * torch.randn(n, k)).requires_grad_()
+    b = (0.1 * torch.randn(n)).requires_grad_()
+    g = torch.randn(args.rows, n)
+
+    def run(fn, backward: bool) -> list[torch.Tensor]:
+        return measure(fn, backward, (x, w, b, g, relu), amp)
+
+    reference, candidate = (run(fn, True) for fn in contenders.values())
+    for a, r in zip(candidate, reference, strict=True):  # correctness before speed
+        assert a.dtype == r.dtype, (a.dtype, r.dtype)
+        torch.testing.assert_close(a.float(), r.float(), **tol)
+
+    def timed(fn, backward: bool):
+        def products() -> float:
+            start = time.perf_counter()
+            for _ in range(args.repeat):
+                run(fn, backward)
+            return (time.perf_counter() - start) / args.repeat
+        return products
+
+    return {mode: harness.alternate({c: timed(fn, backward) for c, fn in contenders.items()},
+                                    args.rounds)
+            for mode, backward in (("forward", False), ("forward+backward", True))}
+
+
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--rows", type=int, default=4096, help="rows per product (4096)")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--repeat", type=int, default=5,
@@ -90,18 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="torch.set_num_threads (default: torch's default)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
-    require_positive(parser, args, "rows", "rounds", "repeat")
-    shapes = SHAPES
-    if args.shapes:
-        try:
-            shapes = tuple((int(f[0]), int(f[1]), f[2:] == ["relu"])
-                           for f in (s.split(":") for s in args.shapes.split(","))
-                           if len(f) in (2, 3) and f[2:] in ([], ["relu"]))
-        except ValueError:
-            shapes = ()
-        if len(shapes) != len(args.shapes.split(",")):
-            parser.error(f"--shapes {args.shapes!r}: write IN:OUT or IN:OUT:relu, "
-                         "comma-separated")
+    harness.require_positive(parser, args, "rows", "rounds", "repeat", "threads")
+    shapes = parse_shapes(parser, args.shapes)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = autocast_dtype(args.precision, torch.device("cpu"))
@@ -114,58 +143,34 @@ def main(argv: list[str] | None = None) -> dict:
                   onednn_bf16 if dtype else ours}
     other = list(contenders)[1]
     label = "bf16 autocast" if dtype else "fp32"
-    print(f"{cpu_model()}{describe_caps()}, {torch.get_num_threads()} threads, {label}; "
-          f"{args.rows} rows, {args.rounds} rounds of {args.repeat} products each")
+    facts = harness.machine_facts()
+    print(harness.machine_line(facts))
+    print(f"{label}; {args.rows} rows, {args.rounds} rounds of {args.repeat} products each")
     print(f"{'shape':>14} {'pass':>17} " + " ".join(f"{n:>14}" for n in contenders)
           + f" {'F.linear time / its':>20}")
     results, totals = {}, {name: {"forward": [], "forward+backward": []} for name in contenders}
     for k, n, relu in shapes:
-        torch.manual_seed(k * 7 + n)
-        x = torch.randn(args.rows, k, requires_grad=True)
-        w = (k ** -0.5 * torch.randn(n, k)).requires_grad_()
-        b = (0.1 * torch.randn(n)).requires_grad_()
-        g = torch.randn(args.rows, n)
-
-        def run(fn, backward: bool, case=(x, w, b, g, relu)) -> list[torch.Tensor]:
-            return measure(fn, backward, case, amp)
-
-        reference, candidate = (run(fn, True) for fn in contenders.values())
-        for a, r in zip(candidate, reference, strict=True):  # correctness before speed
-            assert a.dtype == r.dtype, (a.dtype, r.dtype)
-            torch.testing.assert_close(a.float(), r.float(), **tol)
-        flops = 2 * args.rows * k * n
         name = f"{k}->{n}{' relu' if relu else ''}"
         results[name] = {}
-        for mode, backward, mult in (("forward", False, 1), ("forward+backward", True, 3)):
-            times = {c: [] for c in contenders}
-            order = list(contenders)
-            for _ in range(args.rounds):
-                for c in order:
-                    start = time.perf_counter()
-                    for _ in range(args.repeat):
-                        run(contenders[c], backward)
-                    times[c].append((time.perf_counter() - start) / args.repeat)
-                order.reverse()
-            ratios = [a / b for a, b in zip(times["F.linear"], times[other], strict=True)]
-            rate = {c: mult * flops / statistics.median(t) / 1e9 for c, t in times.items()}
-            results[name][mode] = {"gflops": rate, "ratio": statistics.median(ratios)}
+        passes = measure_shape((k, n, relu), contenders, args, amp, tol)
+        for (mode, times), mult in zip(passes.items(), (1, 3), strict=True):
+            r = harness.ratio(times["F.linear"], times[other]).median
+            rate = {c: mult * 2 * args.rows * k * n / statistics.median(t) / 1e9
+                    for c, t in times.items()}
+            results[name][mode] = {"gflops": rate, "ratio": r}
             for c in contenders:
                 totals[c][mode].append(times[c])
             print(f"{name:>14} {mode:>17} " + " ".join(f"{rate[c]:9.0f} GF/s" for c in contenders)
-                  + f" {statistics.median(ratios):19.2f}x")
+                  + f" {r:19.2f}x")
     summed = {}
     for mode in ("forward", "forward+backward"):
         per_round = {c: [sum(t[r] for t in totals[c][mode]) for r in range(args.rounds)]
                      for c in contenders}
-        ratio = statistics.median(a / b for a, b in zip(per_round["F.linear"],
-                                                       per_round[other], strict=True))
-        summed[mode] = ratio
-        print(f"{'all shapes':>14} {mode:>17} {'':>29} {ratio:19.2f}x")
-    out = {"cpu": cpu_model(), "precision": label, "rows": args.rows, "rounds": args.rounds,
-           "shapes": results, "all_shapes": summed}
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=2))
-    return out
+        summed[mode] = harness.ratio(per_round["F.linear"], per_round[other]).median
+        print(f"{'all shapes':>14} {mode:>17} {'':>29} {summed[mode]:19.2f}x")
+    out = {"cpu": facts["cpu"], "precision": label, "rows": args.rows,
+           "rounds": args.rounds, "shapes": results, "all_shapes": summed}
+    return harness.save(out, args.json, argv, facts)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """The fused loss (aiayn.kernels.projected_label_smoothed_loss) at a vocabulary width rounded
 up to kernels.VOCAB_ALIGN against the same loss multiplied at the width as it is.
 
-    .venv/bin/python bench/loss_kernel.py                 # the multi30k preset's shapes
-    .venv/bin/python bench/loss_kernel.py --vocab 8000    # a width that needs no rounding
+    .venv/bin/python -m bench.loss_kernel                 # the multi30k preset's shapes
+    .venv/bin/python -m bench.loss_kernel --vocab 8000    # a width that needs no rounding
 
 Each round times forward and backward of one step's loss (``--rows`` decoder states of
 ``--d-model``, ``--vocab`` outputs, label smoothing 0.3) once per contender, the order
@@ -14,24 +14,17 @@ softmax spans (output_vocab target, en->de), ~3,600 target tokens per step.
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script: make `bench` importable
-    sys.path.insert(0, str(REPO))
-
-from aiayn import kernels  # noqa: E402
-from bench.machine import cpu_model, describe_caps  # noqa: E402
+from aiayn import kernels
+from bench import harness
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--rows", type=int, default=3600, help="non-pad target tokens")
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=5399, help="outputs the softmax spans")
@@ -39,6 +32,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads (default: torch's default)")
     args = parser.parse_args(argv)
+    harness.require_positive(parser, args, "rows", "d_model", "vocab", "rounds", "threads")
     if args.threads:
         torch.set_num_threads(args.threads)
     aligned = kernels.VOCAB_ALIGN
@@ -58,30 +52,25 @@ def main(argv: list[str] | None = None) -> dict:
 
     contenders = {f"width {width} (VOCAB_ALIGN {aligned})": aligned,
                   f"width {args.vocab} (VOCAB_ALIGN 1)": 1}
-    times: dict[str, list[float]] = {name: [] for name in contenders}
     try:  # VOCAB_ALIGN is the module's: put it back whatever happens (tests import this)
         outputs = {name: step(align)[1] for name, align in contenders.items()}  # a warm-up
         first, second = outputs.values()
         for a, b in zip(first, second, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-        order = list(contenders)
-        for _ in range(args.rounds):
-            for name in order:
-                times[name].append(step(contenders[name])[0])
-            order.reverse()
+        times = harness.alternate({name: lambda align=align: step(align)[0]
+                                   for name, align in contenders.items()}, args.rounds)
     finally:
         kernels.VOCAB_ALIGN = aligned
-    print(f"{cpu_model()}{describe_caps()}, {torch.get_num_threads()} threads; "
-          f"{args.rows} rows x d {args.d_model} -> {args.vocab} outputs; "
+    print(harness.machine_line())
+    print(f"{args.rows} rows x d {args.d_model} -> {args.vocab} outputs; "
           f"{args.rounds} rounds, forward + backward of the loss")
     names = list(contenders)
     for name in names:
         print(f"  {name:<28} median {1e3 * statistics.median(times[name]):7.1f} ms")
-    ratios = [b / a for a, b in zip(times[names[0]], times[names[1]], strict=True)]
-    ratio = statistics.median(ratios)
-    print(f"  rounded / as is: {ratio:.2f}x faster (median of per-round ratios; "
-          f"{min(ratios):.2f}-{max(ratios):.2f})")
-    return {"ratio": ratio, "times": times}
+    ratio = harness.ratio(times[names[1]], times[names[0]])
+    print(f"  rounded / as is: {ratio.median:.2f}x faster (median of per-round ratios; "
+          f"{ratio.low:.2f}-{ratio.high:.2f})")
+    return {"ratio": ratio.median, "times": times}
 
 
 if __name__ == "__main__":

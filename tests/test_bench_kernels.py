@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from aiayn import kernels
 from aiayn import model as model_mod
-from bench import attention, linear_kernel, loss_kernel
+from bench import attention, harness, linear_kernel, loss_kernel
 from tests.conftest import usage_error
 
 
@@ -42,8 +42,9 @@ def test_attention_run_reports_each_contenders_error_and_writes_json(tmp_path):
     results = attention.main(["--lengths", "8,12", "--tokens", "48", "--heads", "2",
                               "--d-head", "8", "--rounds", "2", "--json", str(out)])
     assert model_mod.EXPLICIT_ATTENTION_KEYS == saved  # flash32 put it back
-    assert set(results) == {f"{kind} T={t}" for kind in ("encoder", "decoder") for t in (8, 12)}
-    for case in results.values():
+    cases = {f"{kind} T={t}" for kind in ("encoder", "decoder") for t in (8, 12)}
+    assert set(results) == cases | set(harness.RECORD_FIELDS)
+    for case in map(results.get, cases):
         assert set(case["ms"]) == {"explicit", "flash32", "flash16"}
         assert all(ms > 0 for ms in case["ms"].values())
         # bf16 inputs and outputs: within bf16's rounding of the float64 reference
