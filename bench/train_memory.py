@@ -2,10 +2,10 @@
 
 Usage (from the repository root)::
 
-    .venv/bin/python bench/train_memory.py --corpus ../shared/data/multi30k  # 300 steps
-    .venv/bin/python bench/train_memory.py --steps 100 --repeats 2 --json out.json
-    .venv/bin/python bench/train_memory.py --preset demo --steps 60   # the toy corpus
-    .venv/bin/python bench/train_memory.py --help
+    .venv/bin/python -m bench.train_memory --corpus ../shared/data/multi30k  # 300 steps
+    .venv/bin/python -m bench.train_memory --steps 100 --repeats 2 --json out.json
+    .venv/bin/python -m bench.train_memory --preset demo --steps 60   # the toy corpus
+    .venv/bin/python -m bench.train_memory --help
 
 What it measures
 ----------------
@@ -20,7 +20,7 @@ prints RSS along the way and seconds per step.
 Each mode runs in a fresh Python process (a heap is per process), one after the other,
 alternating ``notrim``/``trim`` ``--repeats`` times; the machine may be shared, so compare
 the modes of one run as ratios. What trains is the real ``aiayn.trainer.Trainer`` stepping
-through its own loader, as ``bench/train_throughput.py``'s ``fast`` contender does (its
+through its own loader, as ``bench.train_throughput``'s ``fast`` contender does (its
 worker class, its data preparation): the ``--preset`` (``multi30k`` by default, whose text
 ``--corpus`` names; ``demo`` needs none), with ``-S`` overrides, batches of the preset's
 size or of ``--max-tokens`` positions, the sampler seeded by ``--seed``: the same sequence of
@@ -47,11 +47,7 @@ import time
 from itertools import pairwise
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script: make `aiayn` importable without installing
-    sys.path.insert(0, str(REPO))
-
-from bench.cli import require_positive  # noqa: E402
+from bench import harness
 
 MODES = ("notrim", "trim")
 
@@ -62,7 +58,7 @@ def rss_mib() -> float:
 
 
 def worker(mode: str, spec: dict, steps: int) -> dict:
-    """Train ``steps`` steps of the trainer ``spec`` describes (``bench/train_throughput.py``'s
+    """Train ``steps`` steps of the trainer ``spec`` describes (``bench.train_throughput``'s
     worker spec) in this process; RSS and wall time of every step."""
 
     from aiayn.memory import TRIM_EVERY_STEPS, HeapTrimmer
@@ -123,17 +119,17 @@ def report(runs: list[dict], warmup: int, steps: int) -> tuple[list[dict], float
     for s in summary:
         print(f"{s['mode']:>8} {s['peak_warmup']:12.0f} {s['peak_last']:16.0f} "
               f"{s['growth']:+7.0f} {s['s_per_step']:7.3f}")
-    pairs = list(zip(summary[0::2], summary[1::2], strict=True))
-    end = statistics.median(t["peak_last"] / n["peak_last"] for n, t in pairs)
-    speed = statistics.median(t["s_per_step"] / n["s_per_step"] for n, t in pairs)
-    print(f"\ntrim / notrim: peak RSS of the last window x{end:.2f}, seconds per step "
-          f"x{speed:.2f} "
-          f"(median over {len(pairs)} pair(s))")
-    return summary, end, speed
+    notrim, trim = summary[0::2], summary[1::2]  # the runs alternate: notrim, trim, ...
+    end = harness.ratio([t["peak_last"] for t in trim], [n["peak_last"] for n in notrim])
+    speed = harness.ratio([t["s_per_step"] for t in trim], [n["s_per_step"] for n in notrim])
+    print(f"\ntrim / notrim: peak RSS of the last window x{end.median:.2f}, seconds per step "
+          f"x{speed.median:.2f} "
+          f"(median over {len(trim)} pair(s))")
+    return summary, end.median, speed.median
 
 
 def prepare(args: argparse.Namespace) -> dict:
-    """The workers' trainer spec: the preset's data made once (train_throughput.py's
+    """The workers' trainer spec: the preset's data made once (bench.train_throughput's
     ``prepare_data``), its params with ``--seed`` and ``--precision``, a scratch folder."""
     import yaml
 
@@ -151,9 +147,8 @@ def prepare(args: argparse.Namespace) -> dict:
             "train": {"kernels": "fast", "precision": args.precision}}
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = harness.parser(__doc__)
     ap.add_argument("--steps", type=int, default=300, help="training steps per mode (300)")
     ap.add_argument("--warmup", type=int, default=20,
                     help="steps before the baseline RSS and the timing start (20)")
@@ -170,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--corpus", type=Path, default=None, help="the local preset's text folder")
     ap.add_argument("--workdir", type=Path,
                     default=Path(tempfile.gettempdir()) / "aiayn-bench-train",
-                    help="where the data stages write (shared with train_throughput.py)")
+                    help="where the data stages write (shared with bench.train_throughput)")
     ap.add_argument("--trim-every", type=int, default=None, metavar="N",
                     help="the trim mode trims every N steps (default: the trainer's, "
                          "aiayn.memory.TRIM_EVERY_STEPS)")
@@ -180,40 +175,52 @@ def main(argv: list[str] | None = None) -> dict:
                     help="print the tables of a file written by --json, run nothing")
     ap.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.report:
-        saved = json.loads(args.report.read_text())
-        report(saved["runs"], saved["args"]["warmup"], saved["args"]["steps"])
-        return saved
-    if args.worker:  # the child process: one mode, result as JSON on stdout
-        print(json.dumps(worker(args.worker, json.loads(args.spec), args.steps)))
-        return {}
+    if args.report or args.worker:
+        return args
     if args.warmup < 1 or args.warmup >= args.steps:
         ap.error(f"--warmup ({args.warmup}) must be at least 1 and below --steps "
                  f"({args.steps})")
-    require_positive(ap, args, "repeats", "trim_every")
+    harness.require_positive(ap, args, "repeats", "trim_every")
+    return args
 
-    spec = prepare(args)
-    if args.trim_every is not None:
-        spec["trim_every"] = args.trim_every
+
+def run_modes(args: argparse.Namespace, spec: dict) -> list[dict]:
+    """Each mode in a fresh worker process of its own, notrim then trim, --repeats times."""
     runs = []
     for r in range(args.repeats):
         for mode in MODES:
             print(f"[{r + 1}/{args.repeats}] {mode}: {args.steps} steps ...", flush=True)
             res = subprocess.run(
-                [sys.executable, __file__, "--worker", mode, "--steps", str(args.steps),
-                 "--spec", json.dumps(spec)],
-                capture_output=True, text=True)
+                harness.module_command("bench.train_memory", "--worker", mode, "--steps",
+                                       str(args.steps), "--spec", json.dumps(spec)),
+                capture_output=True, text=True, env=harness.child_env())
             if res.returncode:
                 sys.exit(f"the {mode} worker failed (exit {res.returncode}):\n{res.stderr}")
             runs.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    return runs
 
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.report:
+        saved = json.loads(args.report.read_text())
+        if "machine" in saved:  # records written before the harness have none
+            print(harness.machine_line(saved["machine"]))
+        report(saved["runs"], saved["args"]["warmup"], saved["args"]["steps"])
+        return saved
+    if args.worker:  # the child process: one mode, result as JSON on stdout
+        print(json.dumps(worker(args.worker, json.loads(args.spec), args.steps)))
+        return {}
+    spec = prepare(args)
+    if args.trim_every is not None:
+        spec["trim_every"] = args.trim_every
+    print(harness.machine_line())
+    runs = run_modes(args, spec)
     summary, end, speed = report(runs, args.warmup, args.steps)
     out = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
                     if k not in ("json", "worker", "report", "spec")},
            "summary": summary, "ratio_peak_last": end, "ratio_s_per_step": speed, "runs": runs}
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=1))
-    return out
+    return harness.save(out, args.json, argv)
 
 
 if __name__ == "__main__":

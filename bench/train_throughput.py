@@ -2,15 +2,15 @@
 
 Usage (from the repository root)::
 
-    .venv/bin/python bench/train_throughput.py --baseline 9852772        # fast, plain, main
-    .venv/bin/python bench/train_throughput.py --contenders fast,fast+compile --rounds 3
-    .venv/bin/python bench/train_throughput.py --contenders fast+drop,nn+drop
-    .venv/bin/python bench/train_throughput.py --profile fast                # where time goes
-    .venv/bin/python bench/train_throughput.py --contenders fast -S model.d_model=128  # a recipe
-    .venv/bin/python bench/train_throughput.py --contenders fast,fast@2048           # batch size
-    .venv/bin/python bench/train_throughput.py --contenders fast,ff512 \
+    .venv/bin/python -m bench.train_throughput --baseline 9852772        # fast, plain, main
+    .venv/bin/python -m bench.train_throughput --contenders fast,fast+compile --rounds 3
+    .venv/bin/python -m bench.train_throughput --contenders fast+drop,nn+drop
+    .venv/bin/python -m bench.train_throughput --profile fast                # where time goes
+    .venv/bin/python -m bench.train_throughput --contenders fast -S model.d_model=128  # a recipe
+    .venv/bin/python -m bench.train_throughput --contenders fast,fast@2048           # batch size
+    .venv/bin/python -m bench.train_throughput --contenders fast,ff512 \
         --arm ff512:model.d_ff=512                                       # model shapes
-    .venv/bin/python bench/train_throughput.py --help
+    .venv/bin/python -m bench.train_throughput --help
 
 What runs
 ---------
@@ -72,7 +72,7 @@ rounds of the per-round ratio, and absolute figures are medians over rounds. CPU
 per step (all threads) are reported beside wall seconds: their gap is time lost to other
 processes.
 
-FLOPs: counted analytically by ``bench/flops.py`` (weight matmuls, attention, the tied
+FLOPs: counted analytically by ``bench.flops`` (weight matmuls, attention, the tied
 projection over the tokens the contender's softmax spans; real tokens only); achieved
 GFLOP/s = the FLOPs of the round's batches / its wall time.
 
@@ -87,18 +87,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script: make `bench` importable
-    sys.path.insert(0, str(REPO))
+from bench import harness
+
+# No aiayn import up here: a worker of contender main imports this module, then the aiayn of
+# a baseline commit, which may lack what the newest one has.
+REPO = harness.REPO
 
 TRAINERS = {  # contender -> train.* overrides on top of the preset (model.*: under "model")
     "fast": {"kernels": "fast"},
@@ -133,7 +135,8 @@ def _known_params(raw: dict, model) -> dict:
 
 
 class TrainerWorker:
-    """The Trainer of the tree on sys.path, stepping through its own loader."""
+    """The Trainer of the aiayn this process imports (this checkout's, or the baseline
+    tree's: see Worker), stepping through its own loader."""
 
     def __init__(self, spec: dict):
         import torch
@@ -323,8 +326,6 @@ def worker_main(spec: dict) -> None:
     import torch
 
     torch.set_num_threads(spec["threads"])
-    if spec["tree"] != str(REPO):
-        sys.path.insert(0, spec["tree"])
     name = spec["name"]
     cls = (MatmulWorker if name == "matmul" else TorchNNWorker if name.startswith("nn")
            else TrainerWorker)
@@ -359,13 +360,16 @@ def worker_main(spec: dict) -> None:
 
 
 class Worker:
-    """The coordinator's handle on one worker process."""
+    """The coordinator's handle on one worker process: this script with --worker, importing
+    aiayn from ``tree`` (a baseline commit's, from harness.extract_tree) when given, else
+    from this checkout."""
 
-    def __init__(self, spec: dict, env: dict):
+    def __init__(self, spec: dict, tree: Path | None = None):
         self.name = spec["name"]
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--worker", json.dumps(spec)], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, text=True, env=env, cwd=spec["scratch"])
+            harness.module_command("bench.train_throughput", "--worker", json.dumps(spec)),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            env=harness.child_env(*[tree] if tree else []), cwd=spec["scratch"])
         self.info = self._read()
 
     def _read(self) -> dict:
@@ -525,22 +529,8 @@ def round_batches(params: Path, shards: Path, steps: int, skip: int) -> list[tup
 # =========================================================================== coordinator
 
 
-def extract_tree(ref: str, dest: Path) -> Path:
-    """The aiayn package of git commit ``ref``, unpacked under ``dest``."""
-    dest.mkdir(parents=True, exist_ok=True)
-    try:
-        archive = subprocess.run(["git", "archive", ref, "aiayn"], cwd=REPO, check=True,
-                                 capture_output=True).stdout
-    except subprocess.CalledProcessError as exc:
-        raise SystemExit(f"error: --baseline {ref}: git archive failed: "
-                         f"{exc.stderr.decode().strip()}") from None
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
-    return dest
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--contenders", default=None,
                     help=f"comma-separated from {', '.join([*TRAINERS, *OTHERS])} (default "
                          f"{DEFAULT}, plus main with --baseline); a trainer contender with "
@@ -576,23 +566,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="also print a torch.profiler table of 3 steps of this contender")
     ap.add_argument("--json", type=Path, default=None, help="write all results here")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    harness.require_positive(ap, args, "rounds", "steps", "threads")
+    return args
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    if args.worker:
-        worker_main(json.loads(args.worker))
-        return {}
-    import torch
+@dataclass
+class Contenders:
+    """The contenders of a run: ``names`` in the order given, each one's trainer contender
+    without @N (``base``) and its batch tokens (``variant``; None: the preset's), the
+    trainer settings by name (``trainers``: TRAINERS and the arms) and each arm's params."""
+
+    names: list[str]
+    base: dict[str, str]
+    variant: dict[str, int | None]
+    trainers: dict[str, dict]
+    arms: dict[str, dict]
+    arm_params: dict
+
+
+def choose_contenders(args) -> Contenders:
+    """--contenders, --arm and --profile read and checked, before any data is made."""
     import yaml
 
-    from aiayn.config import parse_params
-    from aiayn.precision import autocast_dtype, cpu_has_native_bf16
-    from aiayn.tokenizer import load_tokenizer
-    from aiayn.trainer import model_config
-    from bench.flops import train_flops
-    from bench.machine import cpu_model, describe_caps, instruction_caps
     from stages.params import compose
 
     names = (args.contenders or DEFAULT + (",main" if args.baseline else "")).split(",")
@@ -602,18 +598,24 @@ def main(argv: list[str] | None = None) -> dict:
                             arms)
     if args.profile and args.profile not in names:
         names.append(args.profile)
-    base = {n: split_contender(n, trainers)[0] for n in names}  # the contender without @N
-    variant = {n: split_contender(n, trainers)[1] for n in names}  # batch tokens; None: preset's
+    base = {n: split_contender(n, trainers)[0] for n in names}
+    variant = {n: split_contender(n, trainers)[1] for n in names}
     unknown = [n for n in names if base[n] not in trainers and n not in OTHERS]
     if unknown:
         raise SystemExit(f"error: unknown contender(s) {', '.join(unknown)}; choose from "
                          f"{', '.join([*trainers, *OTHERS])}")
     if "main" in base.values() and not args.baseline:
         raise SystemExit("error: contender main needs --baseline REF")
-    threads = args.threads or torch.get_num_threads()
-    data = {}  # batch tokens (None: the preset's) -> (params file, shards, tokenizer)
-    # only the batch sizes some contender uses; the preset's first, where one uses it
-    for v in sorted(set(variant.values()), key=lambda v: (v is not None, v or 0)):
+    return Contenders(names, base, variant, trainers, arms, arm_params)
+
+
+def prepare_variants(args, c: Contenders) -> dict:
+    """Batch tokens (None: the preset's) -> (params file, shards, tokenizer), for the batch
+    sizes some contender uses, the preset's first; --precision written into the params."""
+    import yaml
+
+    data = {}
+    for v in sorted(set(c.variant.values()), key=lambda v: (v is not None, v or 0)):
         params, shards, tokenizer = prepare_data(args, v)
         if args.precision:
             raw = yaml.safe_load(params.read_text())
@@ -621,111 +623,90 @@ def main(argv: list[str] | None = None) -> dict:
             params = params.with_name(f"params-{args.precision}.yaml")
             params.write_text(yaml.safe_dump(raw, sort_keys=False))
         data[v] = (params, shards, tokenizer)
-    params, shards, tokenizer = data[next(iter(data))]  # one model config in each
-    p = parse_params(yaml.safe_load(params.read_text()))
-    vocab = load_tokenizer(tokenizer).get_vocab_size()
-    cfg = model_config(p, vocab)
-    # an arm's own model (its FLOPs); every other contender computes the preset's
-    cfgs = {n: model_config(arm_params[base[n]], vocab) for n in names if base[n] in arms}
-    bf16 = cpu_has_native_bf16()
-    amp = autocast_dtype(p.train.precision, torch.device("cpu"))
-    matmul_dtype = "bfloat16" if amp == torch.bfloat16 else "float32"
-    info = {"cpu": cpu_model(), "native_bf16": bf16, "logical_cpus": os.cpu_count(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "instruction_caps": instruction_caps(), "threads": threads,
-            "torch": torch.__version__, "python": platform.python_version(),
-            "preset": args.preset, "overrides": list(args.set), "arms": arms,
-            "precision": p.train.precision, "matmul_dtype": matmul_dtype,
-            "model": cfg.to_dict(),
-            "contenders": names, "baseline": args.baseline, "rounds": args.rounds,
-            "steps": args.steps, "warmup": args.warmup, "command": " ".join(sys.argv),
-            "load_average": os.getloadavg()}
-    print(f"CPU {info['cpu']} ({info['logical_cpus']} logical CPUs, {info['cpu_capability']}, "
-          f"{'native bf16' if bf16 else 'no native bf16: AVX2-class, bf16 emulated'}"
-          f"{describe_caps()}); "
-          f"torch {torch.__version__}, {threads} threads; load average "
-          + " ".join(f"{x:.1f}" for x in info["load_average"]))
-    overrides = "".join(f" -S {o}" for o in args.set)
-    print(f"preset {args.preset}{overrides}: d_model {cfg.d_model}, {cfg.encoder_layers}+"
-          f"{cfg.decoder_layers} layers, d_ff {cfg.d_ff}, {cfg.heads} heads, vocabulary "
-          f"{cfg.vocab_size}, dropout {cfg.dropout}, batches <= {p.shard.max_tokens} tokens, "
-          f"precision {p.train.precision}")
+    return data
 
-    scratch = Path(tempfile.mkdtemp(prefix="run-", dir=args.workdir))
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    trees = {n: str(REPO) for n in names}
-    if "main" in base.values():
-        baseline_tree = str(extract_tree(args.baseline, scratch / "baseline"))
-        trees.update({n: baseline_tree for n in names if base[n] == "main"})
-    workers: dict[str, Worker] = {}
-    try:
-        t0 = time.perf_counter()
-        for n in names:
-            n_params, n_shards, n_tokenizer = data[variant[n]]
-            spec = {"name": n, "tree": trees[n], "params": str(n_params),
-                    "shards": str(n_shards), "tokenizer": str(n_tokenizer),
-                    "scratch": str(scratch), "threads": threads,
-                    "matmul_dtype": matmul_dtype, "train": trainers.get(base[n], {})}
-            workers[n] = Worker(spec, env)
-            if base[n] == "main":
-                print(f"{n}: {workers[n].info['aiayn']} (git {args.baseline}); params it does "
-                      f"not know, dropped: {', '.join(workers[n].info['dropped_params']) or '-'}")
-        for n, w in workers.items():  # warm-up: allocator, kernels, Adam state, compilation
-            t = time.perf_counter()
-            w.ask(f"run {args.warmup}")
-            print(f"warm-up {n}: {time.perf_counter() - t:.0f} s", flush=True)
-        runs: dict[str, list[dict]] = {n: [] for n in names}
-        flops = {v: [] for v in data}  # per batch size: the round's model FLOPs and tokens
-        tokens = {v: [] for v in data}
-        # the softmax's width per contender (model.output_vocab), and per batch size and
-        # width the round's FLOPs
-        spans = {n: int(w.info.get("output_vocab") or cfg.vocab_size)
-                 for n, w in workers.items()}
-        widths = sorted(set(spans.values()))
-        span_flops = {(v, k): [] for v in data for k in widths}
-        own_flops = {n: [] for n in cfgs}  # an arm's FLOPs, on its own shape
-        for r in range(args.rounds):
-            for v, (v_params, v_shards, _) in data.items():
-                batches = round_batches(v_params, v_shards, args.steps,
-                                        args.warmup + r * args.steps)
-                flops[v].append(sum(train_flops(cfg, s, t) for s, t, _ in batches))
-                for k in widths:
-                    span_flops[v, k].append(sum(train_flops(cfg, s, t, k)
-                                                for s, t, _ in batches))
-                tokens[v].append(sum(n for *_, n in batches))
-                for n in cfgs:
-                    if variant[n] == v:
-                        own_flops[n].append(sum(train_flops(cfgs[n], s, t, spans[n])
-                                                for s, t, _ in batches))
-            order = names[r % len(names):] + names[:r % len(names)]
-            for n in order:
-                runs[n].append(workers[n].ask(f"run {args.steps}"))
-            line = "  ".join(f"{n} {tokens[variant[n]][r] / runs[n][-1]['wall']:.0f}"
-                             for n in names if n != "matmul")
-            if "matmul" in names:
-                line += "  matmul " + "/".join(f"{v:.0f}" for v in
-                                               runs["matmul"][-1]["gflops"].values()) + " GFLOP/s"
-            print(f"round {r + 1}/{args.rounds} target tok/s: {line}", flush=True)
-        total = time.perf_counter() - t0
-        if args.profile:  # after the timed rounds, so that every contender saw the same batches
-            print(f"\n=== profile: {args.profile}, 3 steps ===")
-            print(workers[args.profile].ask("profile 3")["profile"])
-    finally:
-        for w in workers.values():
-            w.close()
-        shutil.rmtree(scratch, ignore_errors=True)
 
-    med = statistics.median
+def start_workers(args, c: Contenders, data: dict, scratch: Path, threads: int,
+                  matmul_dtype: str, workers: dict[str, Worker]) -> None:
+    """One worker per contender (contender main's on the baseline commit's tree), each
+    added to ``workers`` as it starts, so that the caller closes whatever started."""
+    tree = (harness.extract_tree(args.baseline, scratch / "baseline")
+            if "main" in c.base.values() else None)
+    for n in c.names:
+        n_params, n_shards, n_tokenizer = data[c.variant[n]]
+        spec = {"name": n, "params": str(n_params), "shards": str(n_shards),
+                "tokenizer": str(n_tokenizer), "scratch": str(scratch), "threads": threads,
+                "matmul_dtype": matmul_dtype, "train": c.trainers.get(c.base[n], {})}
+        workers[n] = Worker(spec, tree if c.base[n] == "main" else None)
+        if c.base[n] == "main":
+            print(f"{n}: {workers[n].info['aiayn']} (git {args.baseline}); params it does "
+                  f"not know, dropped: {', '.join(workers[n].info['dropped_params']) or '-'}")
+
+
+def run_rounds(args, c: Contenders, workers: dict[str, Worker], data: dict, cfg,
+               cfgs: dict) -> dict:
+    """Warm-up, then --rounds alternating rounds of --steps steps per contender; each
+    round's batches counted (tokens, FLOPs per softmax width and per arm's own shape)."""
+    from bench.flops import train_flops
+
+    for n, w in workers.items():  # warm-up: allocator, kernels, Adam state, compilation
+        t = time.perf_counter()
+        w.ask(f"run {args.warmup}")
+        print(f"warm-up {n}: {time.perf_counter() - t:.0f} s", flush=True)
+    runs: dict[str, list[dict]] = {n: [] for n in c.names}
+    flops = {v: [] for v in data}  # per batch size: the round's model FLOPs and tokens
+    tokens = {v: [] for v in data}
+    # the softmax's width per contender (model.output_vocab), and per batch size and width
+    # the round's FLOPs
+    spans = {n: int(w.info.get("output_vocab") or cfg.vocab_size) for n, w in workers.items()}
+    widths = sorted(set(spans.values()))
+    span_flops = {(v, k): [] for v in data for k in widths}
+    own_flops = {n: [] for n in cfgs}  # an arm's FLOPs, on its own shape
+    for r, order in harness.rounds(c.names, args.rounds):
+        for v, (v_params, v_shards, _) in data.items():
+            batches = round_batches(v_params, v_shards, args.steps,
+                                    args.warmup + r * args.steps)
+            flops[v].append(sum(train_flops(cfg, s, t) for s, t, _ in batches))
+            for k in widths:
+                span_flops[v, k].append(sum(train_flops(cfg, s, t, k) for s, t, _ in batches))
+            tokens[v].append(sum(n for *_, n in batches))
+            for n in cfgs:
+                if c.variant[n] == v:
+                    own_flops[n].append(sum(train_flops(cfgs[n], s, t, spans[n])
+                                            for s, t, _ in batches))
+        for n in order:
+            runs[n].append(workers[n].ask(f"run {args.steps}"))
+        line = "  ".join(f"{n} {tokens[c.variant[n]][r] / runs[n][-1]['wall']:.0f}"
+                         for n in c.names if n != "matmul")
+        if "matmul" in c.names:
+            line += "  matmul " + "/".join(f"{v:.0f}" for v in
+                                           runs["matmul"][-1]["gflops"].values()) + " GFLOP/s"
+        print(f"round {r + 1}/{args.rounds} target tok/s: {line}", flush=True)
     # each contender's FLOPs per round: an arm's on its own shape, the others' on the preset's
-    n_flops = {n: own_flops[n] if n in cfgs else span_flops[variant[n], spans[n]]
-               for n in names if n != "matmul"}
+    n_flops = {n: own_flops[n] if n in cfgs else span_flops[c.variant[n], spans[n]]
+               for n in c.names if n != "matmul"}
+    return {"runs": runs, "tokens": tokens, "flops": flops, "n_flops": n_flops, "spans": spans}
+
+
+# the pairs whose ratio is printed when both ran
+PAIRS = (("fast", "main"), ("fast", "plain"), ("plain", "main"), ("fast", "nn"),
+         ("fast+drop", "nn+drop"), ("fast+compile", "fast"), ("fast+compile", "main"),
+         ("fast+drop", "fast"), ("nn+drop", "nn"), ("fast+target", "fast+shared"),
+         ("fast+shared", "main"), ("fast+shared", "nn"), ("fast+target", "main"))
+
+
+def summarise(args, c: Contenders, measured: dict) -> tuple[dict, dict | None, dict, dict]:
+    """(results per contender, the matmul rates or None, ratios of tokens/s, tokens/s per
+    round): medians over rounds, ratios medians of per-round ratios."""
+    med = statistics.median
+    runs, tokens, n_flops, spans = (measured[k] for k in ("runs", "tokens", "n_flops", "spans"))
     results, tps = {}, {}
-    for n in names:
+    for n in c.names:
         if n == "matmul":
             continue
-        n_tokens = tokens[variant[n]]
+        n_tokens = tokens[c.variant[n]]
         tps[n] = [n_tokens[r] / x["wall"] for r, x in enumerate(runs[n])]
-        results[n] = {"tokens_per_s": med(tps[n]), "batch_tokens": variant[n],
+        results[n] = {"tokens_per_s": med(tps[n]), "batch_tokens": c.variant[n],
                       "output_vocab": spans[n],
                       "gflop_per_s": med(n_flops[n][r] / x["wall"] / 1e9
                                          for r, x in enumerate(runs[n])),
@@ -736,7 +717,7 @@ def main(argv: list[str] | None = None) -> dict:
                       **{k: runs[n][-1][k] for k in ("graphs", "graph_breaks")
                          if k in runs[n][-1]}}
     matmul = None
-    if "matmul" in names:
+    if "matmul" in c.names:
         per_round = [statistics.fmean(x["gflops"].values()) for x in runs["matmul"]]
         matmul = {"gflop_per_s": med(per_round), "rounds": per_round,
                   "shapes": {k: med(x["gflops"][k] for x in runs["matmul"])
@@ -744,32 +725,28 @@ def main(argv: list[str] | None = None) -> dict:
         for n, res in results.items():
             res["matmul_fraction"] = med(n_flops[n][r] / x["wall"] / 1e9 / per_round[r]
                                          for r, x in enumerate(runs[n]))
+    pairs = [(a, b) for a, b in PAIRS if a in tps and b in tps]
+    pairs += [(n, c.base[n]) for n in tps  # each batch size against the preset's
+              if c.variant[n] is not None and c.base[n] in tps]
+    pairs += [(n, "fast") for n in tps if c.base[n] in c.arms and "fast" in tps]
+    ratios = {f"{a} / {b}": harness.ratio(tps[a], tps[b]).median for a, b in pairs}
+    return results, matmul, ratios, tps
 
-    def ratio(a: str, b: str) -> float:
-        return med(x / y for x, y in zip(tps[a], tps[b], strict=True))
 
-    pairs = [(a, b) for a, b in (("fast", "main"), ("fast", "plain"), ("plain", "main"),
-                                 ("fast", "nn"), ("fast+drop", "nn+drop"),
-                                 ("fast+compile", "fast"), ("fast+compile", "main"),
-                                 ("fast+drop", "fast"), ("nn+drop", "nn"),
-                                 ("fast+target", "fast+shared"), ("fast+shared", "main"),
-                                 ("fast+shared", "nn"), ("fast+target", "main"))
-             if a in tps and b in tps]
-    pairs += [(n, base[n]) for n in tps  # each batch size against the preset's
-              if variant[n] is not None and base[n] in tps]
-    pairs += [(n, "fast") for n in tps if base[n] in arms and "fast" in tps]
-    ratios = {f"{a} / {b}": ratio(a, b) for a, b in pairs}
-
-    width = max(len(n) for n in names) + 2
-    print(f"\n{total / 60:.1f} min")
-    for v in data:
+def print_report(args, c: Contenders, p, cfg, measured: dict, summary: tuple,
+                 matmul_dtype: str, minutes: float) -> None:
+    results, matmul, ratios, tps = summary
+    tokens, flops, spans = measured["tokens"], measured["flops"], measured["spans"]
+    width = max(len(n) for n in c.names) + 2
+    print(f"\n{minutes:.1f} min")
+    for v in tokens:
         print(f"batches of <= {v or p.shard.max_tokens} tokens: "
               f"{statistics.fmean(tokens[v]) / args.steps:.0f} non-pad target tokens and "
               f"{statistics.fmean(flops[v]) / args.steps / 1e9:.1f} GFLOP (model FLOPs) per step")
     if any(k != cfg.vocab_size for k in spans.values()):
         print("softmax over the target side's tokens only (model.output_vocab: target), its "
               "FLOPs counted at that width: " + ", ".join(
-                  f"{n} {spans[n]}" for n in names if spans[n] != cfg.vocab_size)
+                  f"{n} {spans[n]}" for n in c.names if spans[n] != cfg.vocab_size)
               + f" of {cfg.vocab_size} tokens")
     head = f"{'contender':<{width}}{'target tok/s':>13}{'GFLOP/s':>9}"
     head += f"{'of matmul':>11}" if matmul else ""
@@ -793,14 +770,77 @@ def main(argv: list[str] | None = None) -> dict:
         print("\nratios of target tokens/s (median over rounds of the per-round ratio):")
         for k, v in ratios.items():
             print(f"  {k:<{2 * width + 3}}{v:6.2f}x")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.worker:
+        worker_main(json.loads(args.worker))
+        return {}
+    import torch
+    import yaml
+
+    from aiayn.config import parse_params
+    from aiayn.precision import autocast_dtype
+    from aiayn.tokenizer import load_tokenizer
+    from aiayn.trainer import model_config
+
+    c = choose_contenders(args)
+    threads = args.threads or torch.get_num_threads()
+    data = prepare_variants(args, c)
+    params, shards, tokenizer = data[next(iter(data))]  # one model config in each
+    p = parse_params(yaml.safe_load(params.read_text()))
+    vocab = load_tokenizer(tokenizer).get_vocab_size()
+    cfg = model_config(p, vocab)
+    # an arm's own model (its FLOPs); every other contender computes the preset's
+    cfgs = {n: model_config(c.arm_params[c.base[n]], vocab) for n in c.names
+            if c.base[n] in c.arms}
+    amp = autocast_dtype(p.train.precision, torch.device("cpu"))
+    matmul_dtype = "bfloat16" if amp == torch.bfloat16 else "float32"
+    facts = {**harness.machine_facts(), "threads": threads}  # the workers' threads
+    info = {**{k: facts[k] for k in ("cpu", "native_bf16", "logical_cpus", "cpu_capability",
+                                     "instruction_caps", "threads", "torch", "python")},
+            "preset": args.preset, "overrides": list(args.set), "arms": c.arms,
+            "precision": p.train.precision, "matmul_dtype": matmul_dtype,
+            "model": cfg.to_dict(),
+            "contenders": c.names, "baseline": args.baseline, "rounds": args.rounds,
+            "steps": args.steps, "warmup": args.warmup,
+            "command": harness.command_line("bench.train_throughput", argv),
+            "load_average": os.getloadavg()}
+    print(f"{harness.machine_line(facts)}; load average "
+          + " ".join(f"{x:.1f}" for x in info["load_average"]))
+    overrides = "".join(f" -S {o}" for o in args.set)
+    print(f"preset {args.preset}{overrides}: d_model {cfg.d_model}, {cfg.encoder_layers}+"
+          f"{cfg.decoder_layers} layers, d_ff {cfg.d_ff}, {cfg.heads} heads, vocabulary "
+          f"{cfg.vocab_size}, dropout {cfg.dropout}, batches <= {p.shard.max_tokens} tokens, "
+          f"precision {p.train.precision}")
+
+    scratch = Path(tempfile.mkdtemp(prefix="run-", dir=args.workdir))
+    workers: dict[str, Worker] = {}
+    try:
+        t0 = time.perf_counter()
+        start_workers(args, c, data, scratch, threads, matmul_dtype, workers)
+        measured = run_rounds(args, c, workers, data, cfg, cfgs)
+        minutes = (time.perf_counter() - t0) / 60
+        if args.profile:  # after the timed rounds, so that every contender saw the same batches
+            print(f"\n=== profile: {args.profile}, 3 steps ===")
+            print(workers[args.profile].ask("profile 3")["profile"])
+    finally:
+        for w in workers.values():
+            w.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+    summary = summarise(args, c, measured)
+    print_report(args, c, p, cfg, measured, summary, matmul_dtype, minutes)
+    results, matmul, ratios, _ = summary
+    tokens, flops = measured["tokens"], measured["flops"]
     out = {"info": info, "results": results, "matmul": matmul, "ratios": ratios,
            "round_tokens": {"preset" if v is None else str(v): x for v, x in tokens.items()},
            "round_flops": {"preset" if v is None else str(v): x for v, x in flops.items()},
-           "runs": runs}
+           "runs": measured["runs"]}
     if args.json:
-        args.json.write_text(json.dumps(out, indent=2))
-        print(f"\nwrote {args.json}")
-    return out
+        print()
+    return harness.save(out, args.json, argv, facts)
 
 
 if __name__ == "__main__":

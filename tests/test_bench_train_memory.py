@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import statistics
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -94,7 +95,7 @@ def test_a_run_alternates_the_modes_and_writes_the_summaries_and_ratios(workers,
     modes = [cmd[cmd.index("--worker") + 1] for cmd in workers]
     assert modes == ["notrim", "trim", "notrim", "trim"]
     for cmd in workers:
-        assert cmd[1] == memory.__file__
+        assert cmd[:3] == [sys.executable, "-m", "bench.train_memory"]
         assert cmd[cmd.index("--steps") + 1] == "30"
         asked = json.loads(cmd[cmd.index("--spec") + 1])["stand-in"]  # what prepare was given
         assert (asked["max_tokens"], asked["seed"], asked["precision"]) == (512, 7, "fp32")
@@ -127,11 +128,13 @@ def test_a_run_alternates_the_modes_and_writes_the_summaries_and_ratios(workers,
 
 def test_report_reprints_the_tables_of_a_saved_run_without_running(workers, tmp_path,
                                                                    capsys):
-    """--report FILE prints what the run that wrote FILE printed, less its progress lines."""
+    """--report FILE prints what the run that wrote FILE printed (its machine line too), less
+    its progress lines and the line naming the file."""
     out = tmp_path / "memory.json"
     memory.main(["--steps", "24", "--warmup", "4", "--json", str(out)])
     during = [line for line in capsys.readouterr().out.splitlines()
-              if not line.startswith("[1/1]")]
+              if not line.startswith(("[1/1]", "wrote "))]
+    assert during[0].startswith("CPU ")
     started = len(workers)
     saved = memory.main(["--report", str(out)])
     assert len(workers) == started  # no worker ran
