@@ -3,6 +3,7 @@
 #
 #   bash bench/gpu_session.sh prepare   # here, with .venv: wheels, multi30k data and params
 #   bash bench/gpu_session.sh           # there, from the repository root ($OUT: results)
+# The bench scripts run as modules from the repository root ($PY -m bench.gpu_step).
 #
 # `prepare` fills two git-ignored folders that travel with the working tree:
 #   .whl/       wheels of what the pipeline needs beyond a CUDA PyTorch image (pydantic and
@@ -10,7 +11,7 @@
 #   .gpu/m30k/  the multi30k preset's params.yaml (a step budget: STEPS, with a MINUTES
 #               guard) and data/{raw,vocab,shards}, built by the pipeline's own stages.
 # The run then, each part under its own time limit so that one failure leaves the others:
-#   1. bench/gpu_step.py, base and big, bf16, eager: tokens/s, split, MFU; base again with
+#   1. bench.gpu_step, base and big, bf16, eager: tokens/s, split, MFU; base again with
 #      cuDNN attention allowed (the baseline of avoid_cudnn_attention), and on batch shapes
 #      met before, profiled, and on them with the loss in the CPU's blocks (the baseline
 #      of aiayn.kernels.loss_blocks on CUDA)
@@ -26,7 +27,7 @@
 #      train.steps; the lr cooldown by steps, SCREEN_MINUTES only a guard), then average
 #      (the count chosen on valid), translate valid, score valid.
 #      Valid only: the recipe is chosen on valid.
-#   5. micro-batch size (issue 44): bench/gpu_step.py, base and big, bf16, new shapes
+#   5. micro-batch size (issue 44): bench.gpu_step, base and big, bf16, new shapes
 #      every step, 25k target tokens per step as 4 x 6,250 (the default) or 1 x 25,000,
 #      eager, ABAB, with the kernel launches of a step counted; then 1 x 25,000 compiled.
 #      All under one deadline (PART5_SECONDS) so that part 6 keeps its time.
@@ -54,7 +55,7 @@ WORK=${WORK:-.gpu/m30k}                 # part 3's folder
 # an arm's own train.steps overrides SCREEN_STEPS). The default: model shapes, each trained
 # for the steps the AVX2-only CPU's hour holds at that shape's speed. SCREEN_STEPS x the
 # shape's target tokens/s over the preset's, measured side by side on that CPU
-# (bench/train_throughput.py --arm, two runs, bench/README.md): d_ff 512 1.17-1.18x,
+# (bench.train_throughput --arm, two runs, bench/README.md): d_ff 512 1.17-1.18x,
 # 2+2 layers 1.28x, d 192 (3 heads, d_ff 768) 1.40-1.48x, d 320 (5 heads, d_ff 1280)
 # 0.71-0.75x. The recipe screen of session5 (docs/results/gpu-h200/) set SCREEN to arms of
 # train.* settings at SCREEN_STEPS, e.g. "preset:;dropout0.1:model.dropout=0.1".
@@ -140,22 +141,22 @@ nproc
 
 if want 1a; then
 part "1a. gpu_step: base and big, bf16, eager, new batch shapes every step"
-timeout 150 $PY bench/gpu_step.py --configs base,big --json "$OUT/gpu_step_eager.json" \
+timeout 150 $PY -m bench.gpu_step --configs base,big --json "$OUT/gpu_step_eager.json" \
     || echo "PART 1a FAILED ($?)"
 fi
 if want 1b; then
 part "1b. the same for base with cuDNN attention left in SDPA's choice (the baseline)"
-timeout 60 $PY bench/gpu_step.py --configs base --warmup 3 --steps 8 --cudnn-attention \
+timeout 60 $PY -m bench.gpu_step --configs base --warmup 3 --steps 8 --cudnn-attention \
     --json "$OUT/gpu_step_cudnn.json" || echo "PART 1b FAILED ($?)"
 fi
 if want 1c; then
 part "1c. base on shapes met before (--reuse), first and last step profiled"
-timeout 120 $PY bench/gpu_step.py --configs base --warmup 30 --steps 10 --reuse --profile \
+timeout 120 $PY -m bench.gpu_step --configs base --warmup 30 --steps 10 --reuse --profile \
     --json "$OUT/gpu_step_reuse.json" | grep -v "^USDT" || echo "PART 1c FAILED ($?)"
 fi
 if want 1d; then
 part "1d. the same shapes with the loss in the CPU's 256-row blocks (the baseline of loss_blocks)"
-timeout 90 $PY bench/gpu_step.py --configs base --warmup 30 --steps 10 --reuse --cpu-loss-blocks \
+timeout 90 $PY -m bench.gpu_step --configs base --warmup 30 --steps 10 --reuse --cpu-loss-blocks \
     --json "$OUT/gpu_step_cpu_loss_blocks.json" || echo "PART 1d FAILED ($?)"
 fi
 if want 1e; then
@@ -163,7 +164,7 @@ part "1e. base on shapes met before: weights cast once per step (default) / per 
 for round in 1 2; do
     for how in step batch; do
         flag=(); [ "$how" = batch ] && flag=(--cast-per-batch)
-        timeout 60 $PY bench/gpu_step.py --configs base --warmup 20 --steps 10 --reuse "${flag[@]}" \
+        timeout 60 $PY -m bench.gpu_step --configs base --warmup 20 --steps 10 --reuse "${flag[@]}" \
             --json "$OUT/gpu_step_cast_${how}_$round.json" || echo "PART 1e FAILED ($?)"
     done
 done
@@ -171,7 +172,7 @@ fi
 
 if want 2; then
 part "2. gpu_step: base, torch.compile inside DDP (torchrun, NCCL)"
-timeout 240 $PY -m torch.distributed.run --standalone --nproc-per-node 1 bench/gpu_step.py --ddp --compile \
+timeout 240 $PY -m torch.distributed.run --standalone --nproc-per-node 1 -m bench.gpu_step --ddp --compile \
     --configs base --warmup 8 --json "$OUT/gpu_step_compile_ddp.json" || echo "PART 2 FAILED ($?)"
 fi
 
@@ -210,7 +211,7 @@ for f in .gpu/screen/*.yaml; do
     pids+=($!)
 done
 wait "${pids[@]}"
-$PY bench/screen_table.py --runs .gpu/screen/*/
+$PY -m bench.screen_table --runs .gpu/screen/*/
 fi
 RES=$PWD/.gpu/out  # parts 5 and 6 write here; packed into $OUT/results.tar.gz after each
 mkdir -p "$RES"
@@ -225,7 +226,7 @@ step_run() {  # $1: the JSON's name, $2: the seconds it may take at most; the re
     if [ "$limit" -lt 15 ]; then echo "PART 5 SKIPPED $name: part 5's deadline"; return; fi
     local run=($PY)
     case " $* " in *" --ddp "*) run=($PY -m torch.distributed.run --standalone --nproc-per-node 1);; esac
-    timeout "$limit" "${run[@]}" bench/gpu_step.py --configs base,big --count-kernels "$@" \
+    timeout "$limit" "${run[@]}" -m bench.gpu_step --configs base,big --count-kernels "$@" \
         --json "$RES/gpu_step_$name.json" || echo "PART 5 FAILED $name ($?)"
 }
 for round in 1 2; do
@@ -260,7 +261,7 @@ for f in .gpu/conv/*.yaml; do
 done
 wait "${pids[@]}"
 pack
-$PY bench/screen_table.py --runs .gpu/conv/*/ | tee "$RES/conv_summary.log"
+$PY -m bench.screen_table --runs .gpu/conv/*/ | tee "$RES/conv_summary.log"
 # the recipe is chosen on valid: the arm with the best mean valid sacreBLEU translates test
 best=$($PY - <<'PYEOF'
 import json, pathlib, statistics

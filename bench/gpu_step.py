@@ -2,11 +2,11 @@
 
 Usage (from the repository root)::
 
-    .venv/bin/python bench/gpu_step.py                      # base and big, bf16, if a GPU is there
-    .venv/bin/python bench/gpu_step.py --configs base --steps 30 --compile
-    .venv/bin/python bench/gpu_step.py --estimate           # the table only, no measuring
-    .venv/bin/python bench/gpu_step.py --device cpu --configs tiny --steps 3   # smoke test
-    torchrun --standalone --nproc-per-node 1 bench/gpu_step.py --ddp --compile --configs base
+    .venv/bin/python -m bench.gpu_step                      # base and big, bf16, if a GPU is there
+    .venv/bin/python -m bench.gpu_step --configs base --steps 30 --compile
+    .venv/bin/python -m bench.gpu_step --estimate           # the table only, no measuring
+    .venv/bin/python -m bench.gpu_step --device cpu --configs tiny --steps 3   # smoke test
+    torchrun --standalone --nproc-per-node 1 -m bench.gpu_step --ddp --compile --configs base
 
 With a CUDA device it measures, for the paper's base and big configurations (Table 3, shared
 37k BPE vocabulary), the step the trainer takes with the defaults: ``train.kernels: fast``
@@ -23,7 +23,7 @@ median 26 BPE tokens, 2..256, target = source x N(1, 0.1)), made once, random id
 step's new (``--reuse``: the measured steps cycle through the warm-up's, shapes met
 before). It prints target tokens/s, the step's time split into forward + loss (the fused
 loss also forms its own gradients there), backward and optimizer (CUDA events, read once
-per step), peak memory, and MFU: model FLOPs (``bench/flops.py``: weight matmuls,
+per step), peak memory, and MFU: model FLOPs (``bench.flops``: weight matmuls,
 attention and the tied projection of the real tokens, x3 for forward + backward) per
 second over the GPU's dense bf16 peak (H100 SXM/H200 989, H100 PCIe 756, A100 312, L4 121,
 A10 125 TFLOP/s; ``--peak-tflops`` for others). With ``--compile`` it also counts the
@@ -43,10 +43,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -54,17 +52,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from aiayn import kernels  # noqa: E402
-from aiayn.model import Transformer, TransformerConfig, avoid_cudnn_attention  # noqa: E402
-from aiayn.objective import make_optimizer  # noqa: E402
-from aiayn.precision import autocast_dtype, no_autocast, step_casts  # noqa: E402
-from aiayn.sampler import Batch  # noqa: E402
-from aiayn.trainer import batch_loss  # noqa: E402
-from bench.flops import train_flops  # noqa: E402
+from aiayn import kernels
+from aiayn.model import Transformer, TransformerConfig, avoid_cudnn_attention
+from aiayn.objective import make_optimizer
+from aiayn.precision import autocast_dtype, no_autocast, step_casts
+from aiayn.sampler import Batch
+from aiayn.trainer import batch_loss
+from bench import harness
+from bench.flops import train_flops
 
 VOCAB = 37000
 CONFIGS = {
@@ -75,7 +70,6 @@ CONFIGS = {
     "tiny": dict(d_model=64, heads=4, encoder_layers=2, decoder_layers=2, d_ff=128,
                  dropout=0.1),  # a smoke test of this script, on any device
 }
-CPU_LOSS_BLOCKS = kernels.loss_blocks  # kept for --cpu-loss-blocks
 PAPER_STEPS = {"base": 100_000, "big": 300_000, "tiny": 1000}
 PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.4, "H200": 989.4, "GH200": 989.4,
                     "A100": 312.0, "A800": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
@@ -107,7 +101,7 @@ def estimate_table(tokens_per_step: int) -> list[dict]:
 def print_estimate(tokens_per_step: int) -> list[dict]:
     rows = estimate_table(tokens_per_step)
     print(f"\nESTIMATE, not a measurement: model FLOPs counted for sentences of {MEAN_LENGTH:.0f} "
-          f"BPE tokens and {tokens_per_step:,} target tokens per step (bench/flops.py)")
+          f"BPE tokens and {tokens_per_step:,} target tokens per step (bench.flops)")
     print(f"{'config':<7}{'steps':>9}{'TFLOP/step':>12}  {'hardware':<14}"
           + "".join(f"{f'{m:.0%} MFU':>10}" for m in (0.3, 0.4, 0.5)))
     for i in range(0, len(rows), 3):
@@ -314,9 +308,8 @@ def peak_tflops(device_name: str) -> float | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = harness.parser(__doc__)
     ap.add_argument("--configs", default="base,big", help="base, big and/or tiny")
     ap.add_argument("--device", default=None, help="cuda (default when there is one) or cpu")
     ap.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"))
@@ -347,63 +340,87 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--estimate", action="store_true", help="only print the estimate table")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    harness.require_positive(ap, args, "steps", "tokens_per_step", "max_tokens")
     if args.profile and args.steps < 2:
         ap.error("--profile takes the last step out of the measured ones: give --steps 2 or more")
     if args.reuse and args.warmup < 1:
         ap.error("--reuse cycles through the warm-up's batches: give --warmup 1 or more")
+    if args.ddp and "LOCAL_RANK" not in os.environ:
+        ap.error("--ddp needs torchrun: torchrun --standalone --nproc-per-node N "
+                 "-m bench.gpu_step --ddp ...")
+    return args
+
+
+def start_device(args) -> torch.device:
+    """The device to measure on; under --ddp this rank's, with its process group."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.ddp:
-        if "LOCAL_RANK" not in os.environ:
-            ap.error("--ddp needs torchrun: torchrun --standalone --nproc-per-node N "
-                     "bench/gpu_step.py --ddp ...")
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if not args.cudnn_attention:
         avoid_cudnn_attention(device)  # as the trainer and the translator do
-    if args.cpu_loss_blocks:  # the baseline: whatever the device, the CPU's blocks
-        kernels.loss_blocks = lambda _device, vocab: CPU_LOSS_BLOCKS(torch.device("cpu"), vocab)
+    return device
+
+
+def measure_configs(args, device: torch.device) -> list[dict]:
+    """Each of --configs measured and printed in turn."""
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"measuring on {where}; torch {torch.__version__}; "
+          f"{args.tokens_per_step:,} target tokens per step in batches of "
+          f"<= {args.max_tokens} tokens; kernels fast; fused Adam"
+          + ("; torch.compile" if args.compile else "")
+          + ("; cuDNN attention allowed" if args.cudnn_attention else "")
+          + ("; the loss in CPU-sized blocks" if args.cpu_loss_blocks else "")
+          + (f"; DDP over {dist.get_world_size()} process(es), "
+             f"{dist.get_backend()}" if args.ddp else ""))
+    measured = []
+    for name in args.configs.split(","):
+        r = measure(name, args, device)
+        measured.append(r)
+        split = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in r["split_s"].items())
+        line = (f"{name}: {r['precision']}, accumulation {r['accumulation']}, "
+                f"{r['tokens_per_s']:,.0f} target tokens/s, {r['tflops']:.1f} TFLOP/s; "
+                f"{split}")
+        if r["launches_per_step"]:
+            line += "; per step " + ", ".join(f"{v:,} {k}"
+                                              for k, v in r["launches_per_step"].items())
+        if "graphs" in r:
+            line += (f"; {r['graphs']} graph(s), {r['graph_breaks']} graph break(s) over "
+                     f"{r['batch_shapes']} batch shapes")
+        if "peak_memory_gib" in r:
+            mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "unknown peak"
+            line += (f"; peak memory {r['peak_memory_gib']:.1f} GiB; MFU {mfu}; "
+                     f"{PAPER_STEPS[name]:,} steps in {r['hours_for_paper_steps']:.1f} h")
+        print(line, flush=True)
+    return measured
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    device = start_device(args)
     out: dict = {"estimate": None, "measured": [], "torch": torch.__version__,
                  "device": (torch.cuda.get_device_name(device) if device.type == "cuda"
                             else "CPU"),
                  "world_size": dist.get_world_size() if args.ddp else 1}
+    print(harness.machine_line())
     if args.estimate or (device.type != "cuda" and args.device is None):
         print("No GPU here (torch.cuda.is_available() is False): nothing was measured on a GPU."
               if device.type != "cuda" else "--estimate: nothing was measured.")
         out["estimate"] = print_estimate(args.tokens_per_step)
     else:
-        where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-        print(f"measuring on {where}; torch {torch.__version__}; "
-              f"{args.tokens_per_step:,} target tokens per step in batches of "
-              f"<= {args.max_tokens} tokens; kernels fast; fused Adam"
-              + ("; torch.compile" if args.compile else "")
-              + ("; cuDNN attention allowed" if args.cudnn_attention else "")
-              + ("; the loss in CPU-sized blocks" if args.cpu_loss_blocks else "")
-              + (f"; DDP over {dist.get_world_size()} process(es), "
-                 f"{dist.get_backend()}" if args.ddp else ""))
-        for name in args.configs.split(","):
-            r = measure(name, args, device)
-            out["measured"].append(r)
-            split = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in r["split_s"].items())
-            line = (f"{name}: {r['precision']}, accumulation {r['accumulation']}, "
-                    f"{r['tokens_per_s']:,.0f} target tokens/s, {r['tflops']:.1f} TFLOP/s; "
-                    f"{split}")
-            if r["launches_per_step"]:
-                line += "; per step " + ", ".join(f"{v:,} {k}"
-                                                  for k, v in r["launches_per_step"].items())
-            if "graphs" in r:
-                line += (f"; {r['graphs']} graph(s), {r['graph_breaks']} graph break(s) over "
-                         f"{r['batch_shapes']} batch shapes")
-            if "peak_memory_gib" in r:
-                mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "unknown peak"
-                line += (f"; peak memory {r['peak_memory_gib']:.1f} GiB; MFU {mfu}; "
-                         f"{PAPER_STEPS[name]:,} steps in {r['hours_for_paper_steps']:.1f} h")
-            print(line, flush=True)
+        saved = kernels.loss_blocks
+        if args.cpu_loss_blocks:  # the baseline: whatever the device, the CPU's blocks
+            kernels.loss_blocks = lambda _device, vocab: saved(torch.device("cpu"), vocab)
+        try:  # loss_blocks is the module's: put it back whatever happens (tests import this)
+            out["measured"] = measure_configs(args, device)
+        finally:
+            kernels.loss_blocks = saved
         if device.type == "cuda":
             out["estimate"] = print_estimate(args.tokens_per_step)
-    if args.json and (not args.ddp or dist.get_rank() == 0):
-        args.json.write_text(json.dumps(out, indent=2))
+    write = args.json if not args.ddp or dist.get_rank() == 0 else None
+    out = harness.save(out, write, argv)
     if args.ddp:
         dist.destroy_process_group()
     return out
