@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     harness.require_positive(ap, args, "tokens", "heads", "d_head", "rounds", "threads")
-    lengths = harness.int_list(ap, "--lengths", args.lengths)
+    lengths = harness.int_list(ap, "--lengths", args.lengths, "length")
     if args.threads:
         torch.set_num_threads(args.threads)
     fns = contenders()

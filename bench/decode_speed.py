@@ -3,15 +3,15 @@ model in CTranslate2 (fp32, int8) and in Hugging Face transformers, same weights
 
 Usage (from the repository root)::
 
-    .venv/bin/python bench/decode_speed.py                    # 4 batches x 3 rounds, 2 threads
-    .venv/bin/python bench/decode_speed.py --threads 2,1 --json out.json
-    .venv/bin/python bench/decode_speed.py --profile          # + where the cached search spends
-    .venv/bin/python bench/decode_speed.py --model data/model \
+    .venv/bin/python -m bench.decode_speed                    # 4 batches x 3 rounds, 2 threads
+    .venv/bin/python -m bench.decode_speed --threads 2,1 --json out.json
+    .venv/bin/python -m bench.decode_speed --profile          # + where the cached search spends
+    .venv/bin/python -m bench.decode_speed --model data/model \
         --inputs ../shared/data/multi30k/test2016.en \
         --references ../shared/data/multi30k/test2016.de \
         --batches 16 --recompute-batches 0                    # a trained model, all of test2016,
                                                               # with BLEU of every engine
-    .venv/bin/python bench/decode_speed.py --help
+    .venv/bin/python -m bench.decode_speed --help
 
 The exports come from the library (``aiayn.export``: ``save_ctranslate2``, ``to_marian``)
 and decode through its engines (``aiayn.engines``), as ``aiayn export`` and ``aiayn
@@ -162,10 +162,8 @@ import hashlib
 import io
 import json
 import os
-import platform
 import pstats
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -175,14 +173,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from aiayn.beam import BeamConfig, beam_search, max_lengths  # noqa: E402
-from aiayn.model import Transformer, TransformerConfig  # noqa: E402
-from aiayn.precision import cpu_has_native_bf16  # noqa: E402
-from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, decode, encode_ids  # noqa: E402
-from bench.cli import require_positive  # noqa: E402
-from bench.machine import cpu_model  # noqa: E402
+from aiayn.beam import BeamConfig, beam_search, max_lengths
+from aiayn.model import Transformer, TransformerConfig
+from aiayn.precision import cpu_has_native_bf16
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, decode, encode_ids
+from bench import harness
 
 VOCAB = 8000
 WORDS = 500  # sentences draw their words uniformly from ids 4 .. 4 + WORDS - 1
@@ -555,9 +550,9 @@ def profile_cached(model, batch: Batch, cfg: BeamConfig) -> dict:
     return {**steps, "profiler_table": table}
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[int]]:
+    """The arguments, checked, and the thread counts of --threads."""
+    ap = harness.parser(__doc__)
     ap.add_argument("--model", type=Path, default=None,
                     help="a model folder written by `aiayn average` (model.safetensors, "
                          "config.json, tokenizer.json): benchmark it instead of training the "
@@ -617,103 +612,106 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"--model {args.model}: not a folder")
     if args.references is not None and args.inputs is None:
         ap.error("--references requires --model and --inputs")
+    harness.require_positive(ap, args, "rounds", "batches")
+    return args, harness.int_list(ap, "--threads", args.threads, "thread count")
 
-    require_positive(ap, args, "rounds", "batches")
-    try:
-        threads = [int(t) for t in args.threads.split(",")]
-    except ValueError:
-        ap.error(f"--threads {args.threads!r}: give thread counts separated by commas, e.g. 1,2")
-    if min(threads) < 1:
-        ap.error(f"--threads {args.threads!r}: each thread count must be at least 1")
-    cfg = BeamConfig(beam=args.beam, alpha=args.alpha, max_len_a=1.0, max_len_b=args.max_len_b)
-    command = [sys.executable, __file__, *(sys.argv[1:] if argv is None else argv)]
-    info: dict = {"command": " ".join(command), "torch": torch.__version__,
-                  "cpu": cpu_model(), "logical_cpus": os.cpu_count(),
-                  "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                  "python": platform.python_version(), "threads": threads,
-                  "beam": vars(cfg), "rounds": args.rounds}
-    ct2 = None
+
+def describe(args, threads: list[int], cfg: BeamConfig, argv: list[str] | None) -> dict:
+    """The run's header facts (printed) and the engines' versions: the start of the report."""
+    facts = harness.machine_facts()
+    info: dict = {"command": harness.command_line("bench.decode_speed", argv),
+                  **{k: facts[k] for k in ("torch", "cpu", "logical_cpus", "cpu_capability",
+                                           "python")},
+                  "threads": threads, "beam": vars(cfg), "rounds": args.rounds}
     if not args.no_ct2:
-        import ctranslate2 as ct2
-        info["ctranslate2"] = ct2.__version__
-        info["ct2_compute_types_cpu"] = sorted(ct2.get_supported_compute_types("cpu"))
+        import ctranslate2
+
+        info["ctranslate2"] = ctranslate2.__version__
+        info["ct2_compute_types_cpu"] = sorted(ctranslate2.get_supported_compute_types("cpu"))
     if not args.no_hf:
         from aiayn.export import quiet_transformers
+
         info["transformers"] = quiet_transformers().__version__
-    print(f"torch {torch.__version__}  ctranslate2 {info.get('ctranslate2', '-')}  "
-          f"transformers {info.get('transformers', '-')}  "
-          f"CPU {info['cpu']} ({info['logical_cpus']} logical, {info['cpu_capability']})  "
-          f"threads {threads}")
+    print(harness.machine_line(facts))
+    print(f"ctranslate2 {info.get('ctranslate2', '-')}  "
+          f"transformers {info.get('transformers', '-')}  threads {threads}")
     info["load_average_start"] = os.getloadavg()
     print("load average (1, 5, 15 min): " + " ".join(f"{x:.1f}" for x in os.getloadavg()))
+    return info
 
-    tokenizer = None
-    if args.model is not None:
-        from aiayn.errors import DataError
-        try:
-            model, info["model"], vocab, tokenizer = load_real_model(args.model)
-        except DataError as exc:
-            raise SystemExit(f"error: {exc}") from None
-        info["model"]["config"] = model.cfg.to_dict()
-        pool, texts, info["inputs"], chosen = read_inputs(
-            args.inputs, tokenizer, args.batches * args.batch_size, args.select,
-            model.cfg.max_positions)
-        if not pool:
-            raise SystemExit(f"error: --inputs {args.inputs} has no non-empty line")
-        refs = None
-        if args.references is not None:
-            lines = args.references.read_text(encoding="utf-8").splitlines()
-            if len(lines) != info["inputs"]["lines"]:
-                raise SystemExit(f"error: --references {args.references} has {len(lines)} "
-                                 f"lines, --inputs {info['inputs']['lines']}")
-            refs = [lines[i] for i in chosen]
-            info["references"] = str(args.references)
-        batches = cut_batches(pool, args.batch_size, vocab, cfg, model.cfg.max_positions, texts,
-                              refs)
-        print("inputs: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
-                                     for k, v in info["inputs"].items()))
-    else:
-        vocab = VOCAB_TOKENS
+
+def model_and_batches(args, cfg: BeamConfig, info: dict) -> tuple:
+    """(model, vocabulary, tokenizer or None, batches): --model's on --inputs' lines, or the
+    copy-task model on its synthetic sentences; what they are goes into ``info``."""
+    if args.model is None:
         model, info["model"] = build_model(args)
         info["model"]["config"] = model.cfg.to_dict()
         batches = make_batches(args.batches, args.batch_size, args.min_words, args.max_words,
                                args.seed, cfg, model.cfg.max_positions)
-    token_id = {t: i for i, t in enumerate(vocab)}
-    n_sent = sum(len(b.words) for b in batches)
-    mid = len(batches) // 2
-    rc_idx = sorted({min(len(batches) - 1, max(0, mid - args.recompute_batches // 2 + j))
-                     for j in range(args.recompute_batches)}) if args.recompute_batches else []
-    info["batches"] = [{"shape": list(b.src.shape), "words": [len(b.words[0]), len(b.words[-1])],
-                        "ct2_max_len": b.ct2_max_len} for b in batches]
-    info["recompute_batches"] = rc_idx
-    print(f"{len(batches)} batches x {args.batch_size}: source shapes "
-          + " ".join(f"{tuple(b.src.shape)}" for b in batches)
-          + f"; recompute timed on batch(es) {rc_idx}")
+        return model, VOCAB_TOKENS, None, batches
+    from aiayn.errors import DataError
 
+    try:
+        model, info["model"], vocab, tokenizer = load_real_model(args.model)
+    except DataError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    info["model"]["config"] = model.cfg.to_dict()
+    pool, texts, info["inputs"], chosen = read_inputs(
+        args.inputs, tokenizer, args.batches * args.batch_size, args.select,
+        model.cfg.max_positions)
+    if not pool:
+        raise SystemExit(f"error: --inputs {args.inputs} has no non-empty line")
+    refs = None
+    if args.references is not None:
+        lines = args.references.read_text(encoding="utf-8").splitlines()
+        if len(lines) != info["inputs"]["lines"]:
+            raise SystemExit(f"error: --references {args.references} has {len(lines)} "
+                             f"lines, --inputs {info['inputs']['lines']}")
+        refs = [lines[i] for i in chosen]
+        info["references"] = str(args.references)
+    batches = cut_batches(pool, args.batch_size, vocab, cfg, model.cfg.max_positions, texts,
+                          refs)
+    print("inputs: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+                                 for k, v in info["inputs"].items()))
+    return model, vocab, tokenizer, batches
+
+
+@dataclass
+class Engines:
+    """The exported model's engines: CTranslate2 fp32 and int8 by thread count, and
+    transformers; a missing one is empty (None); ``folder`` holds the exports."""
+
+    ct2: dict = field(default_factory=dict)
+    ct2_int8: dict = field(default_factory=dict)
+    hf: object = None
+    folder: tempfile.TemporaryDirectory | None = None
+
+
+def make_engines(args, model, vocab: list[str], cfg: BeamConfig, threads: list[int]) -> Engines:
     from aiayn.export import save_ctranslate2, to_marian
 
     limit = model.cfg.max_positions
-    translators, translators_int8 = {}, {}
-    tmpdir = None
-    if ct2 is not None:
-        tmpdir = tempfile.TemporaryDirectory(prefix="aiayn_ct2_")
-        path = save_ctranslate2(model, vocab, Path(tmpdir.name) / "fp32")
-        for t in threads:
-            translators[t] = ct2_engine(path, vocab, limit, "float32", t)
+    engines = Engines()
+    if not args.no_ct2:
+        engines.folder = tempfile.TemporaryDirectory(prefix="aiayn_ct2_")
+        path = save_ctranslate2(model, vocab, Path(engines.folder.name) / "fp32")
+        engines.ct2 = {t: ct2_engine(path, vocab, limit, "float32", t) for t in threads}
         if not args.no_int8:
-            path8 = save_ctranslate2(model, vocab, Path(tmpdir.name) / "int8", "int8")
-            for t in threads:
-                translators_int8[t] = ct2_engine(path8, vocab, limit, "int8", t)
-    hf = None
+            path8 = save_ctranslate2(model, vocab, Path(engines.folder.name) / "int8", "int8")
+            engines.ct2_int8 = {t: ct2_engine(path8, vocab, limit, "int8", t) for t in threads}
     if not args.no_hf:
         from aiayn.engines import TransformersTranslator
 
-        hf = TransformersTranslator(to_marian(model, cfg.beam, cfg.alpha))
+        engines.hf = TransformersTranslator(to_marian(model, cfg.beam, cfg.alpha))
+    return engines
 
-    # -- agreement (untimed) --------------------------------------------------------------
-    # CTranslate2 takes one maximum length per call, ours one per sentence: here ours gets
-    # the batch's one value too (max_len_a=0, max_len_b=that), so both search the same space.
-    torch.set_num_threads(threads[0])
+
+def untimed_agreement(model, batches: list[Batch], cfg: BeamConfig, engines: Engines,
+                      threads: int, token_id: dict, tokenizer, info: dict) -> dict:
+    """Greedy and beam outputs of ours against each engine's, with one maximum length per
+    batch for both (CTranslate2 takes one per call): the agreements, and in ``info`` the
+    greedy outputs' lengths and the single (not alternated) passes' times."""
+    torch.set_num_threads(threads)
     agree: dict = {}
 
     def uniform(b: Batch, beam: int, alpha: float) -> BeamConfig:
@@ -731,24 +729,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     single: dict = {}
     greedy_ours, single["greedy"] = ours_pass(1, 0.0)
-    lens = [len(h) for g in greedy_ours for h in g]
-    cut = sum(len(h) >= m for g, b in zip(greedy_ours, batches, strict=True)
-              for h, m in zip(g, b.max_len, strict=True))
-    src_lens = [len(w) for b in batches for w in b.words]
-    info["greedy_outputs"] = {
-        "mean_src_words" if tokenizer is None else "mean_src_tokens": statistics.fmean(src_lens),
-        "mean_len": statistics.fmean(lens),
-        "min_len": min(lens), "max_len": max(lens), "distinct_lengths": len(set(lens)),
-        "longer_than_source_plus_b": cut}
-    if tokenizer is None:  # the copy task: how many outputs are the source
-        info["greedy_outputs"]["exact_copies"] = sum(
-            h == w for g, b in zip(greedy_ours, batches, strict=True)
-            for h, w in zip(g, b.words, strict=True))
+    info["greedy_outputs"] = greedy_lengths(greedy_ours, batches, tokenizer)
     print("greedy outputs (ours): " + ", ".join(
         f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
         for k, v in info["greedy_outputs"].items()), flush=True)
-    if translators:
-        tr = translators[threads[0]]
+    if engines.ct2:
+        tr = engines.ct2[threads]
         greedy_ct2, single["greedy"]["ct2_s"], _ = timed(
             lambda: [ct2_ids(ct2_decode(tr, b, 1, 0.0), token_id) for b in batches])
         agree["greedy ours vs ct2"] = agreement(sum(greedy_ours, []), sum(greedy_ct2, []))
@@ -768,26 +754,26 @@ def main(argv: list[str] | None = None) -> dict:
             single[name]["max |ct2 score - our log P normalised|"] = max(diffs)
             agree[f"{name} ours vs ct2"] = classify_beam(model, batches, ours_b, ct2_b, alpha,
                                                          uniform=True)
-        if translators_int8:
-            tr8 = translators_int8[threads[0]]
+        if engines.ct2_int8:
+            tr8 = engines.ct2_int8[threads]
             greedy_int8 = [ct2_ids(ct2_decode(tr8, b, 1, 0.0), token_id) for b in batches]
             agree["greedy ct2 fp32 vs int8"] = agreement(sum(greedy_ct2, []),
                                                          sum(greedy_int8, []))
         for v in single.values():
             v["ours / ct2 speed"] = v["ct2_s"] / v["ours_s"]
-    if hf is not None:
-        greedy_hf = [hf_decode(hf, b, 1, 0.0) for b in batches]
+    if engines.hf is not None:
+        greedy_hf = [hf_decode(engines.hf, b, 1, 0.0) for b in batches]
         agree["greedy ours vs transformers"] = agreement(sum(greedy_ours, []), sum(greedy_hf, []))
         for alpha in dict.fromkeys([0.0, cfg.alpha]):
             norm = "gnmt" if alpha == 0 else "length"
             ours_b = [ours_decode(model, b, BeamConfig(beam=cfg.beam, alpha=alpha, max_len_a=0.0,
                                                        max_len_b=b.ct2_max_len,
                                                        length_norm=norm)) for b in batches]
-            hf_b = [hf_decode(hf, b, cfg.beam, alpha) for b in batches]
+            hf_b = [hf_decode(engines.hf, b, cfg.beam, alpha) for b in batches]
             agree[f"beam {cfg.beam} alpha={alpha} ours ({norm}) vs transformers"] = agreement(
                 sum(ours_b, []), sum(hf_b, []))
     info["single_pass"] = single
-    print(f"single passes (indicative, not alternated), {threads[0]} thread(s), one max length per "
+    print(f"single passes (indicative, not alternated), {threads} thread(s), one max length per "
           "batch for both:")
     for k, v in single.items():
         print(f"  {k}: ours {v['ours_s']:.2f} s ({v['ours_decoder_steps']} decoder steps, "
@@ -800,13 +786,32 @@ def main(argv: list[str] | None = None) -> dict:
               f"{sum(v['counts'].values()) if 'counts' in v else v['sentences']} "
               f"({100 * v['rate']:.1f}%)" + (f" {v['counts']}" if "counts" in v else ""),
               flush=True)
+    return agree
 
-    # -- timing ---------------------------------------------------------------------------
-    methods = [m for m in METHODS
-               if not (m == "ct2" and not translators) and not (m == "bf16" and args.no_bf16)
-               and not (m == "ct2_int8" and not translators_int8) and not (m == "hf" and not hf)
-               and not (m == "recompute" and not rc_idx)
-               and not (m == "masked" and model.output_ids() is None)]
+
+def greedy_lengths(greedy: list, batches: list[Batch], tokenizer) -> dict:
+    """Lengths of our greedy outputs against the sources (and, for the copy task, how many
+    are the source itself)."""
+    lens = [len(h) for g in greedy for h in g]
+    cut = sum(len(h) >= m for g, b in zip(greedy, batches, strict=True)
+              for h, m in zip(g, b.max_len, strict=True))
+    src_lens = [len(w) for b in batches for w in b.words]
+    out = {"mean_src_words" if tokenizer is None else "mean_src_tokens": statistics.fmean(src_lens),
+           "mean_len": statistics.fmean(lens),
+           "min_len": min(lens), "max_len": max(lens), "distinct_lengths": len(set(lens)),
+           "longer_than_source_plus_b": cut}
+    if tokenizer is None:  # the copy task: how many outputs are the source
+        out["exact_copies"] = sum(h == w for g, b in zip(greedy, batches, strict=True)
+                                  for h, w in zip(g, b.words, strict=True))
+    return out
+
+
+def time_methods(args, model, batches: list[Batch], cfg: BeamConfig, engines: Engines,
+                 methods: list[str], threads: list[int], rc_idx: list[int],
+                 token_id: dict) -> tuple[dict, dict]:
+    """For each thread count: every method warmed up on every batch, then --rounds
+    alternating rounds, each method decoding all its batches in turn. Returns (results by
+    thread count, the first timed round's outputs by method and batch)."""
     results: dict = {}
     first_outputs: dict = {}
     for t in threads:
@@ -815,11 +820,11 @@ def main(argv: list[str] | None = None) -> dict:
         def run(method: str, bi: int, t=t):
             b = batches[bi]
             if method in ("ct2", "ct2_int8"):
-                engine = (translators if method == "ct2" else translators_int8)[t]
+                engine = getattr(engines, method)[t]
                 res, wall, cpu = timed(lambda: ct2_decode(engine, b, cfg.beam, cfg.alpha))
                 return ct2_ids(res, token_id), wall, cpu
             if method == "hf":
-                return timed(lambda: hf_decode(hf, b, cfg.beam, cfg.alpha))
+                return timed(lambda: hf_decode(engines.hf, b, cfg.beam, cfg.alpha))
             return timed(lambda: ours_decode(model, b, cfg, use_cache=method != "recompute",
                                              bf16=method == "bf16", masked=method == "masked"))
 
@@ -832,10 +837,9 @@ def main(argv: list[str] | None = None) -> dict:
                 run(m, bi)
         print(f"\nthreads {t}: warm-up {time.perf_counter() - t0:.0f} s", flush=True)
         runs = {m: [] for m in methods}
-        for r in range(args.rounds):
-            order = methods[r % len(methods):] + methods[:r % len(methods)]
+        for r, order in harness.rounds(methods, args.rounds):
             for m in order:
-                time.sleep(0.5)
+                time.sleep(0.5)  # lets the other library's OpenMP threads stop spinning
                 per = {}
                 for bi in batch_ids(m):
                     hyps, wall, cpu = run(m, bi)
@@ -847,10 +851,13 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"  round {r + 1} {m:9s} {tot[0]:7.2f} s wall {tot[1]:7.2f} s cpu "
                       f"{tot[2] / tot[0]:7.1f} sent/s {tot[3] / tot[0]:8.1f} tok/s", flush=True)
         results[t] = summarize(runs, rc_idx, args.rounds)
-    info["results"] = {str(t): v for t, v in results.items()}
+    return results, first_outputs
 
-    # -- agreement of the timed outputs ---------------------------------------------------
-    fo = first_outputs
+
+def timed_agreement(model, batches: list[Batch], cfg: BeamConfig, fo: dict,
+                    rc_idx: list[int]) -> dict:
+    """Agreement of the first timed round's outputs (``fo``: method -> batch -> outputs)."""
+    agree: dict = {}
     all_b = list(range(len(batches)))
     if "ct2" in fo:
         agree[f"timed beam {cfg.beam} alpha={cfg.alpha} ours (max len per sentence) vs ct2"] = (
@@ -870,6 +877,38 @@ def main(argv: list[str] | None = None) -> dict:
         if m in fo and "ct2" in fo:
             agree[f"timed beam {cfg.beam} alpha={cfg.alpha} ct2 vs {m}"] = agreement(
                 sum((fo["ct2"][i] for i in all_b), []), sum((fo[m][i] for i in all_b), []))
+    return agree
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args, threads = parse_args(argv)
+    cfg = BeamConfig(beam=args.beam, alpha=args.alpha, max_len_a=1.0, max_len_b=args.max_len_b)
+    info = describe(args, threads, cfg, argv)
+    model, vocab, tokenizer, batches = model_and_batches(args, cfg, info)
+    token_id = {t: i for i, t in enumerate(vocab)}
+    n_sent = sum(len(b.words) for b in batches)
+    mid = len(batches) // 2
+    rc_idx = sorted({min(len(batches) - 1, max(0, mid - args.recompute_batches // 2 + j))
+                     for j in range(args.recompute_batches)}) if args.recompute_batches else []
+    info["batches"] = [{"shape": list(b.src.shape), "words": [len(b.words[0]), len(b.words[-1])],
+                        "ct2_max_len": b.ct2_max_len} for b in batches]
+    info["recompute_batches"] = rc_idx
+    print(f"{len(batches)} batches x {args.batch_size}: source shapes "
+          + " ".join(f"{tuple(b.src.shape)}" for b in batches)
+          + f"; recompute timed on batch(es) {rc_idx}")
+    engines = make_engines(args, model, vocab, cfg, threads)
+    agree = untimed_agreement(model, batches, cfg, engines, threads[0], token_id, tokenizer,
+                              info)
+    methods = [m for m in METHODS
+               if not (m == "ct2" and not engines.ct2) and not (m == "bf16" and args.no_bf16)
+               and not (m == "ct2_int8" and not engines.ct2_int8)
+               and not (m == "hf" and engines.hf is None)
+               and not (m == "recompute" and not rc_idx)
+               and not (m == "masked" and model.output_ids() is None)]
+    results, fo = time_methods(args, model, batches, cfg, engines, methods, threads, rc_idx,
+                               token_id)
+    info["results"] = {str(t): v for t, v in results.items()}
+    agree.update(timed_agreement(model, batches, cfg, fo, rc_idx))
     if tokenizer is not None and batches[0].refs:
         info["bleu"] = bleu_scores(tokenizer, batches, fo)
     info["agreement"] = agree
@@ -886,10 +925,10 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(threads[0])
         info["profile"] = profile_cached(model, batches[mid], cfg)
     if args.json:
-        args.json.write_text(json.dumps(info, indent=2, default=str))
-        print(f"\nwrote {args.json}")
-    if tmpdir is not None:
-        tmpdir.cleanup()
+        print()
+    info = harness.save(info, args.json, argv)
+    if engines.folder is not None:
+        engines.folder.cleanup()
     return info
 
 
@@ -946,15 +985,12 @@ def summarize(runs: dict, rc_idx: list[int], rounds: int) -> dict:
     ratios: dict = {}
 
     def ratio(num: str, den: str, idx=None) -> float | None:
+        """time(num) / time(den), round by round on the same batches (``idx``: these)."""
         if num not in runs or den not in runs:
             return None
-        vals = []
-        for r in range(rounds):
-            keys = idx if idx is not None else list(runs[num][r])
-            a = sum(runs[num][r][k][0] for k in keys)
-            b = sum(runs[den][r][k][0] for k in keys)
-            vals.append(a / b)
-        return med(vals)
+        walls = {m: [sum(runs[m][r][k][0] for k in (idx if idx is not None else runs[num][r]))
+                     for r in range(rounds)] for m in (num, den)}
+        return harness.ratio(walls[num], walls[den]).median
 
     # speed ratio X/Y = time(Y) / time(X), per round on the same batches, median
     ratios["cached / recompute"] = ratio("recompute", "cached", rc_idx)

@@ -72,15 +72,16 @@ def require_positive(parser: argparse.ArgumentParser, args: argparse.Namespace,
             parser.error(f"--{name.replace('_', '-')} ({value}) must be at least 1")
 
 
-def int_list(parser: argparse.ArgumentParser, option: str, text: str) -> list[int]:
+def int_list(parser: argparse.ArgumentParser, option: str, text: str,
+             what: str = "whole number") -> list[int]:
     """``text`` ("2,1") as whole numbers of at least 1, else argparse's usage error naming
-    ``option`` and the form to use."""
+    ``option``, ``what`` each number is, and the form to use."""
     try:
         values = [int(x) for x in text.split(",")]
     except ValueError:
-        parser.error(f"{option} {text!r}: give whole numbers separated by commas, e.g. 1,2")
+        parser.error(f"{option} {text!r}: give {what}s separated by commas, e.g. 1,2")
     if min(values) < 1:
-        parser.error(f"{option} {text!r}: each number must be at least 1")
+        parser.error(f"{option} {text!r}: each {what} must be at least 1")
     return values
 
 

@@ -444,7 +444,7 @@ def test_copy_task_run_reports_every_method_and_the_engines_agree(tmp_path, keep
             mc["heads"], mc["d_ff"], mc["norm"]) == (8000, 256, 3, 3, 4, 1024, "post")
     assert info["beam"]["beam"] == 4 and info["beam"]["alpha"] == 0.6
     assert info["threads"] == [1] and info["rounds"] == 2
-    assert info["command"].endswith("bench/decode_speed.py --train-steps 0 --batches 2 "
+    assert info["command"].endswith("-m bench.decode_speed --train-steps 0 --batches 2 "
                                     "--batch-size 4 --rounds 2 --threads 1 --min-words 3 "
                                     "--max-words 6 --max-len-b 5 --no-hf --no-bf16 --json "
                                     f"{out}")  # the arguments main was given, not pytest's

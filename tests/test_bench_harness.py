@@ -104,15 +104,15 @@ def checked(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--threads", default="2")
     args = ap.parse_args(argv)
     harness.require_positive(ap, args, "rounds", "trim_every")
-    args.threads = harness.int_list(ap, "--threads", args.threads)
+    args.threads = harness.int_list(ap, "--threads", args.threads, "thread count")
     return args
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--rounds", "0"], "--rounds (0) must be at least 1"),
     (["--trim-every", "-3"], "--trim-every (-3) must be at least 1"),
-    (["--threads", "2,x"], "--threads '2,x': give whole numbers separated by commas"),
-    (["--threads", "2,0"], "--threads '2,0': each number must be at least 1"),
+    (["--threads", "2,x"], "--threads '2,x': give thread counts separated by commas, e.g. 1,2"),
+    (["--threads", "2,0"], "--threads '2,0': each thread count must be at least 1"),
 ])
 def test_a_bad_argument_is_a_usage_error_naming_the_option(argv, message, capsys):
     err = usage_error(lambda: checked(argv), capsys)
