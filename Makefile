@@ -52,7 +52,7 @@ lint: install
 	$(BIN)/ruff check aiayn stages tests bench
 
 bench: install
-	$(BIN)/python bench/data_pipeline.py
+	$(BIN)/python -m bench.data_pipeline
 
 clean-data:
 	rm -rf data/raw data/vocab data/survey data/shards

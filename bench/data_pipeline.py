@@ -2,9 +2,9 @@
 
 Usage (from the repository root)::
 
-    .venv/bin/python bench/data_pipeline.py                  # 4.5M pairs (WMT14 size), long
-    .venv/bin/python bench/data_pipeline.py --pairs 200000   # quick check
-    .venv/bin/python bench/data_pipeline.py --help
+    .venv/bin/python -m bench.data_pipeline                  # 4.5M pairs (WMT14 size), long
+    .venv/bin/python -m bench.data_pipeline --pairs 200000   # quick check
+    .venv/bin/python -m bench.data_pipeline --help
 
 What it does:
 
@@ -56,9 +56,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script: make `aiayn` importable without installing
-    sys.path.insert(0, str(REPO))
+from bench import harness
+
+REPO = harness.REPO
 
 GENERATOR_VERSION = 1
 CHUNK = 50_000  # pairs per generated chunk = per parquet row group
@@ -751,14 +751,8 @@ def print_profile(path: Path, top: int = 25) -> None:
 
 
 def machine() -> dict:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    """The harness's machine facts, and what a data-pipeline figure also depends on: usable
+    CPUs, memory, kernel, the data libraries' versions, the load, thread settings."""
     mem = None
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -772,8 +766,9 @@ def machine() -> dict:
             versions[mod] = __import__(mod).__version__
         except ImportError:
             versions[mod] = None
-    return {"nproc": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)), "cpu": cpu,
-            "mem_gib": mem, "kernel": platform.release(), "versions": versions,
+    return {**harness.machine_facts(), "nproc": os.cpu_count(),
+            "affinity": len(os.sched_getaffinity(0)), "mem_gib": mem,
+            "kernel": platform.release(), "versions": versions,
             "loadavg_start": _loadavg(),
             "env": {k: os.environ[k] for k in ("RAYON_NUM_THREADS", "TOKENIZERS_PARALLELISM",
                                                "OMP_NUM_THREADS") if k in os.environ}}
@@ -873,10 +868,8 @@ def print_table(results: list[StageResult], total_wall: float) -> dict:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        description="Benchmark the vocab -> survey -> shard stages on a WMT14-sized "
-                    "synthetic En-De corpus.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = harness.parser(__doc__)
+    ap.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     ap.add_argument("--pairs", type=int, default=WMT14_TRAIN_PAIRS,
                     help="training pairs to generate (valid/test: 3000/3003)")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/aiayn-bench"),
@@ -897,8 +890,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="run each stage under cProfile (slower; for finding hot spots)")
     ap.add_argument("--generate-only", action="store_true", help="stop after the corpus")
     args = ap.parse_args(argv)
-    if args.pairs <= 0:
-        ap.error("--pairs must be positive")
+    harness.require_positive(ap, args, "pairs")
     args.workdir = args.workdir.resolve()
     if args.workdir == REPO or REPO in args.workdir.parents:
         ap.error(f"--workdir {args.workdir} is inside the repository; use a folder outside it")
@@ -924,40 +916,24 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _interrupt)  # a kill reports the stages measured so far
-    work: Path = args.workdir
-    work.mkdir(parents=True, exist_ok=True)
+def prepare_corpus(args, work: Path) -> dict | None:
+    """WORKDIR/raw as --skip-generate, --regenerate and a matching earlier corpus say: its
+    record (None: --skip-generate without one), checked and with a few sentences shown."""
     raw = work / "raw"
-    started = dt.datetime.now().astimezone()
-    info = machine()
-    print(f"aiayn data-pipeline benchmark, {started:%Y-%m-%d %H:%M %Z}")
-    print(f"machine: {info['nproc']} CPUs ({info['affinity']} usable), {info['cpu']}, "
-          f"{info['mem_gib']} GiB RAM, Linux {info['kernel']}; load average at start "
-          f"{info['loadavg_start']:.1f}")
-    print("versions: " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()))
-    print(f"workdir: {work}")
-    command = " ".join([".venv/bin/python", "bench/data_pipeline.py",
-                        *(sys.argv[1:] if argv is None else argv)])
-
-    # ---------------------------------------------------------------- corpus
     marker = work / "corpus.json"
     want = {"generator_version": GENERATOR_VERSION, "pairs": args.pairs, "seed": args.seed,
             "valid_pairs": VALID_PAIRS, "test_pairs": TEST_PAIRS}
     want_rows = {"train": args.pairs, "valid": VALID_PAIRS, "test": TEST_PAIRS}
-    corpus = None
+    present = all((raw / f"{s}.parquet").is_file() for s in ("train", "valid", "test"))
+    previous = _read_json(marker)
     if args.skip_generate:
-        if not all((raw / f"{s}.parquet").is_file() for s in ("train", "valid", "test")):
+        if not present:
             print(f"error: --skip-generate but {raw} has no train/valid/test.parquet",
                   file=sys.stderr)
-            return 2
-        previous = _read_json(marker)
+            return None
         corpus = previous if previous else {"origin": "external"}
         print(f"\ncorpus: using {raw} as it is (--skip-generate)")
     else:
-        previous = _read_json(marker)
-        present = all((raw / f"{s}.parquet").is_file() for s in ("train", "valid", "test"))
         reuse = not args.regenerate and previous and previous.get("spec") == want and present
         rows = row_counts(raw) if reuse else None
         if reuse and rows != want_rows:  # a file changed since it was generated
@@ -976,42 +952,32 @@ def main(argv: list[str] | None = None) -> int:
             gen = generate_corpus(raw, args.pairs, args.seed)
             corpus = {"spec": want, "generation": gen, "reused": False}
             marker.write_text(json.dumps(corpus, indent=2), encoding="utf-8")
-    gen = corpus.get("generation") if corpus else None
-    if gen:
-        print(f"corpus: generated in {gen['seconds']:.1f} s (tables {gen['tables_seconds']:.1f}"
-              f" s), generator peak RSS {gen['self_peak_rss_gib']:.2f} GiB, "
-              f"{gen['bytes_on_disk'] / 2**20:,.0f} MiB on disk")
-        for lang, st in gen["languages"].items():
-            voc = st["vocabulary"]
-            print(f"  {lang}: {st['sentences']:,} sentences, {st['words']:,} words, "
-                  f"{st['mean_words_per_sentence']:.2f} words/sentence, "
-                  f"{st['mean_bytes_per_sentence']:.0f} bytes/sentence, "
-                  f"{st['distinct_whitespace_tokens']:,} distinct whitespace tokens "
-                  f"({st['distinct_pieces_used']:,} of the {voc['word_types']:,} words + "
-                  f"{voc['names']:,} names + {voc['numbers']:,} numbers used)")
+    print_corpus(corpus)
     # An external corpus (--skip-generate) is checked for its schema; ours for its rows too.
     expected = row_counts(raw) if args.skip_generate else want_rows
     check_corpus(raw, {"splits": {s: {"pairs": n} for s, n in expected.items()}})
-    if args.generate_only:
-        return 0
+    return corpus
 
-    # ---------------------------------------------------------------- stages
-    params = write_params(work)
-    print(f"\nparams: {params} (repository params.yaml with "
-          + ", ".join(f"{a}.{b}={v}" for (a, b), v in PARAM_OVERRIDES.items()) + ")")
-    commands, outs = stage_commands(work, params, args.profile)
-    missing = [s for s in args.stages if s not in commands]
-    if missing:
-        print(f"error: stage(s) {missing} not in dvc.yaml or not an `aiayn` command in this "
-              "checkout; run the others with --stages, or try again later", file=sys.stderr)
-        return 2
-    if args.stages == list(STAGES):  # a full run starts clean
-        for path in [p for name in STAGES for p in outs[name]]:
-            _remove(path)
-        for sub in ("metrics", "profile"):
-            shutil.rmtree(work / sub, ignore_errors=True)
-    (work / "profile").mkdir(exist_ok=True)
 
+def print_corpus(corpus: dict) -> None:
+    gen = corpus.get("generation")
+    if not gen:
+        return
+    print(f"corpus: generated in {gen['seconds']:.1f} s (tables {gen['tables_seconds']:.1f}"
+          f" s), generator peak RSS {gen['self_peak_rss_gib']:.2f} GiB, "
+          f"{gen['bytes_on_disk'] / 2**20:,.0f} MiB on disk")
+    for lang, st in gen["languages"].items():
+        voc = st["vocabulary"]
+        print(f"  {lang}: {st['sentences']:,} sentences, {st['words']:,} words, "
+              f"{st['mean_words_per_sentence']:.2f} words/sentence, "
+              f"{st['mean_bytes_per_sentence']:.0f} bytes/sentence, "
+              f"{st['distinct_whitespace_tokens']:,} distinct whitespace tokens "
+              f"({st['distinct_pieces_used']:,} of the {voc['word_types']:,} words + "
+              f"{voc['names']:,} names + {voc['numbers']:,} numbers used)")
+
+
+def run_stages(args, work: Path, commands: dict) -> list[StageResult]:
+    """The stages of --stages one after another, until one fails or is interrupted."""
     results: list[StageResult] = []
     for name in STAGES:
         if name not in args.stages:
@@ -1030,12 +996,11 @@ def main(argv: list[str] | None = None) -> int:
         if res.returncode != 0:
             print(f"error: stage {name} failed; see {res.log}", file=sys.stderr)
             break
-    total_wall = sum(r.wall_s for r in results)
+    return results
 
-    summary = print_table(results, total_wall)
-    metrics = stage_metrics(work)
-    print()
-    print_metrics(metrics)
+
+def output_sizes(work: Path, outs: dict) -> dict[str, int]:
+    """Bytes of each stage output on disk (a folder: its files'), by path under ``work``."""
     disk = {}
     for path in [p for name in STAGES for p in outs.get(name, []) if p is not None]:
         if path.is_file():
@@ -1043,13 +1008,58 @@ def main(argv: list[str] | None = None) -> int:
         elif path.is_dir():
             disk[str(path.relative_to(work))] = sum(
                 f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return disk
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)  # a kill reports the stages measured so far
+    work: Path = args.workdir
+    work.mkdir(parents=True, exist_ok=True)
+    started = dt.datetime.now().astimezone()
+    info = machine()
+    print(f"aiayn data-pipeline benchmark, {started:%Y-%m-%d %H:%M %Z}")
+    print(harness.machine_line(info))
+    print(f"machine: {info['nproc']} CPUs ({info['affinity']} usable), "
+          f"{info['mem_gib']} GiB RAM, Linux {info['kernel']}; load average at start "
+          f"{info['loadavg_start']:.1f}")
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()))
+    print(f"workdir: {work}")
+
+    corpus = prepare_corpus(args, work)
+    if corpus is None:
+        return 2
+    if args.generate_only:
+        return 0
+
+    params = write_params(work)
+    print(f"\nparams: {params} (repository params.yaml with "
+          + ", ".join(f"{a}.{b}={v}" for (a, b), v in PARAM_OVERRIDES.items()) + ")")
+    commands, outs = stage_commands(work, params, args.profile)
+    missing = [s for s in args.stages if s not in commands]
+    if missing:
+        print(f"error: stage(s) {missing} not in dvc.yaml or not an `aiayn` command in this "
+              "checkout; run the others with --stages, or try again later", file=sys.stderr)
+        return 2
+    if args.stages == list(STAGES):  # a full run starts clean
+        for path in [p for name in STAGES for p in outs[name]]:
+            _remove(path)
+        for sub in ("metrics", "profile"):
+            shutil.rmtree(work / sub, ignore_errors=True)
+    (work / "profile").mkdir(exist_ok=True)
+
+    results = run_stages(args, work, commands)
+    summary = print_table(results, sum(r.wall_s for r in results))
+    metrics = stage_metrics(work)
+    print()
+    print_metrics(metrics)
+    disk = output_sizes(work, outs)
     if disk:
         print("outputs on disk: " + ", ".join(f"{k} {v / 2**20:,.0f} MiB" for k, v in disk.items()))
 
     report = {
         "date": started.isoformat(timespec="seconds"),
-        "command": command,
-        "machine": info,
+        "command": harness.command_line("bench.data_pipeline", argv),
         "workdir": str(work),
         "params_overrides": {f"{a}.{b}": v for (a, b), v in PARAM_OVERRIDES.items()},
         "corpus": corpus,
@@ -1060,7 +1070,7 @@ def main(argv: list[str] | None = None) -> int:
         "profiled": args.profile,
     }
     out = work / "bench_data_pipeline.json"
-    out.write_text(json.dumps(report, indent=2, default=str), encoding="utf-8")
+    harness.write_json(out, harness.record(report, argv, machine=info))
     print(f"\nresults: {out}")
     if not args.keep and summary["all_stages_ok"]:
         for path in [p for name in STAGES for p in outs[name]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import signal
 import string
@@ -342,7 +343,7 @@ def test_skip_generate_without_a_corpus_stops_with_exit_2(tmp_path, capsys, keep
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--pairs", "0"], "--pairs must be positive"),
+    (["--pairs", "0"], "--pairs (0) must be at least 1"),
     (["--workdir", str(REPO / "bench-out")], "inside the repository; use a folder outside it"),
     (["--stages", "vocab,bpe"], "unknown stage(s) ['bpe']; choose from ['vocab', 'survey', "
                                 "'shard']"),
@@ -536,7 +537,8 @@ def test_full_run_reports_every_stage_and_cleans_up_field_by_field(tiny, tmp_pat
     assert dp.main(argv) == 0
     capsys.readouterr()
     report = json.loads((work / "bench_data_pipeline.json").read_text())
-    assert report["command"] == " ".join([".venv/bin/python", "bench/data_pipeline.py", *argv])
+    assert report["command"] == " ".join([sys.executable, "-m", "bench.data_pipeline", *argv])
+    assert report["argv"] == argv and report["machine"]["nproc"] == os.cpu_count()
     assert report["workdir"] == str(work) and report["profiled"] is False
     assert report["params_overrides"] == {
         "data.src_lang": "en", "data.tgt_lang": "de", "vocab.size": 37000,
