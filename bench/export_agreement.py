@@ -2,8 +2,8 @@
 
 Usage (from the repository root; ``pip install 'aiayn[export]'``)::
 
-    .venv/bin/python bench/export_agreement.py --model data/model --inputs data/test.en
-    .venv/bin/python bench/export_agreement.py --model data/model \\
+    .venv/bin/python -m bench.export_agreement --model data/model --inputs data/test.en
+    .venv/bin/python -m bench.export_agreement --model data/model \\
         --inputs ../shared/data/multi30k/test2016.en --lines 1000
 
 The `aiayn average` folder ``--model`` is exported with the library (``aiayn.export``) to
@@ -31,9 +31,7 @@ Outputs with the same tokens count as identical; nothing here is timed.
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,13 +39,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from aiayn.beam import BeamConfig, max_lengths  # noqa: E402
-from aiayn.engines import CTranslate2Translator, TransformersTranslator  # noqa: E402
-from aiayn.export import export, load_model_folder  # noqa: E402
-from aiayn.tokenizer import BOS_ID, EOS, EOS_ID, PAD_ID, encode_ids  # noqa: E402
-from aiayn.translation import Translator, source_batch  # noqa: E402
+from aiayn.beam import BeamConfig, max_lengths
+from aiayn.engines import CTranslate2Translator, TransformersTranslator
+from aiayn.export import export, load_model_folder
+from aiayn.tokenizer import BOS_ID, EOS, EOS_ID, PAD_ID, encode_ids
+from aiayn.translation import Translator, source_batch
+from bench import harness
 
 
 @torch.no_grad()
@@ -67,9 +64,84 @@ def our_log_p(model, sources, outputs, limits) -> list[float]:
     return totals
 
 
+def same(a: list, b: list) -> str:
+    n = sum(x == y for x, y in zip(a, b, strict=True))
+    return f"{n}/{len(a)} identical"
+
+
+def outputs_agreement(run, k: int, alpha: float) -> tuple[dict, list]:
+    """Greedy and beam outputs of the engines against aiayn's: (the report's lines, aiayn's
+    beam outputs at ``alpha`` with |Y|^alpha)."""
+    engines = ("aiayn", "ctranslate2", "transformers")
+    report: dict = {}
+    greedy = {e: run(e, 1, 0.0) for e in engines}
+    report["greedy ctranslate2"] = same(greedy["aiayn"], greedy["ctranslate2"])
+    report["greedy transformers"] = same(greedy["aiayn"], greedy["transformers"])
+    zero = {e: run(e, k, 0.0, "gnmt") for e in engines}
+    report[f"beam {k} alpha 0 ctranslate2"] = same(zero["aiayn"], zero["ctranslate2"])
+    report[f"beam {k} alpha 0 transformers"] = same(zero["aiayn"], zero["transformers"])
+    ours = run("aiayn", k, alpha, "length")
+    report[f"beam {k} alpha {alpha} (|Y|^a) transformers"] = same(
+        ours, run("transformers", k, alpha))
+    report[f"beam {k} alpha {alpha} (|Y|^a) ctranslate2, patience 1"] = same(
+        ours, run("ctranslate2", k, alpha, patience=1.0))
+    report[f"beam {k} alpha {alpha} (|Y|^a) ctranslate2, patience 1000"] = same(
+        ours, run("ctranslate2", k, alpha, patience=1000.0))
+    report[f"beam {k} alpha {alpha} aiayn GNMT vs |Y|^a"] = same(
+        run("aiayn", k, alpha, "gnmt"), ours)
+    report[f"beam {k} vs greedy (aiayn)"] = same(zero["aiayn"], greedy["aiayn"])
+    return report, ours
+
+
+def log_p_agreement(model, engines: dict, ids: list, ours: list, limits: list,
+                    batches: list, limits_b: list, k: int, alpha: float) -> dict:
+    """The log-probabilities of aiayn's beam outputs as each engine scores them, and
+    CTranslate2's exhaustive beam scores, against our model's: the largest differences."""
+    report: dict = {}
+    lp = our_log_p(model, ids, ours, limits)
+    ct2 = engines["ctranslate2"]
+    ended = [i for i, (o, lim) in enumerate(zip(ours, limits, strict=True)) if len(o) < lim]
+    # Only outputs that end before their limit can be scored with the EOS ctranslate2
+    # appends; an undertrained model may have none, and then there is nothing to compare.
+    d_ct2 = None
+    if ended:
+        scored = ct2.translator.score_batch(
+            [[ct2.vocab[t] for t in ids[i]] + [EOS] for i in ended],
+            [[ct2.vocab[t] for t in ours[i]] for i in ended], max_input_length=0)
+        d_ct2 = max(abs(sum(r.log_probs) - lp[i]) for r, i in zip(scored, ended, strict=True))
+    hf = engines["transformers"].model
+    d_hf = 0.0
+    with torch.no_grad():
+        for src, out, lim, ref in zip(ids, ours, limits, lp, strict=True):
+            target = out + [EOS_ID] if len(out) < lim else list(out)
+            x = torch.tensor([src + [EOS_ID]])
+            logits = hf(input_ids=x, decoder_input_ids=torch.tensor(
+                [[BOS_ID] + target[:-1]])).logits[0].float()
+            total = float(F.log_softmax(logits, -1)[torch.arange(len(target)),
+                                                    torch.tensor(target)].sum())
+            d_hf = max(d_hf, abs(total - ref))
+    report["max |log P| difference, ctranslate2 score_batch"] = (
+        "none compared (no output ended before its limit)" if d_ct2 is None
+        else f"{d_ct2:.2e}")
+    report["max |log P| difference, transformers forward"] = f"{d_hf:.2e}"
+    ct2.patience = 1000.0
+    d_search = 0.0
+    start = 0
+    for b, lim in zip(batches, limits_b, strict=True):
+        cfg = BeamConfig(beam=k, alpha=alpha, max_len_a=0.0, max_len_b=lim,
+                         length_norm="length")
+        for j, r in enumerate(ct2.results(b, cfg, return_scores=True)):
+            i = start + j
+            n = len(ours[i]) + (len(ours[i]) < lim)
+            if [ct2.token_id[t] for t in r.hypotheses[0]] == ours[i]:
+                d_search = max(d_search, abs(r.scores[0] * n ** alpha - lp[i]))
+        start += len(b)
+    report["max |ctranslate2 beam score x |Y|^a - our log P|"] = f"{d_search:.2e}"
+    return report
+
+
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--model", type=Path, required=True, help="an `aiayn average` folder")
     ap.add_argument("--inputs", type=Path, required=True, help="source sentences, one a line")
     ap.add_argument("--lines", type=int, default=500, help="first N non-empty lines (500)")
@@ -79,6 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-len-b", type=int, default=50)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
+    harness.require_positive(ap, args, "lines", "batch_size", "beam", "threads")
     torch.set_num_threads(args.threads)
 
     folder = load_model_folder(args.model)
@@ -116,70 +189,9 @@ def main(argv: list[str] | None = None) -> dict:
                 out += tr.decode_batch(b, cfg)
             return out
 
-        def same(a, b) -> str:
-            n = sum(x == y for x, y in zip(a, b, strict=True))
-            return f"{n}/{len(a)} identical"
-
-        k, alpha = args.beam, args.alpha
-        report: dict = {}
-        greedy = {e: run(e, 1, 0.0) for e in engines}
-        report["greedy ctranslate2"] = same(greedy["aiayn"], greedy["ctranslate2"])
-        report["greedy transformers"] = same(greedy["aiayn"], greedy["transformers"])
-        zero = {e: run(e, k, 0.0, "gnmt") for e in engines}
-        report[f"beam {k} alpha 0 ctranslate2"] = same(zero["aiayn"], zero["ctranslate2"])
-        report[f"beam {k} alpha 0 transformers"] = same(zero["aiayn"], zero["transformers"])
-        ours = run("aiayn", k, alpha, "length")
-        report[f"beam {k} alpha {alpha} (|Y|^a) transformers"] = same(
-            ours, run("transformers", k, alpha))
-        report[f"beam {k} alpha {alpha} (|Y|^a) ctranslate2, patience 1"] = same(
-            ours, run("ctranslate2", k, alpha, patience=1.0))
-        report[f"beam {k} alpha {alpha} (|Y|^a) ctranslate2, patience 1000"] = same(
-            ours, run("ctranslate2", k, alpha, patience=1000.0))
-        report[f"beam {k} alpha {alpha} aiayn GNMT vs |Y|^a"] = same(
-            run("aiayn", k, alpha, "gnmt"), ours)
-        report[f"beam {k} vs greedy (aiayn)"] = same(zero["aiayn"], greedy["aiayn"])
-
-        # log-probabilities of our beam outputs
-        lp = our_log_p(model, ids, ours, limits)
-        ct2 = engines["ctranslate2"]
-        ended = [i for i, (o, lim) in enumerate(zip(ours, limits, strict=True)) if len(o) < lim]
-        # Only outputs that end before their limit can be scored with the EOS ctranslate2
-        # appends; an undertrained model may have none, and then there is nothing to compare.
-        d_ct2 = None
-        if ended:
-            scored = ct2.translator.score_batch(
-                [[ct2.vocab[t] for t in ids[i]] + [EOS] for i in ended],
-                [[ct2.vocab[t] for t in ours[i]] for i in ended], max_input_length=0)
-            d_ct2 = max(abs(sum(r.log_probs) - lp[i])
-                        for r, i in zip(scored, ended, strict=True))
-        hf = engines["transformers"].model
-        d_hf = 0.0
-        with torch.no_grad():
-            for src, out, lim, ref in zip(ids, ours, limits, lp, strict=True):
-                target = out + [EOS_ID] if len(out) < lim else list(out)
-                x = torch.tensor([src + [EOS_ID]])
-                logits = hf(input_ids=x, decoder_input_ids=torch.tensor(
-                    [[BOS_ID] + target[:-1]])).logits[0].float()
-                total = float(F.log_softmax(logits, -1)[torch.arange(len(target)),
-                                                        torch.tensor(target)].sum())
-                d_hf = max(d_hf, abs(total - ref))
-        report["max |log P| difference, ctranslate2 score_batch"] = (
-            "none compared (no output ended before its limit)" if d_ct2 is None
-            else f"{d_ct2:.2e}")
-        report["max |log P| difference, transformers forward"] = f"{d_hf:.2e}"
-        ct2.patience = 1000.0
-        d_search = 0.0
-        start = 0
-        for b, lim in zip(batches, limits_b, strict=True):
-            cfg = BeamConfig(beam=k, alpha=alpha, max_len_a=0.0, max_len_b=lim,
-                             length_norm="length")
-            for j, r in enumerate(ct2.results(b, cfg, return_scores=True)):
-                i = start + j
-                n = len(ours[i]) + (len(ours[i]) < lim)
-                if [ct2.token_id[t] for t in r.hypotheses[0]] == ours[i]:
-                    d_search = max(d_search, abs(r.scores[0] * n ** alpha - lp[i]))
-            start += len(b)
-        report["max |ctranslate2 beam score x |Y|^a - our log P|"] = f"{d_search:.2e}"
+        report, ours = outputs_agreement(run, args.beam, args.alpha)
+        report.update(log_p_agreement(model, engines, ids, ours, limits, batches, limits_b,
+                                      args.beam, args.alpha))
     width = max(map(len, report))
     for key, value in report.items():
         print(f"  {key:{width}s}  {value}")
