@@ -3,7 +3,7 @@
 Usage (in the repository that ran the experiments; ``pip install playwright`` and a
 Chromium, e.g. Debian's ``apt install chromium``)::
 
-    python bench/mlflow_compare.py bf16-ls0.2-3009steps bf16-ls0.3-3009steps \\
+    python -m bench.mlflow_compare bf16-ls0.2-3009steps bf16-ls0.3-3009steps \\
         --param train.label_smoothing --metric final_valid/sacrebleu --metric valid/nll \\
         --out docs/results/multi30k/bf16-ls-sweep/mlflow_compare.png
 
@@ -19,7 +19,6 @@ afterwards; the store is only read.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -27,17 +26,9 @@ import time
 from pathlib import Path
 from urllib.parse import quote
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script: make `aiayn` importable without installing
-    sys.path.insert(0, str(REPO))
-
-from aiayn.io import atomic_path  # noqa: E402
-from aiayn.tracking import (  # noqa: E402
-    ServerError,
-    local_server,
-    resolve_tracking_uri,
-    sqlite_path,
-)
+from aiayn.io import atomic_path
+from aiayn.tracking import ServerError, local_server, resolve_tracking_uri, sqlite_path
+from bench import harness
 
 
 class CompareError(RuntimeError):
@@ -141,9 +132,7 @@ def screenshot(url: str, out: Path, run_names: list[str], params: list[str], met
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap = harness.parser(__doc__, epilog=True)
     ap.add_argument("names", nargs="+", help="DVC experiment names (their MLflow runs' names)")
     ap.add_argument("--tracking-uri", default=None,
                     help="the MLflow store the runs are in (default: the stages' own choice, "

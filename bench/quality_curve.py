@@ -3,7 +3,7 @@
 Usage (from the repository root, after `dvc repro` with train.keep_checkpoints large
 enough to keep the checkpoints you want on the curve)::
 
-    .venv/bin/python bench/quality_curve.py --every 400 --average 5 --out curve.tsv --png curve.png
+    .venv/bin/python -m bench.quality_curve --every 400 --average 5 --out curve.tsv --png curve.png
 
 For every ``--every``-th checkpoint step (and the last one), the last ``--average``
 checkpoints up to that step are averaged (as `aiayn average` does; fewer at the start),
@@ -22,7 +22,6 @@ Decoding runs on CPU in fp32 unless ``--precision bf16``.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -30,17 +29,20 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from aiayn.beam import BeamConfig  # noqa: E402
-from aiayn.checkpoint import average_checkpoints, checkpoint_step, list_checkpoints, load_checkpoint  # noqa: E402
-from aiayn.config import load_params  # noqa: E402
-from aiayn.corpus import iter_raw  # noqa: E402
-from aiayn.model import Transformer, TransformerConfig  # noqa: E402
-from aiayn.scoring import lowercase_bleu, sacre_scores  # noqa: E402
-from aiayn.tokenizer import load_tokenizer  # noqa: E402
-from aiayn.translation import Translator  # noqa: E402
+from aiayn.beam import BeamConfig
+from aiayn.checkpoint import (
+    average_checkpoints,
+    checkpoint_step,
+    list_checkpoints,
+    load_checkpoint,
+)
+from aiayn.config import load_params
+from aiayn.corpus import iter_raw
+from aiayn.model import Transformer, TransformerConfig
+from aiayn.scoring import lowercase_bleu, sacre_scores
+from aiayn.tokenizer import load_tokenizer
+from aiayn.translation import Translator
+from bench import harness
 
 
 def lc_tok_bleu(hyps: list[str], refs: list[str], lang: str) -> float:
@@ -48,9 +50,25 @@ def lc_tok_bleu(hyps: list[str], refs: list[str], lang: str) -> float:
     return lowercase_bleu(hyps, refs, lang)["score"]
 
 
+def plot(df: pd.DataFrame, png: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
+    ax.plot(df["train_min"], df["sacrebleu"], "o-", label="sacreBLEU (cased, 13a)")
+    ax.plot(df["train_min"], df["lc_tok_bleu"], "s--", label="lowercased Moses-tok BLEU")
+    ax.plot(df["train_min"], df["chrf"], "^:", label="chrF2")
+    ax.set(xlabel="training wall time (min)", ylabel="score", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--params", type=Path, default=Path("params.yaml"))
     ap.add_argument("--checkpoints", type=Path, default=Path("data/checkpoints"))
     ap.add_argument("--tokenizer", type=Path, default=Path("data/vocab/tokenizer.json"))
@@ -64,6 +82,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--out", type=Path, default=None, help="TSV of the curve")
     ap.add_argument("--png", type=Path, default=None, help="plot of the curve")
     args = ap.parse_args(argv)
+    harness.require_positive(ap, args, "every", "average", "threads")
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -87,6 +106,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     translator = Translator(model, tok, torch.device("cpu"), amp)
 
     results = []
+    print(harness.machine_line())  # decode_s is a timing
     print(f"{len(sources)} test sentences, {src}->{tgt}, beam {cfg.beam}, alpha {cfg.alpha}, "
           f"average {args.average}, {args.precision}")
     print("step\ttrain_min\tsacrebleu\tchrf\tlc_tok_bleu\tdecode_s")
@@ -112,21 +132,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.out:
         df.to_csv(args.out, sep="\t", index=False)
     if args.png:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
-        ax.plot(df["train_min"], df["sacrebleu"], "o-", label="sacreBLEU (cased, 13a)")
-        ax.plot(df["train_min"], df["lc_tok_bleu"], "s--", label="lowercased Moses-tok BLEU")
-        ax.plot(df["train_min"], df["chrf"], "^:", label="chrF2")
-        ax.set(xlabel="training wall time (min)", ylabel="score",
-               title=f"test {src}->{tgt}, beam {cfg.beam}, last {args.average} averaged")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.png)
+        plot(df, args.png, f"test {src}->{tgt}, beam {cfg.beam}, last {args.average} averaged")
     return results
 
 

@@ -8,18 +8,19 @@ every seed, the mean, and the mean difference to the baseline arm over the seeds
 (paired by seed: one seed is one initialisation, data order and dropout stream) with its
 standard error (the standard deviation of the paired differences / sqrt(pairs)).
 
-    python bench/screen_table.py docs/results/gpu-h200/session5/call*.log --baseline preset
-    python bench/screen_table.py --runs .gpu/screen/*/    # the summary lines (gpu_session.sh)
+    python -m bench.screen_table docs/results/gpu-h200/session5/call*.log --baseline preset
+    python -m bench.screen_table --runs .gpu/screen/*/    # the summary lines (gpu_session.sh)
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import statistics
 import sys
 from pathlib import Path
+
+from bench import harness
 
 LINE = re.compile(r"^(?P<arm>\S+)-s(?P<seed>\d+)\s+steps (?P<steps>\d+) \((?P<end>[^)]*)\), "
                   r"valid NLL (?P<nll>[\d.]+), averaged (?P<avg>\d+) of .*valid sacreBLEU "
@@ -73,7 +74,7 @@ def table(runs: dict[str, dict[int, dict]], baseline: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("logs", nargs="+", type=Path,
                     help="session logs of bench/gpu_session.sh (with --runs: run folders)")
     ap.add_argument("--baseline", default="preset", help="the arm the others are compared with")

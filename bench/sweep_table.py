@@ -2,8 +2,8 @@
 
 Usage (in the repository that ran the sweep)::
 
-    python bench/sweep_table.py                          # every experiment of the workspace
-    python bench/sweep_table.py --chosen tiny-d128 --out docs/results/multi30k/sweep.md
+    python -m bench.sweep_table                          # every experiment of the workspace
+    python -m bench.sweep_table --chosen tiny-d128 --out docs/results/multi30k/sweep.md
 
 Reads ``dvc exp show --json`` (all experiments of HEAD, queued ones included), and prints
 one row per experiment that has scores: its name, the params that differ from the baseline
@@ -17,7 +17,6 @@ row per seed): recipes are chosen on valid, and the test set is read for the cho
 
 from __future__ import annotations
 
-import argparse
 import csv
 import io
 import json
@@ -25,11 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script: make `aiayn` importable without installing
-    sys.path.insert(0, str(REPO))
-
-from aiayn.io import write_text  # noqa: E402
+from aiayn.io import write_text
+from bench import harness
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
@@ -112,8 +108,7 @@ def table(rows: list[dict], chosen: set[str],
 
 
 def main(argv: list[str] | None = None) -> str:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--json", type=Path, default=None,
                     help="a saved `dvc exp show --json` (default: run it here)")
     ap.add_argument("--chosen", default="",

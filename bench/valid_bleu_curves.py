@@ -2,7 +2,7 @@
 
 Usage::
 
-    python bench/valid_bleu_curves.py --run d256=metrics --run tiny=../other/metrics \
+    python -m bench.valid_bleu_curves --run d256=metrics --run tiny=../other/metrics \
         --out docs/results/multi30k/sweep/valid_bleu_minutes.png
 
 Each ``--run LABEL=FOLDER`` names a folder holding a training's ``train_log.tsv`` (step,
@@ -18,12 +18,13 @@ last and best validation BLEU, and writes one picture: BLEU above, lr below.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+
+from bench import harness
 
 
 def load_run(folder: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -43,8 +44,7 @@ def load_run(folder: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--run", action="append", required=True, metavar="LABEL=FOLDER",
                     help="a training's metrics folder, with the label it gets (repeatable)")
     ap.add_argument("--out", type=Path, required=True, help="the picture (.png)")
