@@ -22,8 +22,8 @@ taken against, so the scripts that time something share these parts:
   imports the library from such a folder (or from this checkout).
 
 The library (``aiayn``) is imported inside the functions that need it, not at the top: a
-child process of ``bench.train_throughput`` imports this module and then a baseline
-commit's ``aiayn``, which may lack what the newest one has.
+child process of ``bench.train_throughput`` imports this module with a baseline commit's
+``aiayn`` first on its path, and that may lack what the newest one has.
 """
 
 from __future__ import annotations
