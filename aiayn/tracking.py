@@ -37,6 +37,10 @@ from aiayn.io import write_json
 log = logging.getLogger("aiayn")
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+# MLflow 3's UI opens an experiment in its model-training view (runs, metrics, charts) or in
+# its GenAI view (traces, evaluations) by this experiment tag; without it, the UI guesses.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+MODEL_TRAINING_KIND = "custom_model_development"
 
 # MLflow's limits (mlflow.utils.validation): per log_batch call and per value.
 _MAX_PARAMS_PER_BATCH = 100
@@ -79,7 +83,7 @@ def resolve_tracking_uri(tracking_uri: str | None = None) -> str:
 
 
 def default_run_name() -> str | None:
-    """The DVC experiment's name under ``dvc exp run``; else None (MLflow picks a name)."""
+    """The DVC experiment's name under ``dvc exp run``; else None."""
     return os.environ.get("DVC_EXP_NAME") or None
 
 
@@ -315,7 +319,8 @@ class Tracker:
         experiment = client.get_experiment_by_name(self.experiment)
         if experiment is None:
             try:
-                return client.create_experiment(self.experiment)
+                return client.create_experiment(
+                    self.experiment, tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING_KIND})
             except MlflowException:
                 # Another process created it in between.
                 experiment = client.get_experiment_by_name(self.experiment)
@@ -324,6 +329,9 @@ class Tracker:
         if experiment.lifecycle_stage == "deleted":
             log.info("restoring the deleted MLflow experiment %r", self.experiment)
             client.restore_experiment(experiment.experiment_id)
+        if experiment.tags.get(EXPERIMENT_KIND_TAG) is None:
+            client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG,
+                                      MODEL_TRAINING_KIND)
         return experiment.experiment_id
 
     def _resume(self, client: Any, run_id: str, reopen: bool = True) -> Any:
@@ -461,7 +469,7 @@ def _now_ms() -> int:
 
 def _default_tags() -> dict[str, str]:
     tags: dict[str, str] = {}
-    commit = _git_commit()
+    commit = git_commit()
     if commit:
         tags["git_commit"] = commit
         tags["mlflow.source.git.commit"] = commit  # shown by the MLflow UI
@@ -471,7 +479,7 @@ def _default_tags() -> dict[str, str]:
     return tags
 
 
-def _git_commit(cwd: str | Path | None = None) -> str | None:
+def git_commit(cwd: str | Path | None = None) -> str | None:
     """``git rev-parse HEAD`` in ``cwd`` (default: the current directory), or None."""
     try:
         out = subprocess.run(

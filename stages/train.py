@@ -10,17 +10,22 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+import yaml
 
 from aiayn import distributed
 from aiayn.checkpoint import file_sha256
+from aiayn.config import parse_params
 from aiayn.distributed import world_from_env
 from aiayn.errors import AiaynError
+from aiayn.plots import plot_training_curves
 from aiayn.precision import hardware
+from aiayn.run_store import RUN_FILE
 from aiayn.subword import merge_parents
 from aiayn.tokenizer import load_tokenizer
-from aiayn.tracking import Tracker, default_run_name, load_run_id, save_run_id
+from aiayn.tracking import Tracker, default_run_name, git_commit, load_run_id, save_run_id
 from aiayn.trainer import Trainer, TrainPaths
 from stages.common import ParamsPath, log, read_params, single_command_app, stage
+from stages.params import compose
 
 
 def torchrun_command(nproc: int, max_restarts: int, argv: list[str]) -> list[str]:
@@ -63,16 +68,18 @@ def train(
 ) -> None:
     """Train the Transformer on the token-budget shards (Section 5 of the paper).
 
-    Reads: params `seed`, `model.*`, `train.*` (not `average_last`/`average`), and
-    `data.src_lang`/`tgt_lang` for validation BLEU; SHARDS/{train,valid}, TOKENIZER, and
+    Reads: the params aiayn.config.PARAM_EFFECTS declares for train (`seed`, `model.*`,
+    `train.*` but the averaging's, and `data.src_lang`/`tgt_lang` for validation BLEU);
+    SHARDS/{train,valid}, TOKENIZER, and
     RAW/valid.parquet when `train.valid_bleu_every` is on. Writes: CHECKPOINTS/step-*.pt (model, optimizer, schedule, RNG states, data
     cursor; every `train.checkpoint_every_steps` steps and/or `checkpoint_every_minutes`,
     the last `train.keep_checkpoints` kept), METRICS (with the precision `auto` resolved to,
     the CPU or GPU and any instruction caps in the environment, the kernels, the tokens the
     softmax spans (`model.output_vocab`), the steps reached and why training stopped: steps, `train.max_minutes` or an interruption), TRAIN_LOG, VALID_LOG, CURVES, and an
     MLflow run (sqlite:///mlflow.db unless MLFLOW_TRACKING_URI says otherwise) with every
-    param, the step curves, the tokenizer and CURVES; its id goes to
-    CHECKPOINTS/mlflow_run.json so that the later stages log into the same run.
+    param, the step curves, the tokenizer and CURVES, named after the DVC experiment or else
+    the preset and commit (`multi30k@1f32a3c`); its id goes to CHECKPOINTS/mlflow_run.json
+    so that the later stages log into the same run. Any error ends that run FAILED.
 
     An existing run in CHECKPOINTS resumes where it stopped (a killed run ends bitwise where
     an uninterrupted one would, on CPU); Ctrl-C or SIGTERM writes a checkpoint first.
@@ -103,60 +110,111 @@ def train(
         stop["requested"] = True
         log.info("train: %s received, stopping after this step", signal.Signals(signum).name)
 
-    tracker = Tracker(enabled=mlflow and world.is_main)
-    trainer = None
+    # The stage owns the MLflow run from start to end: whatever exception ends the stage
+    # ends the run FAILED, an interrupt (a second Ctrl-C) KILLED (Tracker.__exit__).
     try:
-        hook = validation_bleu(p, raw, tok) if p.train.valid_bleu_every and world.is_main \
-            else None
-        merges = merge_parents(tok) if p.train.subword_split else None
-        trainer = Trainer(p, tok.get_vocab_size(), file_sha256(tokenizer), paths, world,
-                          tracker=tracker, progress=progress, valid_bleu=hook, merges=merges)
-        run_file = checkpoints / "mlflow_run.json"
-        run_id = tracker.start(
-            default_run_name(), p.model_dump(mode="json"),
-            tags={"stage": "train", "world_size": str(world.size),
-                  # what auto resolved to on this machine, beside the params as written
-                  "precision": "bf16" if trainer.amp_dtype else "fp32",
-                  **hardware(trainer.device),  # the CPU or GPU, and any instruction caps
-                  "kernels": p.train.kernels, "compile": str(p.train.compile).lower()},
-            run_id=trainer.state.mlflow_run_id or load_run_id(run_file))
-        if world.is_main:
-            trainer.state.mlflow_run_id = run_id
-            save_run_id(run_file, run_id)
-            if trainer.branched_from is not None and run_id is not None:
-                # A run that goes on from before its cooldown: the new MLflow run gets the
-                # curves up to there, and names the run it branched from.
-                trainer.replay_history()
-                old = trainer.branched_from
-                tracker.set_tags({"branched_from_run": str(old["mlflow_run_id"]),
-                                  "branched_at_step": str(old["step"])})
-        signal.signal(signal.SIGTERM, request_stop)
-        signal.signal(signal.SIGINT, request_stop)
-        resumed_at = trainer.state.step
-        summary = trainer.fit(should_stop=lambda: stop["requested"])
-        trainer.write_logs()
-        trainer.write_summary(summary)
-        if world.is_main:
-            from aiayn.plots import plot_training_curves
-
-            plot_training_curves(train_log, valid_log, curves)
-            tracker.log_metrics({f"final/{k}": float(v) for k, v in summary.items()
-                                 if isinstance(v, int | float) and v is not None})
-            tracker.set_tags({"stopped_by": str(summary["stopped_by"])})
-            for path in (metrics, train_log, valid_log):
-                tracker.log_artifact(path, "metrics")
-            tracker.log_artifact(curves, "plots")
-            tracker.log_artifact(tokenizer, "tokenizer")
-            log.info("train: %d steps, valid loss %s, ppl %s, %.0f tokens/s", summary["steps"],
-                     _round(summary["valid_loss"]), _round(summary["valid_ppl"]),
-                     summary["tokens_per_s"])
-        done = summary["steps"] >= p.train.steps or summary["stopped_by"] == "time budget"
-        tracker.end("FINISHED" if done else "KILLED", unchanged=summary["steps"] == resumed_at)
-    except AiaynError:
-        tracker.end("FAILED")
-        raise
+        with Tracker(enabled=mlflow and world.is_main) as tracker:
+            hook = (validation_bleu(p, raw, tok) if p.train.valid_bleu_every and world.is_main
+                    else None)
+            merges = merge_parents(tok) if p.train.subword_split else None
+            trainer = Trainer(p, tok.get_vocab_size(), file_sha256(tokenizer), paths, world,
+                              tracker=tracker, progress=progress, valid_bleu=hook,
+                              merges=merges)
+            start_tracking(tracker, trainer, p, checkpoints / RUN_FILE)
+            signal.signal(signal.SIGTERM, request_stop)
+            signal.signal(signal.SIGINT, request_stop)
+            resumed_at = trainer.state.step
+            summary = trainer.fit(should_stop=lambda: stop["requested"])
+            trainer.write_logs()
+            trainer.write_summary(summary)
+            if world.is_main:
+                plot_training_curves(train_log, valid_log, curves)
+                log_results(tracker, summary, [metrics, train_log, valid_log], curves, tokenizer)
+                log.info("train: %d steps, valid loss %s, ppl %s, %.0f tokens/s",
+                         summary["steps"], _round(summary["valid_loss"]),
+                         _round(summary["valid_ppl"]), summary["tokens_per_s"])
+            done = summary["steps"] >= p.train.steps or summary["stopped_by"] == "time budget"
+            tracker.end("FINISHED" if done else "KILLED",
+                        unchanged=summary["steps"] == resumed_at)
     finally:
         distributed.shutdown()
+
+
+def start_tracking(tracker: Tracker, trainer: Trainer, p, run_file: Path) -> None:
+    """Start (or resume) the run's MLflow run, and record its id beside the checkpoints and
+    in them, so that a resumed training and the later stages log into the same run."""
+    world = trainer.world
+    run_id = tracker.start(
+        run_name(p), p.model_dump(mode="json"),
+        tags={"stage": "train", "world_size": str(world.size),
+              # what auto resolved to on this machine, beside the params as written
+              "precision": "bf16" if trainer.amp_dtype else "fp32",
+              **hardware(trainer.device),  # the CPU or GPU, and any instruction caps
+              "kernels": p.train.kernels, "compile": str(p.train.compile).lower()},
+        run_id=trainer.state.mlflow_run_id or load_run_id(run_file))
+    if not world.is_main:
+        return
+    trainer.state.mlflow_run_id = run_id
+    save_run_id(run_file, run_id)
+    if trainer.branched_from is not None and run_id is not None:
+        # A run that goes on from before its cooldown: the new MLflow run gets the curves
+        # up to there, and names the run it branched from.
+        for row in [*trainer.log.train, *trainer.log.valid]:
+            tracker.log_metrics(row.metrics(), step=row.step)
+        old = trainer.branched_from
+        tracker.set_tags({"branched_from_run": str(old["mlflow_run_id"]),
+                          "branched_at_step": str(old["step"])})
+
+
+def run_name(p) -> str | None:
+    """The MLflow run's name: the DVC experiment's under `dvc exp run`; else what the params
+    are and the code they ran with, e.g. ``multi30k@1f32a3c`` (the preset they equal),
+    ``multi30k+2@1f32a3c`` (the nearest preset, 2 settings changed) or ``params@1f32a3c``
+    (no conf/ here). Stages run in the repository's root, where conf/ and git are."""
+    if name := default_run_name():
+        return name
+    commit = git_commit()
+    return preset_of(p, Path("conf")) + (f"@{commit[:7]}" if commit else "")
+
+
+def preset_of(p, conf_dir: Path) -> str:
+    """The preset in CONF_DIR/experiment/ that ``p`` equals, or the nearest with the number
+    of settings that differ (``multi30k+2``); ``params`` when there is none to compare."""
+    mine = _leaves(p.model_dump(mode="json"))
+    best = None
+    for preset in sorted((conf_dir / "experiment").glob("*.yaml")):
+        try:
+            theirs = _leaves(parse_params(yaml.safe_load(compose(conf_dir, preset.stem, [])))
+                             .model_dump(mode="json"))
+        except AiaynError:
+            continue
+        differ = sum(mine.get(k) != theirs.get(k) for k in mine.keys() | theirs.keys())
+        if best is None or differ < best[0]:
+            best = (differ, preset.stem)
+    if best is None:
+        return "params"
+    return best[1] if best[0] == 0 else f"{best[1]}+{best[0]}"
+
+
+def _leaves(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_leaves(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def log_results(tracker: Tracker, summary: dict, metric_files: list[Path], curves: Path,
+                tokenizer: Path) -> None:
+    tracker.log_metrics({f"final/{k}": float(v) for k, v in summary.items()
+                         if isinstance(v, int | float) and v is not None})
+    tracker.set_tags({"stopped_by": str(summary["stopped_by"])})
+    for path in metric_files:
+        tracker.log_artifact(path, "metrics")
+    tracker.log_artifact(curves, "plots")
+    tracker.log_artifact(tokenizer, "tokenizer")
 
 
 def validation_bleu(p, raw: Path, tok):

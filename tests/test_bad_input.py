@@ -1,7 +1,7 @@
 """Bad input wherever a user types: every case ends in one line that names the file and the
 fix, a non-zero exit and no half-written output; or it recovers as documented.
 
-The cases are the table of README.md's troubleshooting section, run through the `aiayn`
+The cases are the table of docs/troubleshooting.md, run through the `aiayn`
 command itself in a workspace laid out as `dvc repro` leaves it.
 """
 

@@ -268,9 +268,9 @@ def test_a_checkpoint_is_refused_before_writing_when_it_cannot_fit(tmp_path, mon
 
 def test_training_refuses_to_start_where_no_checkpoint_fits(toy_workspace, tmp_path,
                                                             monkeypatch):
-    import aiayn.trainer
+    import aiayn.run_store
 
-    monkeypatch.setattr(aiayn.trainer, "free_bytes", lambda folder: 1000)
+    monkeypatch.setattr(aiayn.run_store, "free_bytes", lambda folder: 1000)
     with pytest.raises(OutputError, match=r"checkpoints: 1000 bytes free, but one checkpoint "
                                           r"of this model takes about [0-9.]+ KB"):
         make_trainer(toy_workspace, tmp_path)

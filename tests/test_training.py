@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from aiayn.checkpoint import checkpoint_step, file_sha256, list_checkpoints, load_checkpoint
-from aiayn.config import load_params
+from aiayn.config import load_params, parse_params
 from aiayn.distributed import World
 from aiayn.errors import DataError
 from aiayn.io import human_bytes
@@ -395,6 +396,64 @@ def test_two_processes_equal_one_process_with_two_accumulation_steps(toy_workspa
     assert not torch.equal(a1, a2)
 
 
+def test_any_error_ends_the_train_stages_mlflow_run_failed(toy_workspace, tmp_path,
+                                                         monkeypatch):
+    """Not only the project's own errors: a kernel's RuntimeError or a CUDA out-of-memory
+    must not leave the run RUNNING in the MLflow UI for ever. The experiment opens in
+    MLflow's model-training view, and a run outside `dvc exp` is named for what it is."""
+    from mlflow import MlflowClient
+
+    import stages.train as train_stage
+    from aiayn.tracking import git_commit
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.delenv("DVC_EXP_NAME", raising=False)
+    monkeypatch.chdir(REPO)  # stages run in the repository's root: conf/ and git are there
+
+    def broken(self, should_stop=None):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(train_stage.Trainer, "fit", broken)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    run = tmp_path / "run"
+    try:
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            train_stage.train(
+                params=write_params(tmp_path / "p.yaml", {"train": {"steps": 2}}),
+                shards=toy_workspace / "data/shards",
+                tokenizer=toy_workspace / "data/vocab/tokenizer.json",
+                raw=toy_workspace / "data/raw", checkpoints=run / "checkpoints",
+                metrics=run / "train.json", train_log=run / "train_log.tsv",
+                valid_log=run / "valid_log.tsv", curves=run / "curves.png",
+                progress=False, mlflow=True)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("aiayn")
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    runs = client.search_runs([experiment.experiment_id])
+    assert [r.info.status for r in runs] == ["FAILED"]
+    # The tiny test params are the demo preset with a handful of settings changed.
+    name, _, commit = runs[0].info.run_name.partition("@")
+    assert name.startswith("demo+") and int(name.removeprefix("demo+")) > 0
+    assert commit == (git_commit() or "")[:7]
+
+
+def test_a_run_is_named_after_the_preset_its_params_equal(monkeypatch):
+    from stages.params import compose
+    from stages.train import preset_of
+
+    monkeypatch.chdir(REPO)
+    for preset in ("multi30k", "wmt14_base"):
+        p = parse_params(yaml.safe_load(compose(REPO / "conf", preset, [])))
+        assert preset_of(p, Path("conf")) == preset
+        p.train.lr_scale, p.decode.beam = 3.0, 7
+        assert preset_of(p, Path("conf")) == f"{preset}+2"
+    assert preset_of(p, Path("no-such-conf")) == "params"
+
+
 @pytest.mark.slow
 def test_train_stage_logs_one_mlflow_run_and_a_resume_continues_it(toy_workspace, tmp_path):
     from mlflow import MlflowClient
@@ -505,9 +564,9 @@ def fast_and_plain_without_dropout(ws: Path, tmp_path: Path, precision: str, rel
     assert a["kernels"] == "fast" and b["kernels"] == "plain"
     hardware = precision_hardware(torch.device("cpu"))  # what train.json says it ran on
     assert {k: a[k] for k in hardware} == {k: b[k] for k in hardware} == hardware
-    for ra, rb in zip(fast.state.train_rows, plain.state.train_rows, strict=True):
-        assert ra[0] == rb[0] and ra[5] == rb[5]  # step, tokens seen
-        assert ra[1] == pytest.approx(rb[1], rel=rel)  # loss
+    for ra, rb in zip(fast.log.train, plain.log.train, strict=True):
+        assert ra.step == rb.step and ra.tokens == rb.tokens
+        assert ra.loss == pytest.approx(rb.loss, rel=rel)
     assert a["valid_loss"] == pytest.approx(b["valid_loss"], rel=rel)
     return runs
 
@@ -586,7 +645,7 @@ def test_the_time_budget_stops_at_a_checkpoint_and_a_larger_one_resumes(toy_work
     assert summary["steps"] == 1 and summary["stopped_by"] == "time budget"
     assert summary["max_minutes"] == 1e-6
     assert [c.name for c in list_checkpoints(tmp_path / "checkpoints")] == ["step-00000001.pt"]
-    assert first.state.valid_rows[-1][0] == 1 and first.state.train_rows[-1][0] == 1
+    assert first.log.valid[-1].step == 1 and first.log.train[-1].step == 1
     spent = summary["wall_time_s"]
     again = make_trainer(toy_workspace, tmp_path, {"train": {"max_minutes": 1e-6}})
     assert again.fit()["steps"] == 1  # still spent: nothing to train, nothing lost
@@ -616,7 +675,7 @@ def test_a_longer_end_after_the_cooldown_began_goes_on_from_before_it_as_a_fresh
     assert "train.steps 12 -> 24" in caplog.text and "goes on from step 6" in caplog.text
     moved = sorted(q.name for q in (tmp_path / "ext/checkpoints.replaced").glob("*/*.pt"))
     assert moved == ["step-00000009.pt", "step-00000012.pt"]  # kept, not deleted
-    assert [r[0] for r in longer.state.train_rows] == [2, 4, 6]  # the logs rewind too
+    assert [r.step for r in longer.log.train] == [2, 4, 6]  # the logs rewind too
     longer.fit()
     fresh = make_trainer(toy_workspace, tmp_path / "fresh", {"train": {**COOL, "steps": 24}})
     fresh.fit()
@@ -747,8 +806,8 @@ def test_compiled_training_matches_eager_with_two_graphs_whatever_the_shapes(toy
     assert len(shapes) >= 6  # many batch shapes went through the compiled model...
     assert counters["stats"]["unique_graphs"] <= 2  # ...yet one static and one dynamic graph
     assert sum(counters["graph_break"].values()) == 0
-    for a, b in zip(eager.state.train_rows, compiled.state.train_rows, strict=True):
-        assert a[1] == pytest.approx(b[1], rel=1e-4)
+    for a, b in zip(eager.log.train, compiled.log.train, strict=True):
+        assert a.loss == pytest.approx(b.loss, rel=1e-4)
 
 
 # --------------------------------------------------------------------------- validation BLEU
@@ -770,7 +829,7 @@ def test_validation_bleu_is_measured_logged_and_the_same_after_a_resume(toy_work
     full = bleu_trainer(toy_workspace, tmp_path / "full")
     summary = full.fit()
     full.write_logs()
-    bleu_rows = [(r[0], r[5]) for r in full.state.valid_rows if r[5] is not None]
+    bleu_rows = [(r.step, r.valid_bleu) for r in full.log.scored()]
     assert [step for step, _ in bleu_rows] == [6, 12]
     assert all(0 <= score <= 100 for _, score in bleu_rows)
     assert summary["valid_bleu"] == bleu_rows[-1][1]
@@ -787,7 +846,7 @@ def test_validation_bleu_is_measured_logged_and_the_same_after_a_resume(toy_work
     part.fit(should_stop=lambda: part.state.step == 5)
     resumed = bleu_trainer(toy_workspace, tmp_path / "part")
     resumed.fit()
-    assert resumed.state.valid_rows == full.state.valid_rows  # BLEU included
+    assert resumed.log.valid == full.log.valid  # BLEU included
 
 
 def test_the_bleu_curve_file_holds_only_the_steps_that_have_a_bleu(toy_workspace, tmp_path):
@@ -800,7 +859,7 @@ def test_the_bleu_curve_file_holds_only_the_steps_that_have_a_bleu(toy_workspace
     assert [row[0] for row in valid[1:]] == ["4", "6", "8", "12"] and valid[2][-1] == ""
     bleu = [line.split("\t") for line in (tmp_path / "valid_bleu.tsv").read_text().splitlines()]
     assert bleu[0] == ["step", "valid_bleu"]
-    expected = [(r[0], r[5]) for r in trainer.state.valid_rows if r[5] is not None]
+    expected = [(r.step, r.valid_bleu) for r in trainer.log.scored()]
     assert [int(a) for a, _ in bleu[1:]] == [step for step, _ in expected] == [4, 8, 12]
     assert [float(b) for _, b in bleu[1:]] == pytest.approx([v for _, v in expected], abs=1e-4)
 
@@ -811,7 +870,7 @@ def test_validation_bleu_is_off_at_zero(toy_workspace, tmp_path):
     trainer.valid_bleu = lambda *a: calls.append(a) or 50.0
     summary = trainer.fit()
     assert calls == [] and "best_valid_bleu" not in summary
-    assert all(row[5] is None for row in trainer.state.valid_rows)
+    assert all(row.valid_bleu is None for row in trainer.log.valid)
     trainer.write_logs()
     last = (tmp_path / "valid_log.tsv").read_text().splitlines()[-1].split("\t")
     assert last[-1] == ""  # an empty cell, which DVC's plots skip

@@ -1,0 +1,73 @@
+"""The run log's typed rows: saved in checkpoints as plain lists, read back, written as TSV,
+and the questions the loop and the average stage ask of them."""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import torch
+
+from aiayn.run_log import RunLog, TrainRow, ValidRow, columns
+
+
+def sample() -> RunLog:
+    return RunLog(
+        [TrainRow(2, 3.5, 3.25, 1e-3, float("nan"), 200, 1234.5, 1.5),
+         TrainRow(4, 3.0, 2.75, 2e-3, 0.5, 400, 1500.0, 3.0)],
+        [ValidRow(2, 4.0, 3.8, math.exp(3.8), 90, None),
+         ValidRow(4, 3.5, 3.2, math.exp(3.2), 90, 12.5),
+         ValidRow(6, 3.4, 3.1, math.exp(3.1), 90, 14.0),
+         ValidRow(8, 3.3, 3.0, math.exp(3.0), 90, 12.5)])
+
+
+def test_rows_round_trip_through_a_checkpoint_as_plain_lists(tmp_path):
+    log = sample()
+    saved = log.to_saved()
+    assert saved["train_rows"][1] == [4, 3.0, 2.75, 2e-3, 0.5, 400, 1500.0, 3.0]
+    assert saved["valid_rows"][0][-1] is None
+    torch.save({"run": saved}, tmp_path / "c.pt")  # what a checkpoint holds
+    back = RunLog.from_saved(torch.load(tmp_path / "c.pt", weights_only=True)["run"])
+    assert back.valid == log.valid
+    assert [r.step for r in back.train] == [2, 4] and math.isnan(back.train[0].grad_norm)
+
+
+def test_rows_saved_before_the_bleu_column_existed_read_as_not_measured():
+    old = {"train_rows": [[2, 3.5, 3.25, 1e-3, 0.1, 200, 1234.5, 1.5]],
+           "valid_rows": [[2, 4.0, 3.8, 44.7, 90]]}  # five columns: before valid_bleu
+    log = RunLog.from_saved(old)
+    assert log.valid == [ValidRow(2, 4.0, 3.8, 44.7, 90, None)]
+    assert log.scored() == [] and log.bleu_summary(1.0, 10.0) == {}
+
+
+def test_questions_of_the_bleu_rows():
+    log = sample()
+    assert log.bleu_at(6) == 14.0 and log.bleu_at(2) is None and log.bleu_at(3) is None
+    assert log.best_bleu_steps(1) == {6}
+    assert log.best_bleu_steps(2) == {6, 8}  # of equal scores, the later
+    summary = log.bleu_summary(bleu_seconds=2.0, elapsed_s=8.0)
+    # the last measured, the best and the earliest step that reached it, BLEU's time share
+    assert summary == {"valid_bleu": 12.5, "best_valid_bleu": 14.0, "best_valid_bleu_step": 6,
+                       "valid_bleu_seconds": 2.0, "valid_bleu_share": 0.25}
+    assert ValidRow(4, 3.5, 3.2, 24.5, 90, 12.5).metrics() == {
+        "valid/loss": 3.5, "valid/nll": 3.2, "valid/ppl": 24.5, "valid/sacrebleu": 12.5}
+    assert "valid/sacrebleu" not in ValidRow(2, 4.0, 3.8, 44.7, 90).metrics()
+    assert set(sample().train[0].metrics()) == {"train/loss", "train/nll", "train/lr",
+                                               "train/grad_norm", "train/tokens_per_s"}
+
+
+def test_the_tsv_files_hold_every_row_and_bleu_only_where_measured(tmp_path):
+    log = sample()
+    paths = tmp_path / "train.tsv", tmp_path / "valid.tsv", tmp_path / "bleu.tsv"
+    log.write(*paths)
+
+    def read(path):
+        with open(path, newline="") as f:
+            return list(csv.reader(f, delimiter="\t"))
+
+    train, valid, bleu = (read(p) for p in paths)
+    assert tuple(train[0]) == columns(TrainRow) and len(train) == 3
+    assert train[1][4] == "nan" and float(train[2][3]) == 2e-3
+    assert tuple(valid[0]) == columns(ValidRow) and valid[1][-1] == "" and valid[2][-1] == "12.5"
+    assert bleu == [["step", "valid_bleu"], ["4", "12.5"], ["6", "14"], ["8", "12.5"]]
+    assert not list(tmp_path.glob("*.tmp"))  # written atomically, nothing left beside
