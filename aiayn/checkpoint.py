@@ -17,7 +17,6 @@ Section 6.1 of the paper: the base model is "a single model obtained by averagin
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -30,7 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from aiayn.errors import DataError
-from aiayn.io import atomic_path, check_free_space, read_json, write_json
+from aiayn.io import atomic_path, check_free_space, file_sha256, read_json, write_json
 
 log = logging.getLogger(__name__)
 
@@ -38,15 +37,6 @@ CHECKPOINT_RE = re.compile(r"^step-(\d+)\.pt$")
 # What aiayn.io.atomic_path leaves behind when a process is killed mid-write.
 TEMP_GLOB = ".step-*.pt.*.tmp"
 MODEL_FILE, CONFIG_FILE = "model.safetensors", "config.json"
-
-
-def file_sha256(path: Path) -> str:
-    """Hex sha256 of a file's bytes, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def checkpoint_path(folder: Path, step: int) -> Path:

@@ -63,11 +63,6 @@ def all_sum_(t: torch.Tensor, world: World) -> torch.Tensor:
     return t
 
 
-def broadcast_flag(flag: bool, device: torch.device, world: World) -> bool:
-    """Rank 0's decision, for every rank (e.g. 'stop now')."""
-    return bool(broadcast_values([flag], device, world)[0])
-
-
 def broadcast_values(values: list[float], device: torch.device, world: World) -> list[float]:
     """Rank 0's decisions and clock readings (bools read as 0/1), for every rank, in one
     collective."""

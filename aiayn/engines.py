@@ -32,7 +32,7 @@ from aiayn.errors import DataError
 from aiayn.export import METADATA_FILE, quiet_transformers, require, token_strings
 from aiayn.io import read_json
 from aiayn.tokenizer import EOS, EOS_ID, PAD_ID, load_tokenizer
-from aiayn.translation import BatchTranslator, source_batch
+from aiayn.translation import BatchTranslator, load_translator, source_batch
 
 ENGINES = ("aiayn", "ctranslate2", "transformers")
 
@@ -164,7 +164,6 @@ def load_engine(engine: str, model_dir: Path, device: str = "auto",
                 precision: str = "fp32") -> BatchTranslator:
     """The translator of ``engine`` ("aiayn", "ctranslate2" or "transformers")."""
     if engine == "aiayn":
-        from aiayn.translation import load_translator
 
         return load_translator(model_dir, device=device, precision=precision)
     if precision != "fp32":

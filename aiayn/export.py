@@ -102,8 +102,10 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import Tensor
 
+from aiayn.beam import greedy_search
+from aiayn.checkpoint import CONFIG_FILE, load_model_files
 from aiayn.errors import DataError, MissingPackageError
-from aiayn.io import atomic_path, write_json, write_text
+from aiayn.io import atomic_path, read_json, write_json, write_text
 from aiayn.model import Transformer, TransformerConfig
 from aiayn.tokenizer import (
     BOS,
@@ -115,6 +117,7 @@ from aiayn.tokenizer import (
     SPECIAL_TOKENS,
     UNK,
 )
+from aiayn.translation import model_tokenizer, source_batch
 
 log = logging.getLogger("aiayn")
 
@@ -189,8 +192,6 @@ class ModelFolder:
 
 def load_model_folder(model_dir: Path) -> ModelFolder:
     """Weights, config and tokenizer of ``model_dir``; any gap is a DataError naming the file."""
-    from aiayn.checkpoint import CONFIG_FILE, load_model_files
-    from aiayn.translation import model_tokenizer
 
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -446,7 +447,6 @@ def write_transformers(model: Transformer, tokenizer: Tokenizer, directory: Path
     # The generic class name, which transformers 4 and 5 both resolve (5 would write its
     # own alias, unknown to 4).
     config_path = Path(directory) / "tokenizer_config.json"
-    from aiayn.io import read_json
 
     config = read_json(config_path)
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
@@ -462,8 +462,6 @@ PROBE_LENGTHS = (11, 5)  # two sources of different lengths: padding is exercise
 
 def probe(model: Transformer, max_target: int = 12) -> tuple[list[list[int]], list[list[int]]]:
     """Deterministic probe sources (ids, without EOS) and our greedy outputs for them."""
-    from aiayn.beam import greedy_search
-    from aiayn.translation import source_batch
 
     content = model.cfg.vocab_size - len(SPECIAL_TOKENS)
     sources = [[len(SPECIAL_TOKENS) + (7 * i + 3 * n) % content for i in range(n)]
@@ -476,7 +474,6 @@ def probe(model: Transformer, max_target: int = 12) -> tuple[list[list[int]], li
 def our_log_probs(model: Transformer, sources: list[list[int]], targets: list[list[int]]
                   ) -> list[list[float]]:
     """Per-token log P of each target + EOS under our decoder (PAD, BOS banned)."""
-    from aiayn.translation import source_batch
 
     was_training = model.training
     model.eval()

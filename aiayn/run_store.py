@@ -33,7 +33,6 @@ import torch
 
 from aiayn.checkpoint import (
     checkpoint_step,
-    file_sha256,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -45,7 +44,7 @@ from aiayn.checkpoint import (
 from aiayn.config import Params, TrainConfig, shapes_training
 from aiayn.distributed import World
 from aiayn.errors import DataError, OutputError
-from aiayn.io import free_bytes, human_bytes
+from aiayn.io import file_sha256, free_bytes, human_bytes
 from aiayn.model import TransformerConfig
 
 log = logging.getLogger("aiayn")

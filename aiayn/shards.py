@@ -49,7 +49,7 @@ from numpy.lib.format import open_memmap
 from aiayn import survey
 from aiayn.config import SPLITS, ShardConfig
 from aiayn.errors import DataError
-from aiayn.io import atomic_path, read_json, write_json
+from aiayn.io import atomic_path, file_sha256, read_json, write_json
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, load_tokenizer
 
 FORMAT = "aiayn-shards"
@@ -61,11 +61,6 @@ FILL_CHUNK = 100_000  # pairs gathered per step: a few MB of ids and index array
 
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}"
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """The narrowest unsigned type that holds every id (uint16 halves disk and page cache)."""
-    return np.dtype(np.uint16) if vocab_size <= 65535 else np.dtype(np.uint32)
 
 
 # --------------------------------------------------------------------------- planning
@@ -223,7 +218,7 @@ def check_inputs(survey_dir: Path, tokenizer: Path, languages: tuple[str, str],
             "data.src_lang/data.tgt_lang"
         )
     vocab_size = load_tokenizer(tokenizer).get_vocab_size()
-    sha = survey.file_sha256(tokenizer)
+    sha = file_sha256(tokenizer)
     if meta.get("vocab_size") != vocab_size or meta.get("tokenizer_sha256") != sha:
         raise DataError(
             f"{meta_path}: the survey's token ids were made with a tokenizer of "
@@ -231,9 +226,9 @@ def check_inputs(survey_dir: Path, tokenizer: Path, languages: tuple[str, str],
             f"but {tokenizer} has {vocab_size} tokens (sha256 {sha[:12]}); the survey belongs "
             "to another tokenizer, re-run `aiayn survey` with this one"
         )
-    if meta.get("dtype") != token_dtype(vocab_size).name:
+    if meta.get("dtype") != survey.token_dtype(vocab_size).name:
         raise _stale(meta_path, f"field 'dtype' is {meta.get('dtype')!r}, expected "
-                                f"{token_dtype(vocab_size).name!r}")
+                                f"{survey.token_dtype(vocab_size).name!r}")
     lengths = survey_dir / survey.LENGTHS_FILE
     if not lengths.is_file():
         raise _stale(lengths, "missing")
@@ -351,7 +346,7 @@ def build_split(survey_dir: Path, meta: dict, split: str, out_dir: Path, cfg: Sh
             "shard.max_len in params.yaml"
         )
     vocab_size = int(meta["vocab_size"])
-    dtype = token_dtype(vocab_size)
+    dtype = survey.token_dtype(vocab_size)
     sides = []
     for lang, lengths, stored_len, bos in ((src_lang, src_len, plan.src_len, False),
                                            (tgt_lang, tgt_len, plan.tgt_len, True)):

@@ -12,7 +12,7 @@ Layout of the survey folder (``data/survey/``, format version :data:`FORMAT_VERS
     meta.json                vocab_size, languages, dtype, rows and tokens per split, and
                              the sha256 of the tokenizer file the ids came from
     ids/{split}.{lang}.npy   flat BPE ids (no special tokens) of all sentences of the split,
-                             concatenated in row order; dtype :func:`aiayn.shards.token_dtype`
+                             concatenated in row order; dtype :func:`token_dtype`
 
 Sentence ``i`` of a split is ``flat[offsets[i]:offsets[i + 1]]``, where ``flat`` is
 ``np.load(ids/{split}.{lang}.npy, mmap_mode="r")`` and ``offsets = [0, *cumsum(lengths)]``
@@ -26,7 +26,6 @@ that is rewritten with the final length afterwards: memory stays at one batch of
 
 from __future__ import annotations
 
-import hashlib
 import io
 import itertools
 import os
@@ -42,7 +41,7 @@ from tokenizers import Tokenizer
 from aiayn.config import SPLITS
 from aiayn.corpus import iter_raw, raw_path
 from aiayn.errors import DataError
-from aiayn.io import atomic_path, write_json
+from aiayn.io import atomic_path, file_sha256, write_json
 from aiayn.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
@@ -70,14 +69,9 @@ def sentence_offsets(lengths: np.ndarray) -> np.ndarray:
     return offsets
 
 
-def file_sha256(path: str | Path) -> str:
-    """Hex sha256 of a file's bytes; the same digest as :func:`aiayn.checkpoint.file_sha256`,
-    without importing torch into the data stages."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest unsigned type that holds every id (uint16 halves disk and page cache)."""
+    return np.dtype(np.uint16) if vocab_size <= 65535 else np.dtype(np.uint32)
 
 
 # --------------------------------------------------------------------------- flat id files
@@ -167,11 +161,10 @@ def survey_lengths(tok: Tokenizer, raw_dir: str | Path, languages: Iterable[str]
     Columns: ``split`` (category), ``row`` (index within the raw split), one int32 column
     per language. Built split by split, batch by batch: memory is a few bytes per pair.
     With ``ids_dir``, the ids themselves go to ``ids_dir/{split}.{lang}.npy`` as they are
-    encoded (see the module docstring; dtype :func:`aiayn.shards.token_dtype`).
+    encoded (see the module docstring; dtype :func:`token_dtype`).
     """
     import pandas as pd
 
-    from aiayn.shards import token_dtype  # aiayn.shards reads survey folders through us
 
     langs = list(languages)
     dtype = token_dtype(tok.get_vocab_size())
@@ -217,7 +210,6 @@ def build_survey(tokenizer: str | Path, raw_dir: str | Path, languages: Iterable
 
     Returns the lengths table. ``progress`` is called with the number of pairs just encoded.
     """
-    from aiayn.shards import token_dtype
 
     langs = list(languages)
     check_raw(raw_dir, langs)

@@ -17,6 +17,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from aiayn.errors import DataError
+from aiayn.io import atomic_path
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0, 1, 2, 3 in this order
@@ -53,8 +54,6 @@ def train_bpe(texts: Iterable[str] | Iterable[list[str]], vocab_size: int, min_f
 
 
 def save_tokenizer(tok: Tokenizer, path: str | Path) -> None:
-    from aiayn.io import atomic_path
-
     with atomic_path(path) as tmp:
         tok.save(str(tmp))
 
@@ -78,11 +77,6 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
                 f"{tok.token_to_id(token)}; this tokenizer was not made by `aiayn vocab`"
             )
     return tok
-
-
-def encode_lengths(tok: Tokenizer, texts: list[str]) -> list[int]:
-    """Token counts (without special tokens) of a batch of sentences."""
-    return [len(e.ids) for e in tok.encode_batch_fast(texts, add_special_tokens=False)]
 
 
 def encode_ids(tok: Tokenizer, texts: list[str]) -> list[list[int]]:

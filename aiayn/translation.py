@@ -17,9 +17,13 @@ from tokenizers import Tokenizer
 from torch import Tensor
 
 from aiayn.beam import BeamConfig, beam_search
+from aiayn.checkpoint import load_model_files
+from aiayn.corpus import iter_raw
 from aiayn.errors import DataError
+from aiayn.io import file_sha256
 from aiayn.model import Transformer, TransformerConfig, avoid_cudnn_attention
 from aiayn.precision import autocast_dtype, slow_bf16_warning
+from aiayn.scoring import sacre_scores
 from aiayn.tokenizer import EOS_ID, PAD_ID, decode, encode_ids, load_tokenizer
 
 log = logging.getLogger("aiayn")
@@ -119,7 +123,6 @@ class ValidationBleu:
     def from_params(cls, p, raw: Path, tokenizer: Tokenizer) -> ValidationBleu:
         """The valid split of the raw data in ``raw`` (or its first
         ``train.valid_bleu_sentences``), decoded as ``train.valid_bleu_beam`` / ``_alpha`` say."""
-        from aiayn.corpus import iter_raw
 
         src, tgt = p.data.src_lang, p.data.tgt_lang
         sources, references = [], []
@@ -134,7 +137,6 @@ class ValidationBleu:
 
     def __call__(self, model: Transformer, device: torch.device,
                  amp_dtype: torch.dtype | None = None) -> float:
-        from aiayn.scoring import sacre_scores
 
         was_training = model.training
         model.eval()
@@ -149,7 +151,6 @@ class ValidationBleu:
 
 def model_tokenizer(model_dir: Path, config: dict) -> tuple[Path, Tokenizer]:
     """The model folder's tokenizer.json, checked against the sha256 in its config.json."""
-    from aiayn.checkpoint import file_sha256
 
     tok_path = model_dir / "tokenizer.json"
     tok = load_tokenizer(tok_path)
@@ -171,7 +172,6 @@ def decode_device(device: str) -> torch.device:
 def load_translator(model_dir: Path, device: str = "auto", precision: str = "fp32"
                     ) -> Translator:
     """The averaged model in ``model_dir`` (safetensors + config.json + tokenizer.json)."""
-    from aiayn.checkpoint import load_model_files
 
     state, config = load_model_files(model_dir)
     tok_path, tok = model_tokenizer(model_dir, config)

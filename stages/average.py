@@ -12,12 +12,11 @@ from aiayn.checkpoint import (
     average_checkpoints,
     checkpoint_step,
     export_model,
-    file_sha256,
     list_checkpoints,
     load_checkpoint,
 )
 from aiayn.errors import DataError
-from aiayn.io import write_json
+from aiayn.io import file_sha256, write_json
 from aiayn.model import Transformer, TransformerConfig
 from stages.common import ParamsPath, log, read_params, single_command_app, stage
 

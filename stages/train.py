@@ -13,10 +13,10 @@ import typer
 import yaml
 
 from aiayn import distributed
-from aiayn.checkpoint import file_sha256
 from aiayn.config import parse_params
 from aiayn.distributed import world_from_env
 from aiayn.errors import AiaynError
+from aiayn.io import file_sha256
 from aiayn.plots import plot_training_curves
 from aiayn.precision import hardware
 from aiayn.run_store import RUN_FILE

@@ -178,7 +178,7 @@ def test_dtype_and_meta(built, corpus):
     assert (meta["src_lang"], meta["tgt_lang"], meta["split"]) == ("en", "de", "valid")
     assert meta["max_tokens"] == CFG.max_tokens and meta["max_len"] == CFG.max_len
     assert np.load(built["out"] / "valid" / "shard-00000.src.npy").dtype == np.uint16
-    assert shards.token_dtype(65535) == np.uint16 and shards.token_dtype(65536) == np.uint32
+    assert survey.token_dtype(65535) == np.uint16 and survey.token_dtype(65536) == np.uint32
 
 
 @pytest.mark.parametrize("split", SPLITS)

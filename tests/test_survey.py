@@ -95,7 +95,7 @@ def test_histogram_bins_cover_the_longest_sentence():
 
 def test_survey_folder_ids_match_direct_encoding(setup, tmp_path):
     """Every sentence of every split: its slice of ids/{split}.{lang}.npy is tok.encode()."""
-    from aiayn.checkpoint import file_sha256
+    from aiayn.io import file_sha256
 
     root, tok, _, _ = setup
     out = tmp_path / "survey"

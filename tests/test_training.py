@@ -17,11 +17,11 @@ import pytest
 import torch
 import yaml
 
-from aiayn.checkpoint import checkpoint_step, file_sha256, list_checkpoints, load_checkpoint
+from aiayn.checkpoint import checkpoint_step, list_checkpoints, load_checkpoint
 from aiayn.config import load_params, parse_params
 from aiayn.distributed import World
 from aiayn.errors import DataError
-from aiayn.io import human_bytes
+from aiayn.io import file_sha256, human_bytes
 from aiayn.model import Transformer, TransformerConfig
 from aiayn.objective import cooldown_factor, label_smoothed_loss, noam_lr
 from aiayn.precision import cpu_has_native_bf16, cpu_model
