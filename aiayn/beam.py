@@ -84,12 +84,15 @@ def max_lengths(src: Tensor, a: float, b: int, limit: int) -> list[int]:
 
 
 @torch.no_grad()
-def beam_search(model, src: Tensor, cfg: BeamConfig, *, use_cache: bool = True
-                ) -> list[list[int]]:
+def beam_search(model, src: Tensor, cfg: BeamConfig, *, use_cache: bool = True,
+                spanned_only: bool = True) -> list[list[int]]:
     """src (B, S): padded source ids → per row the best hypothesis, without BOS and EOS.
 
     ``use_cache=False`` recomputes the whole prefix with ``model(src, prefix)`` each step
-    (the slow reference). The model is put in eval mode for the call.
+    (the slow reference). With a model whose softmax spans some tokens only
+    (``model.output_vocab()``), the logits of those tokens alone are computed;
+    ``spanned_only=False`` computes the whole vocabulary's, the others at -inf (the same
+    outputs, more products). The model is put in eval mode for the call.
     """
     if src.dim() != 2:
         raise ValueError(f"src must be (batch, length), not {tuple(src.shape)}")
@@ -100,12 +103,13 @@ def beam_search(model, src: Tensor, cfg: BeamConfig, *, use_cache: bool = True
     was_training = model.training
     model.eval()
     try:
-        return _search(model, src, cfg, use_cache)
+        return _search(model, src, cfg, use_cache, spanned_only)
     finally:
         model.train(was_training)
 
 
-def _search(model, src: Tensor, cfg: BeamConfig, use_cache: bool) -> list[list[int]]:
+def _search(model, src: Tensor, cfg: BeamConfig, use_cache: bool,
+            spanned_only: bool) -> list[list[int]]:
     k, alpha, norm = cfg.beam, cfg.alpha, cfg.length_norm
     device = next(model.parameters()).device
     src = src.to(device)
@@ -124,9 +128,8 @@ def _search(model, src: Tensor, cfg: BeamConfig, use_cache: bool) -> list[list[i
     # output_vocab "target": logits of the tokens the softmax spans only (the others' are
     # -inf: they add nothing to the softmax and are never chosen); `columns` maps back.
     columns = projection = None
-    spans = getattr(model, "output_projection", None)  # a Transformer's; test doubles lack it
-    if spans is not None and (spanned := spans()) is not None:
-        columns, projection = spanned
+    if spanned_only and (spanned := model.output_vocab()) is not None:
+        columns, projection = spanned.ids, spanned.rows(model.embedding.weight)
         banned = torch.isin(columns, banned).nonzero()[:, 0]
     rows = torch.arange(n, device=device).repeat_interleave(k)
     if use_cache:
@@ -212,7 +215,7 @@ def _search(model, src: Tensor, cfg: BeamConfig, use_cache: bool) -> list[list[i
 
 @torch.no_grad()
 def greedy_search(model, src: Tensor, max_len_a: float = 1.0, max_len_b: int = 50, *,
-                  use_cache: bool = True) -> list[list[int]]:
+                  use_cache: bool = True, spanned_only: bool = True) -> list[list[int]]:
     """Greedy decoding: the most likely token at each step (beam search with beam 1)."""
     cfg = BeamConfig(beam=1, alpha=0.0, max_len_a=max_len_a, max_len_b=max_len_b)
-    return beam_search(model, src, cfg, use_cache=use_cache)
+    return beam_search(model, src, cfg, use_cache=use_cache, spanned_only=spanned_only)

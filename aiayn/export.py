@@ -166,9 +166,9 @@ def output_bias(model: Transformer) -> Tensor:
     """0 everywhere, -inf at PAD and BOS (our beam search's rule, as a logit bias) and, for
     ``model.output_vocab: target``, at every token outside the output vocabulary (the
     model's own bias)."""
-    bias = torch.zeros(model.cfg.vocab_size)
-    if model.output_bias is not None:
-        bias += model.output_bias.detach().float().cpu()
+    vocab = model.output_vocab()
+    bias = (torch.zeros(model.cfg.vocab_size) if vocab is None
+            else vocab.logit_bias(model.cfg.vocab_size))
     bias[list(BANNED_IDS)] = float("-inf")
     return bias
 

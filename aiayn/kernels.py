@@ -66,10 +66,10 @@ CUDA_CHUNK_BYTES = 1 << 30
 VOCAB_ALIGN = 16
 
 
-def padded_width(vocab: int) -> int:
+def padded_width(vocab: int, align: int = VOCAB_ALIGN) -> int:
     """The columns the fused loss multiplies on: ``vocab`` rounded up to a multiple of
-    VOCAB_ALIGN."""
-    return -(-vocab // VOCAB_ALIGN) * VOCAB_ALIGN
+    ``align`` (VOCAB_ALIGN; 1: the width as it is)."""
+    return -(-vocab // align) * align
 
 
 def loss_blocks(device: torch.device, vocab: int) -> tuple[int, int]:
@@ -102,12 +102,13 @@ class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows: Tensor, weight: Tensor, labels: Tensor, epsilon: float,
-                chunk_rows: int, softmax_rows: int, dtype: torch.dtype, need_grad: bool):
+                chunk_rows: int, softmax_rows: int, dtype: torch.dtype, need_grad: bool,
+                align: int):
         n, vocab = rows.shape[0], weight.shape[0]
-        # The products run on ``width`` >= vocab columns, a multiple of VOCAB_ALIGN: the
+        # The products run on ``width`` >= vocab columns, a multiple of ``align``: the
         # extra rows of ``w`` are zeros, their logits are set to -inf before the softmax (so
         # they add nothing to it) and their gradient rows are dropped.
-        width = padded_width(vocab)
+        width = padded_width(vocab, align)
         with torch.autocast(rows.device.type, enabled=False):
             a = rows.to(dtype)
             w = weight.to(dtype)
@@ -172,14 +173,14 @@ class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
                                "(under torch.no_grad) and cannot be backpropagated")
         return (grad_rows * grad_loss.to(grad_rows.dtype),
                 (grad_weight * grad_loss).to(ctx.weight_dtype), None, None, None, None, None,
-                None)
+                None, None)
 
 
 def projected_label_smoothed_loss(hidden: Tensor, weight: Tensor, labels: Tensor,
                                   epsilon: float, pad_id: int, chunk_rows: int | None = None,
                                   positions: Tensor | None = None,
-                                  softmax_rows: int | None = None
-                                  ) -> tuple[Tensor, Tensor, int]:
+                                  softmax_rows: int | None = None,
+                                  align: int = VOCAB_ALIGN) -> tuple[Tensor, Tensor, int]:
     """:func:`aiayn.objective.label_smoothed_loss` of the logits ``hidden @ weight.T``.
 
     ``hidden`` (B, T, d) are the decoder's outputs before the tied projection (``weight``
@@ -190,7 +191,8 @@ def projected_label_smoothed_loss(hidden: Tensor, weight: Tensor, labels: Tensor
     (smoothed loss sum, NLL sum, number of non-pad labels), the log-probabilities in fp32,
     the products in autocast's dtype when autocast is on; padding positions are never
     projected. ``chunk_rows`` and ``softmax_rows`` (rows of logits formed at once, and of
-    their softmax at once) default to :func:`loss_blocks` for the device.
+    their softmax at once) default to :func:`loss_blocks` for the device; ``align`` rounds the
+    vocabulary the products run on up to its multiple (:data:`VOCAB_ALIGN`; 1: as it is).
     """
     flat = labels.reshape(-1)
     keep = (flat != pad_id).nonzero().squeeze(1) if positions is None else positions
@@ -207,7 +209,8 @@ def projected_label_smoothed_loss(hidden: Tensor, weight: Tensor, labels: Tensor
     need_grad = torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad)
     loss, nll = _ProjectedLabelSmoothedLoss.apply(rows, weight, flat.index_select(0, keep),
                                                   float(epsilon), int(chunk_rows),
-                                                  int(softmax_rows), dtype, need_grad)
+                                                  int(softmax_rows), dtype, need_grad,
+                                                  int(align))
     return loss, nll, keep.numel()
 
 

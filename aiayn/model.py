@@ -21,8 +21,9 @@ The model knows nothing of files or tokenizers. Decoding uses ``encode`` once pe
 and ``decode_step`` per target token with a key/value cache (self-attention keys/values
 grow by one position per step; cross-attention keys/values are computed once).
 
-``Transformer(cfg, fast=True)`` draws dropout masks with ``aiayn.kernels.dropout`` (the same
-distribution, cheaper) and multiplies fp32 linear layers on CPU with ``aiayn.kernels.linear``;
+``Transformer(cfg, fast=True)`` (chosen at construction, passed down to every layer) draws
+dropout masks with ``aiayn.kernels.dropout`` (the same distribution, cheaper) and multiplies
+fp32 linear layers on CPU with ``aiayn.kernels.linear``;
 ``forward(..., packed=positions)`` runs the decoder's position-wise layers on the real
 (non-pad) target positions only (:class:`Packing`) and stops before the tied projection, for
 losses that apply it themselves (``aiayn.kernels``). These serve the fast training step
@@ -102,30 +103,32 @@ EXPLICIT_ATTENTION_KEYS = 128
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float,
-           is_causal: bool, fast: bool = False) -> Tensor:
+           is_causal: bool, fast: bool = False,
+           explicit_keys: int = EXPLICIT_ATTENTION_KEYS) -> Tensor:
     """``F.scaled_dot_product_attention``, or under CPU bf16 autocast fp32 scores and softmax.
 
     Without dropout, PyTorch's CPU kernel (flash attention) is about 2x slower in bf16 than
     in fp32 at d_head 64 (torch 2.13, AVX-512 CPU without AMX), and even in fp32 it spends
     more on its blocking than on the products when sequences are as short as the ones
     sentence-level batches hold (Multi30k: ~23 tokens). So under CPU bf16 autocast, up to
-    :data:`EXPLICIT_ATTENTION_KEYS` keys, the scores and the softmax are computed in fp32
-    (as precise as the flash kernel's) and only the weighted sum of the values multiplies
-    bf16 (the weights rounded to bf16, as autocast rounds any product's inputs, and as
-    FlashAttention rounds them on GPUs): 1.9x faster than fp32 flash attention at 23 keys,
-    forward + backward, and the training step 1.09x with the loss change of the same commit
-    (both on a 2-core AMD EPYC with native bf16; bench/README.md). Longer sequences take
-    fp32 flash attention. Attention dropout (``dropout_p > 0``, in training) drops the fp32
-    weights before they are rounded, with :func:`aiayn.kernels.dropout`'s masks when ``fast``
-    and ``F.dropout``'s otherwise, as PyTorch's math path (which CPU attention with dropout
-    takes) would; past the length limit, attention with dropout takes that math path. fp32
-    inputs and other devices take the plain call.
+    ``explicit_keys`` keys (:data:`EXPLICIT_ATTENTION_KEYS`; -1: never), the scores and the
+    softmax are computed in fp32 (as precise as the flash kernel's) and only the weighted
+    sum of the values multiplies bf16 (the weights rounded to bf16, as autocast rounds any
+    product's inputs, and as FlashAttention rounds them on GPUs): 1.9x faster than fp32
+    flash attention at 23 keys, forward + backward, and the training step 1.09x with the
+    loss change of the same commit (both on a 2-core AMD EPYC with native bf16;
+    bench/README.md). Longer sequences take fp32 flash attention. Attention dropout
+    (``dropout_p > 0``, in training) drops the fp32 weights before they are rounded, with
+    :func:`aiayn.kernels.dropout`'s masks when ``fast`` and ``F.dropout``'s otherwise, as
+    PyTorch's math path (which CPU attention with dropout takes) would; past the length
+    limit, attention with dropout takes that math path. fp32 inputs and other devices take
+    the plain call.
     """
     # (Shapes are read only on this path: compiled fp32 and GPU graphs get no guard on them.)
     if (q.device.type == "cpu" and q.dtype == torch.bfloat16
-            and (dropout_p == 0.0 or k.shape[-2] <= EXPLICIT_ATTENTION_KEYS)):
+            and (dropout_p == 0.0 or k.shape[-2] <= explicit_keys)):
         with torch.autocast("cpu", enabled=False):  # autocast would cast back to bf16
-            if k.shape[-2] > EXPLICIT_ATTENTION_KEYS:
+            if k.shape[-2] > explicit_keys:
                 out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
                                                      attn_mask=mask, is_causal=is_causal)
                 return out.to(q.dtype)
@@ -170,7 +173,9 @@ def avoid_cudnn_attention(device: torch.device) -> None:
 class Linear(nn.Linear):
     """``nn.Linear``; with ``fast`` its forward product is ``aiayn.kernels.linear``."""
 
-    fast = False
+    def __init__(self, in_features: int, out_features: int, fast: bool = False):
+        super().__init__(in_features, out_features)
+        self.fast = fast
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fast:
@@ -181,9 +186,9 @@ class Linear(nn.Linear):
 class Dropout(nn.Module):
     """Section 5.4's dropout; with ``fast`` its masks come from ``aiayn.kernels.dropout``."""
 
-    def __init__(self, p: float):
+    def __init__(self, p: float, fast: bool = False):
         super().__init__()
-        self.p, self.fast = p, False
+        self.p, self.fast = p, fast
 
     def forward(self, x: Tensor) -> Tensor:
         # Compiled, F.dropout becomes Inductor's own fused random mask.
@@ -222,19 +227,22 @@ class Packing:
 
 
 class MultiHeadAttention(nn.Module):
-    """Section 3.2.2: h heads of scaled dot-product attention over d_model/h dimensions."""
+    """Section 3.2.2: h heads of scaled dot-product attention over d_model/h dimensions.
 
-    fast = False  # attention dropout masks from aiayn.kernels.dropout (see attend)
+    ``fast``: attention dropout masks from aiayn.kernels.dropout and the fast linear layers;
+    ``explicit_keys``: :func:`attend`'s limit of its CPU bf16 path."""
 
-    def __init__(self, d_model: int, heads: int, dropout: float, cross: bool):
+    def __init__(self, d_model: int, heads: int, dropout: float, cross: bool,
+                 fast: bool = False, explicit_keys: int = EXPLICIT_ATTENTION_KEYS):
         super().__init__()
         self.heads, self.d_head, self.dropout, self.cross = heads, d_model // heads, dropout, cross
+        self.fast, self.explicit_keys = fast, explicit_keys
         if cross:  # queries from the decoder, keys and values from the encoder output
-            self.q_proj = Linear(d_model, d_model)
-            self.kv_proj = Linear(d_model, 2 * d_model)
+            self.q_proj = Linear(d_model, d_model, fast)
+            self.kv_proj = Linear(d_model, 2 * d_model, fast)
         else:  # one fused projection for queries, keys and values
-            self.qkv_proj = Linear(d_model, 3 * d_model)
-        self.out_proj = Linear(d_model, d_model)
+            self.qkv_proj = Linear(d_model, 3 * d_model, fast)
+        self.out_proj = Linear(d_model, d_model, fast)
 
     def split_heads(self, x: Tensor) -> Tensor:
         b, t, _ = x.shape
@@ -287,7 +295,7 @@ class MultiHeadAttention(nn.Module):
             # under torch.compile, so no test on them); a single query after a cached prefix
             # sees every key.
             out = attend(q, k, v, mask, drop, causal if cache is None else causal and tk == tq,
-                         self.fast)
+                         self.fast, self.explicit_keys)
             weights = None
         out = out.transpose(1, 2).reshape(b, tq, -1)  # (B, Tq, H * d_head)
         if packing is not None:
@@ -298,10 +306,10 @@ class MultiHeadAttention(nn.Module):
 class FeedForward(nn.Module):
     """Section 3.3: FFN(x) = max(0, x W1 + b1) W2 + b2."""
 
-    def __init__(self, d_model: int, d_ff: int, activation_dropout: float):
+    def __init__(self, d_model: int, d_ff: int, activation_dropout: float, fast: bool = False):
         super().__init__()
-        self.w1, self.w2 = Linear(d_model, d_ff), Linear(d_ff, d_model)
-        self.activation_dropout = Dropout(activation_dropout)
+        self.w1, self.w2 = Linear(d_model, d_ff, fast), Linear(d_ff, d_model, fast)
+        self.activation_dropout = Dropout(activation_dropout, fast)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.w1.fast:  # the same, with the ReLU fused into the product
@@ -314,9 +322,10 @@ class FeedForward(nn.Module):
 class Residual(nn.Module):
     """Section 3.1 / 5.4: LayerNorm(x + Dropout(Sublayer(x))) or its pre-LN variant."""
 
-    def __init__(self, d_model: int, dropout: float, pre_norm: bool):
+    def __init__(self, d_model: int, dropout: float, pre_norm: bool, fast: bool = False):
         super().__init__()
-        self.norm, self.dropout, self.pre_norm = nn.LayerNorm(d_model), Dropout(dropout), pre_norm
+        self.norm, self.pre_norm = nn.LayerNorm(d_model), pre_norm
+        self.dropout = Dropout(dropout, fast)
 
     def forward(self, x: Tensor, sublayer) -> tuple[Tensor, Tensor | None]:
         out, weights = sublayer(self.norm(x) if self.pre_norm else x)
@@ -325,13 +334,15 @@ class Residual(nn.Module):
 
 
 class EncoderLayer(nn.Module):
-    def __init__(self, cfg: TransformerConfig):
+    def __init__(self, cfg: TransformerConfig, fast: bool = False,
+                 explicit_keys: int = EXPLICIT_ATTENTION_KEYS):
         super().__init__()
         pre = cfg.norm == "pre"
-        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.attention_dropout, False)
-        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout)
-        self.res_attn = Residual(cfg.d_model, cfg.dropout, pre)
-        self.res_ffn = Residual(cfg.d_model, cfg.dropout, pre)
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.attention_dropout, False,
+                                            fast, explicit_keys)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout, fast)
+        self.res_attn = Residual(cfg.d_model, cfg.dropout, pre, fast)
+        self.res_ffn = Residual(cfg.d_model, cfg.dropout, pre, fast)
 
     def forward(self, x: Tensor, src_mask: Tensor, need_weights: bool = False):
         x, w = self.res_attn(x, lambda h: self.self_attn(h, mask=src_mask,
@@ -341,15 +352,18 @@ class EncoderLayer(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TransformerConfig):
+    def __init__(self, cfg: TransformerConfig, fast: bool = False,
+                 explicit_keys: int = EXPLICIT_ATTENTION_KEYS):
         super().__init__()
         pre = cfg.norm == "pre"
-        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.attention_dropout, False)
-        self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.attention_dropout, True)
-        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout)
-        self.res_self = Residual(cfg.d_model, cfg.dropout, pre)
-        self.res_cross = Residual(cfg.d_model, cfg.dropout, pre)
-        self.res_ffn = Residual(cfg.d_model, cfg.dropout, pre)
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.attention_dropout, False,
+                                            fast, explicit_keys)
+        self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.attention_dropout, True,
+                                             fast, explicit_keys)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout, fast)
+        self.res_self = Residual(cfg.d_model, cfg.dropout, pre, fast)
+        self.res_cross = Residual(cfg.d_model, cfg.dropout, pre, fast)
+        self.res_ffn = Residual(cfg.d_model, cfg.dropout, pre, fast)
 
     def forward(self, y: Tensor, memory: Tensor | None, src_mask: Tensor, *,
                 cache: dict | None = None, need_weights: bool = False,
@@ -364,6 +378,43 @@ class DecoderLayer(nn.Module):
             packing=packing))
         y, _ = self.res_ffn(y, lambda h: (self.ffn(h), None))
         return y, w_self, w_cross
+
+
+@dataclass(frozen=True)
+class OutputVocab:
+    """The tokens the softmax spans (``model.output_vocab: target``): their ids (ascending),
+    each token's column among them (-1: not spanned) and the padding id's column (the loss's
+    pad label; -1 where the padding id is not spanned, which only decoding allows). Made by
+    :meth:`Transformer.output_vocab` from the model's saved logit bias."""
+
+    ids: Tensor
+    column: Tensor
+    pad: int
+
+    @classmethod
+    def of(cls, ids: Tensor, vocab_size: int, pad_id: int) -> OutputVocab:
+        ids = ids.long()
+        column = torch.full((vocab_size,), -1, dtype=torch.long, device=ids.device)
+        column[ids] = torch.arange(ids.numel(), device=ids.device)
+        return cls(ids, column, int(column[pad_id]))
+
+    def rows(self, weight: Tensor) -> Tensor:
+        """The spanned tokens' rows of the shared matrix: the projection onto them."""
+        return weight.index_select(0, self.ids)
+
+    def loss_labels(self, tokens: Tensor) -> tuple[Tensor, int]:
+        """Target ids as columns of the spanned softmax, and the padding's column (the labels
+        the loss skips)."""
+        if self.pad < 0:
+            raise ValueError("the output vocabulary must hold the padding id, the label the "
+                             "loss skips")
+        return self.column[tokens], self.pad
+
+    def logit_bias(self, vocab_size: int) -> Tensor:
+        """0 at the spanned tokens, -inf elsewhere, over the whole vocabulary (CPU, fp32)."""
+        bias = torch.full((vocab_size,), float("-inf"))
+        bias[self.ids.cpu()] = 0.0
+        return bias
 
 
 @dataclass
@@ -385,16 +436,23 @@ class DecoderState:
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: TransformerConfig, fast: bool = False):
+    """The model (see the module's docstring). ``fast`` chooses the fast training kernels for
+    every layer; ``explicit_keys`` is :func:`attend`'s limit of its CPU bf16 path. Neither
+    changes a parameter: the state dict is the same either way."""
+
+    def __init__(self, cfg: TransformerConfig, fast: bool = False,
+                 explicit_keys: int = EXPLICIT_ATTENTION_KEYS):
         super().__init__()
         self.cfg = cfg
         # Section 3.4: one matrix for source embedding, target embedding and output projection.
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_id)
-        self.embed_dropout = Dropout(cfg.dropout)
+        self.embed_dropout = Dropout(cfg.dropout, fast)
         self.register_buffer("positions", sinusoidal_positions(cfg.max_positions, cfg.d_model),
                              persistent=False)
-        self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
-        self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
+        self.encoder = nn.ModuleList(EncoderLayer(cfg, fast, explicit_keys)
+                                     for _ in range(cfg.encoder_layers))
+        self.decoder = nn.ModuleList(DecoderLayer(cfg, fast, explicit_keys)
+                                     for _ in range(cfg.decoder_layers))
         pre = cfg.norm == "pre"
         self.encoder_norm = nn.LayerNorm(cfg.d_model) if pre else nn.Identity()
         self.decoder_norm = nn.LayerNorm(cfg.d_model) if pre else nn.Identity()
@@ -403,9 +461,6 @@ class Transformer(nn.Module):
         self.register_buffer("output_bias", torch.zeros(cfg.vocab_size)
                              if cfg.output_vocab == "target" else None)
         self.reset_parameters()
-        for module in self.modules():
-            if isinstance(module, Dropout | Linear | MultiHeadAttention):
-                module.fast = fast
 
     def reset_parameters(self) -> None:
         # Embedding ~ N(0, d^-1/2), so that after the sqrt(d) scaling inputs have unit
@@ -460,17 +515,13 @@ class Transformer(nn.Module):
         self.output_bias.fill_(float("-inf"))
         self.output_bias[ids] = 0.0
 
-    def output_ids(self) -> Tensor | None:
-        """The token ids the softmax spans, ascending (None: the whole vocabulary)."""
+    def output_vocab(self) -> OutputVocab | None:
+        """The tokens the softmax spans (output_vocab "target", as the saved weights say);
+        None: the whole vocabulary. The loss, decoding and export all ask here."""
         if self.output_bias is None:
             return None
-        return (self.output_bias == 0).nonzero().squeeze(1)
-
-    def output_projection(self) -> tuple[Tensor, Tensor] | None:
-        """(token ids the softmax spans, their rows of the shared matrix) for decoding
-        onto those tokens only (:meth:`decode_step`); None for the whole vocabulary."""
-        ids = self.output_ids()
-        return None if ids is None else (ids, self.embedding.weight.index_select(0, ids))
+        return OutputVocab.of((self.output_bias == 0).nonzero().squeeze(1), self.cfg.vocab_size,
+                              self.cfg.pad_id)
 
     def forward(self, src: Tensor, tgt_in: Tensor, *, hidden: bool = False,
                 packed: Tensor | None = None) -> Tensor:
@@ -513,7 +564,7 @@ class Transformer(nn.Module):
 
         Appends to the state's caches; the result equals the last t positions of a full
         forward pass over all tokens fed so far. With ``projection``, the rows of the
-        shared matrix of some tokens (:meth:`output_projection`), the logits of those
+        shared matrix of some tokens (:meth:`OutputVocab.rows`), the logits of those
         tokens only, (B, t, len(rows)): the other tokens' products are never computed.
         """
         y = self.embed(tokens, offset=state.position)

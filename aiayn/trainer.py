@@ -50,6 +50,7 @@ from aiayn.io import write_json
 from aiayn.kernels import projected_label_smoothed_loss
 from aiayn.memory import HeapTrimmer
 from aiayn.model import (
+    OutputVocab,
     Packing,
     Transformer,
     TransformerConfig,
@@ -136,27 +137,6 @@ def accumulation_steps(tokens_per_step: int, world_size: int, max_tokens: int) -
     return max(1, math.ceil(tokens_per_step / (world_size * max_tokens)))
 
 
-@dataclass(frozen=True)
-class OutputVocab:
-    """``model.output_vocab: target`` for the loss: the token ids the softmax spans
-    (ascending, on the device), each token's column among them (-1: not spanned), and the
-    padding id's column (the loss's pad label)."""
-
-    ids: torch.Tensor
-    column: torch.Tensor
-    pad: int
-
-    @classmethod
-    def of(cls, ids: torch.Tensor, vocab_size: int, pad_id: int) -> OutputVocab:
-        ids = ids.long()
-        column = torch.full((vocab_size,), -1, dtype=torch.long, device=ids.device)
-        column[ids] = torch.arange(ids.numel(), device=ids.device)
-        pad = int(column[pad_id])
-        if pad < 0:
-            raise ValueError(f"the output vocabulary must hold the padding id {pad_id}")
-        return cls(ids, column, pad)
-
-
 def target_vocabulary(datasets: list[ShardDataset], pad_id: int, bos_id: int,
                       parents: np.ndarray | None = None) -> np.ndarray:
     """The token ids that ``model.output_vocab: target`` lets the softmax span, ascending:
@@ -176,7 +156,7 @@ def target_vocabulary(datasets: list[ShardDataset], pad_id: int, bos_id: int,
 
 def batch_loss(net: nn.Module, embedding: torch.Tensor, batch: Batch, label_smoothing: float,
                pad_id: int, fast: bool, amp_dtype: torch.dtype | None,
-               output: OutputVocab | None = None
+               output: OutputVocab | None = None, blocks: tuple[int, int] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, int | torch.Tensor]:
     """(smoothed loss sum, NLL sum, labels) of ``net`` (the model, or its compiled or DDP
     wrapper, whose shared embedding matrix is ``embedding``) on a batch already on the
@@ -184,20 +164,23 @@ def batch_loss(net: nn.Module, embedding: torch.Tensor, batch: Batch, label_smoo
     decoder without padding, the tied projection inside ``projected_label_smoothed_loss``).
     With ``output`` (model.output_vocab: target) the softmax, and label smoothing's uniform
     share, span its tokens only: the fast path projects onto their rows of the matrix, the
-    plain one keeps their columns of the full logits."""
+    plain one keeps their columns of the full logits. ``blocks``: the fused loss's
+    (chunk_rows, softmax_rows), by default ``aiayn.kernels.loss_blocks`` for the device."""
     device = batch.src.device.type
     labels, label_pad = batch.tgt_out, pad_id
     if output is not None:
-        labels, label_pad = output.column[batch.tgt_out], output.pad
+        labels, label_pad = output.loss_labels(batch.tgt_out)
     with torch.autocast(device, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
         if fast:
             positions = batch.tgt_positions
             if positions is None:
                 positions = Packing.positions(batch.tgt_out, pad_id)
             rows = net(batch.src, batch.tgt_in, packed=positions)
-            weight = embedding if output is None else embedding.index_select(0, output.ids)
+            weight = embedding if output is None else output.rows(embedding)
+            chunk_rows, softmax_rows = blocks or (None, None)
             return projected_label_smoothed_loss(rows, weight, labels, label_smoothing,
-                                                 label_pad, positions=positions)
+                                                 label_pad, positions=positions,
+                                                 chunk_rows=chunk_rows, softmax_rows=softmax_rows)
         logits = net(batch.src, batch.tgt_in)
         if output is not None:
             logits = logits.index_select(-1, output.ids)
@@ -299,9 +282,7 @@ class Trainer:
         self._lr = 0.0
         if (found := self.store.resume_point()) is not None:
             self._load(*found)
-        self.output_vocab: OutputVocab | None = None
-        if (ids := self.model.output_ids()) is not None:
-            self.output_vocab = OutputVocab.of(ids, vocab_size, self.cfg.pad_id)
+        self.output_vocab = self.model.output_vocab()  # as the (resumed) weights say
         # Dropout differs between ranks; the seed offset keeps it reproducible per rank.
         if self.state.step == 0:
             torch.manual_seed(p.seed + 1 + world.rank)

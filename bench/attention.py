@@ -38,12 +38,7 @@ def contenders() -> dict:
         return model_mod.attend(q, k, v, mask, 0.0, causal)
 
     def flash32(q, k, v, mask, causal):
-        saved = model_mod.EXPLICIT_ATTENTION_KEYS
-        model_mod.EXPLICIT_ATTENTION_KEYS = -1
-        try:
-            return model_mod.attend(q, k, v, mask, 0.0, causal)
-        finally:
-            model_mod.EXPLICIT_ATTENTION_KEYS = saved
+        return model_mod.attend(q, k, v, mask, 0.0, causal, explicit_keys=-1)
 
     def flash16(q, k, v, mask, causal):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)

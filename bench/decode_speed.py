@@ -404,14 +404,8 @@ def ours_decode(model, batch: Batch, cfg: BeamConfig, use_cache: bool = True,
                 bf16: bool = False, masked: bool = False) -> list[list[int]]:
     """``masked``: a model with an output vocabulary decodes as before the projection onto
     its rows: logits over the whole vocabulary, the others at -inf (the baseline)."""
-    if masked:
-        model.output_projection = lambda: None
-    try:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            return beam_search(model, batch.src, cfg, use_cache=use_cache)
-    finally:
-        if masked:
-            del model.output_projection
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        return beam_search(model, batch.src, cfg, use_cache=use_cache, spanned_only=not masked)
 
 
 @torch.no_grad()
@@ -904,7 +898,7 @@ def main(argv: list[str] | None = None) -> dict:
                and not (m == "ct2_int8" and not engines.ct2_int8)
                and not (m == "hf" and engines.hf is None)
                and not (m == "recompute" and not rc_idx)
-               and not (m == "masked" and model.output_ids() is None)]
+               and not (m == "masked" and model.output_vocab() is None)]
     results, fo = time_methods(args, model, batches, cfg, engines, methods, threads, rc_idx,
                                token_id)
     info["results"] = {str(t): v for t, v in results.items()}

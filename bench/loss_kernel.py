@@ -43,24 +43,21 @@ def main(argv: list[str] | None = None) -> dict:
     labels = torch.randint(1, args.vocab, (args.rows,))
 
     def step(align: int) -> tuple[float, list[torch.Tensor]]:
-        kernels.VOCAB_ALIGN = align
         hidden.grad = weight.grad = None
         start = time.perf_counter()
-        loss, nll, _ = kernels.projected_label_smoothed_loss(hidden, weight, labels, 0.3, 0)
+        loss, nll, _ = kernels.projected_label_smoothed_loss(hidden, weight, labels, 0.3, 0,
+                                                             align=align)
         loss.backward()
         return time.perf_counter() - start, [loss.detach(), nll, hidden.grad, weight.grad]
 
     contenders = {f"width {width} (VOCAB_ALIGN {aligned})": aligned,
                   f"width {args.vocab} (VOCAB_ALIGN 1)": 1}
-    try:  # VOCAB_ALIGN is the module's: put it back whatever happens (tests import this)
-        outputs = {name: step(align)[1] for name, align in contenders.items()}  # a warm-up
-        first, second = outputs.values()
-        for a, b in zip(first, second, strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-        times = harness.alternate({name: lambda align=align: step(align)[0]
-                                   for name, align in contenders.items()}, args.rounds)
-    finally:
-        kernels.VOCAB_ALIGN = aligned
+    outputs = {name: step(align)[1] for name, align in contenders.items()}  # a warm-up
+    first, second = outputs.values()
+    for a, b in zip(first, second, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    times = harness.alternate({name: lambda align=align: step(align)[0]
+                               for name, align in contenders.items()}, args.rounds)
     print(harness.machine_line())
     print(f"{args.rows} rows x d {args.d_model} -> {args.vocab} outputs; "
           f"{args.rounds} rounds, forward + backward of the loss")

@@ -84,6 +84,9 @@ class Bigram(torch.nn.Module):
         state.position += tokens.shape[1]
         return self.table[tokens]
 
+    def output_vocab(self):
+        return None  # its softmax spans every token, as a Transformer's by default
+
 
 def count_decode_steps(model: Transformer) -> list[int]:
     """Record the number of rows of every ``decode_step`` call."""

@@ -245,3 +245,23 @@ def test_fast_and_plain_models_share_parameters_and_outputs():
     src, tgt = padded_labels(4, 8, 60, seed=10), padded_labels(4, 9, 60, seed=11)
     torch.testing.assert_close(fast(src, tgt), plain(src, tgt), rtol=1e-4, atol=1e-4)
     fast.load_state_dict(plain.state_dict())  # the same checkpoint format either way
+
+
+def test_the_loss_is_the_same_at_any_alignment_of_the_vocabulary():
+    """``align`` only pads the products with zero rows whose logits are masked: the loss and
+    both gradients equal those at the vocabulary's own width."""
+    torch.manual_seed(3)
+    hidden = torch.randn(50, 16, requires_grad=True)
+    weight = (0.25 * torch.randn(37, 16)).requires_grad_()
+    labels = torch.randint(1, 37, (50,))
+    assert kernels.padded_width(37, 1) == 37 and kernels.padded_width(37, 16) == 48
+    results = []
+    for align in (1, 16, 64):
+        hidden.grad = weight.grad = None
+        loss, nll, n = kernels.projected_label_smoothed_loss(hidden, weight, labels, 0.1, 0,
+                                                             align=align)
+        loss.backward()
+        results.append((loss.detach(), nll, hidden.grad.clone(), weight.grad.clone()))
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -174,7 +174,7 @@ def test_cpu_bf16_attention_matches_a_float64_reference(causal, explicit, monkey
     softmax(q k^T / sqrt(d)) v computed in float64 from the same bf16 inputs."""
     from aiayn import model as model_mod
 
-    monkeypatch.setattr(model_mod, "EXPLICIT_ATTENTION_KEYS", 128 if explicit else 4)
+    keys = 128 if explicit else 4  # the explicit path, or flash past its length limit
     g = torch.Generator().manual_seed(5)
     b, h, t, d = 3, 2, 9, 16
     q, k, v = (torch.randn(b, h, t, d, generator=g).bfloat16().requires_grad_()
@@ -194,7 +194,7 @@ def test_cpu_bf16_attention_matches_a_float64_reference(causal, explicit, monkey
         return out, (q64.grad, k64.grad, v64.grad)
 
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = model_mod.attend(q, k, v, mask, 0.0, causal)
+        out = model_mod.attend(q, k, v, mask, 0.0, causal, explicit_keys=keys)
     assert out.dtype == torch.bfloat16
     out.float().backward(upstream)
     ref, ref_grads = reference()
@@ -311,3 +311,23 @@ def test_avoid_cudnn_attention_takes_out_cudnn_alone_and_only_for_cuda():
     finally:
         for name, on in flags.items():
             getattr(backends, f"enable_{name}_sdp")(on)
+
+
+def test_kernels_are_chosen_at_construction_for_every_layer_and_change_no_parameter():
+    from aiayn import model as model_mod
+
+    cfg = TransformerConfig(vocab_size=50, d_model=32, heads=4, encoder_layers=2,
+                            decoder_layers=2, d_ff=64, max_positions=64)
+    kinds = (model_mod.Linear, model_mod.Dropout, model_mod.MultiHeadAttention)
+    for fast in (False, True):
+        model = Transformer(cfg, fast=fast, explicit_keys=7)
+        chosen = [m for m in model.modules() if isinstance(m, kinds)]
+        # 2+2 layers: attentions (2 + 2x2), their projections, the FFNs' two, dropouts
+        assert len(chosen) > 40 and {m.fast for m in chosen} == {fast}
+        assert {m.explicit_keys for m in model.modules()
+                if isinstance(m, model_mod.MultiHeadAttention)} == {7}
+    torch.manual_seed(0)
+    a = Transformer(cfg, fast=True).state_dict()
+    torch.manual_seed(0)
+    b = Transformer(cfg).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

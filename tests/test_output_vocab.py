@@ -9,11 +9,11 @@ import torch.nn.functional as F
 
 from aiayn.beam import BeamConfig, beam_search, greedy_search
 from aiayn.checkpoint import average_checkpoints, list_checkpoints, load_checkpoint
-from aiayn.model import Transformer, TransformerConfig
+from aiayn.model import OutputVocab, Transformer, TransformerConfig
 from aiayn.sampler import Batch, BatchLoader, ShardDataset, TokenBudgetSampler
 from aiayn.subword import NO_PARENT, SubwordSplitter, merge_parents, split_closure
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, load_tokenizer
-from aiayn.trainer import OutputVocab, batch_loss, target_vocabulary
+from aiayn.trainer import batch_loss, target_vocabulary
 from aiayn.translation import source_batch
 from tests.test_training import make_trainer
 
@@ -96,7 +96,8 @@ def test_the_loss_spans_the_output_vocabulary_only(fast):
     model = tiny()
     model.set_output_vocab(SPANNED)
     batch = a_batch(SPANNED)
-    output = OutputVocab.of(model.output_ids(), V, PAD_ID)
+    output = model.output_vocab()
+    assert torch.equal(output.ids, torch.as_tensor(SPANNED).sort().values)
     eps = 0.1
     loss, nll, n = batch_loss(model, model.embedding.weight, batch, eps, PAD_ID, fast, None,
                               output)
@@ -142,7 +143,7 @@ def test_decoding_projects_onto_the_spanned_rows_and_finds_what_the_masked_logit
         beam, alpha):
     """Decoding computes the logits of the spanned tokens only (their rows of the shared
     matrix), and finds the same outputs as the whole-vocabulary logits with the others at
-    -inf, which it computed before (the model's output_projection hidden), and as the
+    -inf, which it computed before (``spanned_only=False``), and as the
     no-cache recompute path."""
     model = tiny(seed=3).eval()
     model.set_output_vocab(SPANNED)
@@ -159,10 +160,9 @@ def test_decoding_projects_onto_the_spanned_rows_and_finds_what_the_masked_logit
     spanned = beam_search(model, src, cfg)
     assert widths and set(widths) == {len(SPANNED)}  # never the whole vocabulary's V
     widths.clear()
-    model.output_projection = lambda: None  # the masked whole-vocabulary logits
-    masked = beam_search(model, src, cfg)
+    masked = beam_search(model, src, cfg, spanned_only=False)  # the masked whole vocabulary
     assert set(widths) == {V}
-    del model.output_projection, model.decode_step
+    del model.decode_step
     assert spanned == masked == beam_search(model, src, cfg, use_cache=False)
     assert any(len(out) > 1 for out in spanned)  # sentences, not just EOS
 
@@ -175,7 +175,7 @@ def test_set_output_vocab_is_checked():
     with pytest.raises(ValueError, match="output_vocab must be"):
         TransformerConfig(vocab_size=V, output_vocab="source")
     with pytest.raises(ValueError, match="padding id"):
-        OutputVocab.of(torch.tensor([2, 5]), V, PAD_ID)
+        OutputVocab.of(torch.tensor([2, 5]), V, PAD_ID).loss_labels(torch.tensor([[2, 5]]))
 
 
 def test_a_run_keeps_its_output_vocabulary_through_checkpoints_and_averaging(toy_workspace,
