@@ -12,8 +12,15 @@ train stage writes them into ``metrics/``; ``git show REV:metrics/train_log.tsv`
 the workspace. Steps are turned into training minutes through the elapsed time logged at
 each train-log step, so runs at different speeds line up by the time they cost; ``--x
 steps`` lines them up by step instead (runs with a budget in steps, ``train.max_minutes:
-0``, whose minutes say more of the machine's load than of the run). Prints each run's
-last and best validation BLEU, and writes one picture: BLEU above, lr below.
+0``, whose minutes say more of the machine's load than of the run), and ``--x tokens`` by
+the target tokens trained on (runs with other batch sizes, on other machines: how far a
+budget is from convergence). ``--mark 64=published`` draws a labelled vertical line there
+(in millions of tokens with ``--x tokens``). Prints each run's last and best validation
+BLEU, and writes one picture: BLEU above, lr below.
+
+    python -m bench.valid_bleu_curves --x tokens --mark "64=published 41.02 (8k x 8,000)" \
+        --run cpu-hour=docs/results/multi30k/fp32-avx2-target \
+        --run gpu-d0.3=docs/results/gpu-h200/session6/conv/d0.3-s1 --out curve.png
 """
 
 from __future__ import annotations
@@ -39,8 +46,24 @@ def load_run(folder: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
         raise SystemExit(f"error: {folder / 'valid_bleu.tsv'} holds no validation BLEU; give "
                          "the metrics folder of a training with train.valid_bleu_every > 0")
     train["minutes"] = train["elapsed_s"] / 60
-    bleu["minutes"] = np.interp(bleu["step"], train["step"], train["minutes"])
+    train["mtokens"] = train["tokens"] / 1e6
+    for column in ("minutes", "mtokens"):
+        bleu[column] = np.interp(bleu["step"], train["step"], train[column])
     return train, bleu
+
+
+AXES = {"minutes": ("minutes", "training minutes", "time"),
+        "steps": ("step", "training steps", "steps"),
+        "tokens": ("mtokens", "target tokens trained on (millions)", "target tokens")}
+
+
+def parse_mark(text: str) -> tuple[float, str]:
+    where, sep, label = text.partition("=")
+    try:
+        return float(where), label if sep else ""
+    except ValueError:
+        raise SystemExit(f"error: --mark {text!r}: write it X=LABEL, X a number on the "
+                         "horizontal axis") from None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -48,14 +71,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--run", action="append", required=True, metavar="LABEL=FOLDER",
                     help="a training's metrics folder, with the label it gets (repeatable)")
     ap.add_argument("--out", type=Path, required=True, help="the picture (.png)")
-    ap.add_argument("--x", choices=("minutes", "steps"), default="minutes",
-                    help="the horizontal axis: training minutes (default) or steps")
+    ap.add_argument("--x", choices=tuple(AXES), default="minutes",
+                    help="the horizontal axis: training minutes (default), steps, or target "
+                         "tokens trained on (millions)")
+    ap.add_argument("--mark", action="append", default=[], metavar="X=LABEL",
+                    help="a labelled vertical line at X on the horizontal axis (repeatable)")
     ap.add_argument("--title", default=None,
-                    help="default: greedy validation BLEU against training time (or steps)")
+                    help="default: greedy validation BLEU against training time (or steps, "
+                         "or tokens)")
     args = ap.parse_args(argv)
-    x = "step" if args.x == "steps" else "minutes"
-    title = args.title or ("greedy validation BLEU against training "
-                           + ("steps" if x == "step" else "time"))
+    x, x_label, x_words = AXES[args.x]
+    marks = [parse_mark(m) for m in args.mark]
+    title = args.title or f"greedy validation BLEU against training {x_words}"
 
     import matplotlib
 
@@ -80,11 +107,15 @@ def main(argv: list[str] | None = None) -> None:
               f"{last['valid_bleu']:>11.2f}{best['valid_bleu']:>10.2f} ({int(best['step'])})")
         line, = bleu_ax.plot(bleu[x], bleu["valid_bleu"], marker="o", ms=3, label=label)
         lr_ax.plot(train[x], train["lr"], color=line.get_color())
+    for where, label in marks:
+        for ax in (bleu_ax, lr_ax):
+            ax.axvline(where, color="grey", linestyle="--", linewidth=1)
+        bleu_ax.annotate(label, (where, 0.02), xycoords=("data", "axes fraction"),
+                         rotation=90, ha="right", va="bottom", fontsize=8, color="grey")
     bleu_ax.set(ylabel="valid sacreBLEU (greedy)", title=title)
     bleu_ax.grid(alpha=0.3)
     bleu_ax.legend()
-    lr_ax.set(xlabel="training " + ("steps" if x == "step" else "minutes"),
-              ylabel="learning rate")
+    lr_ax.set(xlabel=x_label, ylabel="learning rate")
     lr_ax.grid(alpha=0.3)
     fig.tight_layout()
     args.out.parent.mkdir(parents=True, exist_ok=True)

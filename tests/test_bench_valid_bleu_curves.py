@@ -142,3 +142,29 @@ def test_a_training_without_validation_bleu_stops_with_the_setting_to_change(run
         curves.main(["--run", f"fast={runs['fast']}", "--out", str(tmp_path / "c.png")])
     assert str(runs["fast"] / "valid_bleu.tsv") in str(stop.value)
     assert not (tmp_path / "c.png").exists()
+
+
+def test_by_tokens_with_a_marked_budget(tmp_path, drawn):
+    """--x tokens places each BLEU step at its interpolated count of target tokens trained on
+    (millions), and --mark draws a labelled line at a budget on both panels."""
+    folder = metrics_folder(tmp_path / "m", [(10, 1e-3, 60.0), (20, 1e-3, 120.0)], [(15, 9.0),
+                                                                                  (20, 10.0)])
+    log = folder / "train_log.tsv"  # cumulative tokens 2M at step 10, 6M at step 20
+    log.write_text(log.read_text().replace("\t900\t", "\t{}\t").format(2_000_000, 6_000_000))
+    curves.main(["--run", f"r={folder}", "--out", str(tmp_path / "c.png"), "--x", "tokens",
+                 "--mark", "8=published budget"])
+    (fig,) = drawn
+    bleu_ax, lr_ax = fig.axes
+    assert bleu_ax.get_title() == "greedy validation BLEU against training target tokens"
+    assert lr_ax.get_xlabel() == "target tokens trained on (millions)"
+    run, mark = bleu_ax.get_lines()
+    assert list(run.get_xdata()) == pytest.approx([4.0, 6.0])  # step 15: halfway, 4M
+    assert list(mark.get_xdata()) == [8.0, 8.0] and list(lr_ax.get_lines()[1].get_xdata()) == [
+        8.0, 8.0]
+    assert [t.get_text() for t in bleu_ax.texts] == ["published budget"]
+
+
+def test_a_mark_that_is_not_a_number_stops_with_the_form(runs, tmp_path):
+    with pytest.raises(SystemExit, match="write it X=LABEL"):
+        curves.main(["--run", f"fast={runs['fast']}", "--out", str(tmp_path / "c.png"),
+                     "--mark", "lots=budget"])
