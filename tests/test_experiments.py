@@ -187,8 +187,8 @@ def test_a_queued_sweep_reruns_only_training_onwards_and_compares(tiny_repo):
     # The sweep's table (bench/sweep_table.py) from this real `dvc exp show` output.
     (root / "shown.json").write_text(json.dumps(shown))
     chosen = exps[2.0]["name"]
-    table = run([sys.executable, str(REPO / "bench" / "sweep_table.py"), "--json", "shown.json",
-                 "--chosen", chosen], root, env).stdout
+    table = run([sys.executable, "-m", "bench.sweep_table", "--json", "shown.json",
+                 "--chosen", chosen], root, {**env, "PYTHONPATH": str(REPO)}).stdout
     cells = {line.split(" | ")[0].strip("| *"): line.split(" | ")
              for line in table.splitlines()[2:]}
     committed = yaml.safe_load((root / "params.yaml").read_text())["train"]["lr_scale"]
