@@ -144,6 +144,21 @@ def accumulation_steps(tokens_per_step: int, world_size: int, max_tokens: int) -
     return max(1, math.ceil(tokens_per_step / (world_size * max_tokens)))
 
 
+def step_budget_warning(tokens_per_step: int, world_size: int, max_tokens: int) -> str | None:
+    """A warning when the batches make a step's budget more than 10% larger than
+    train.tokens_per_step (never smaller: accumulation rounds up), with the fix."""
+    accum = accumulation_steps(tokens_per_step, world_size, max_tokens)
+    planned = accum * world_size * max_tokens
+    if planned <= 1.1 * tokens_per_step:
+        return None
+    fits = tokens_per_step // (world_size * accum)
+    return (f"train: {world_size} process(es) x {accum} batch(es) of up to {max_tokens} "
+            f"tokens (shard.max_tokens) make steps of up to {planned:,} tokens, "
+            f"{planned / tokens_per_step:.2f}x train.tokens_per_step ({tokens_per_step:,}); "
+            f"for the budget, set shard.max_tokens to {fits} and re-run the shard stage "
+            f"(on a GPU, one batch a step is the fastest: tokens_per_step / processes)")
+
+
 def target_vocabulary(datasets: list[ShardDataset], pad_id: int, bos_id: int,
                       parents: np.ndarray | None = None) -> np.ndarray:
     """The token ids that ``model.output_vocab: target`` lets the softmax span, ascending:
@@ -286,6 +301,9 @@ class Trainer:
         self.heap = HeapTrimmer(enabled=self.device.type == "cpu")
         self.accum = accumulation_steps(p.train.tokens_per_step, world.size,
                                         int(self.train_data.meta["max_tokens"]))
+        if world.is_main and (warning := step_budget_warning(
+                p.train.tokens_per_step, world.size, int(self.train_data.meta["max_tokens"]))):
+            log.warning(warning)
         self.state = RunState()
         self.log = RunLog()
         # Device-side sums of [target tokens, loss, NLL] since the last flush (_flush).

@@ -29,7 +29,13 @@ from aiayn.precision import hardware as precision_hardware
 from aiayn.subword import merge_parents
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, decode, load_tokenizer
 from aiayn.toy import generate_pairs
-from aiayn.trainer import Trainer, TrainingDiverged, TrainPaths, accumulation_steps
+from aiayn.trainer import (
+    Trainer,
+    TrainingDiverged,
+    TrainPaths,
+    accumulation_steps,
+    step_budget_warning,
+)
 from tests.conftest import REPO, merge, write_params
 
 
@@ -86,6 +92,15 @@ def test_accumulation_keeps_the_global_budget():
     assert accumulation_steps(25_000, 4, 6250) == 1
     assert accumulation_steps(25_000, 8, 6250) == 1
     assert accumulation_steps(25_000, 3, 4096) == 3   # ceil: never below the budget
+    # 8 GPUs with batches of 6,250 would step on 50,000 tokens: said, with the fix
+    assert step_budget_warning(25_000, 1, 6250) is None
+    assert step_budget_warning(25_000, 1, 25_000) is None
+    assert step_budget_warning(25_000, 3, 4096) == (  # 3 x 3 x 4096 = 36,864
+        "train: 3 process(es) x 3 batch(es) of up to 4096 tokens (shard.max_tokens) make "
+        "steps of up to 36,864 tokens, 1.47x train.tokens_per_step (25,000); for the budget, "
+        "set shard.max_tokens to 2777 and re-run the shard stage (on a GPU, one batch a step "
+        "is the fastest: tokens_per_step / processes)")
+    assert "set shard.max_tokens to 3125" in step_budget_warning(25_000, 8, 6250)
 
 
 def test_a_tiny_model_memorises_a_handful_of_toy_pairs(toy_workspace):
