@@ -68,7 +68,11 @@ SCREEN_MINUTES=${SCREEN_MINUTES:-7}     # a guard only: the steps end each run f
 PART5_SECONDS=${PART5_SECONDS:-190}     # part 5's deadline, all its runs together
 PART7_SECONDS=${PART7_SECONDS:-330}     # part 7's
 # part 6: arms as SCREEN's ("name:KEY=VALUE ..."), on top of the preset with 8k-token steps
-CONV=${CONV:-"d0.2:;d0.3:model.dropout=0.3"}
+# The first screen (session6: "d0.2:;d0.3:model.dropout=0.3") chose dropout 0.3 on valid;
+# the next one regularises further or widens the model, all at dropout 0.3 or more, and
+# offers averages of up to 30 checkpoints (all four runs of session6 took the widest, 20).
+CONV=${CONV:-"d0.3:model.dropout=0.3;reg:model.dropout=0.3 train.attention_dropout=0.1 train.activation_dropout=0.1 train.subword_split=0.1;wide:model.d_model=512 model.heads=8 model.d_ff=2048 model.dropout=0.4"}
+CONV_AVERAGE=${CONV_AVERAGE:-"[1,5,10,20,30]"}
 CONV_SEEDS=${CONV_SEEDS:-"1 2"}
 CONV_STEPS=${CONV_STEPS:-8000}          # the published recipe's 8,000 updates of ~8k tokens
 CONV_MINUTES=${CONV_MINUTES:-4}         # each run's time budget (validation included)
@@ -113,6 +117,7 @@ if [ "${1:-}" = prepare ]; then
             .venv/bin/aiayn params multi30k shard.max_tokens=8192 train.tokens_per_step=8192 \
                 train.steps="$CONV_STEPS" train.max_minutes="$CONV_MINUTES" \
                 train.valid_bleu_every=1000 train.checkpoint_every_steps=200 seed="$seed" \
+                "train.average_candidates=$CONV_AVERAGE" \
                 ${arm#*:} --out ".gpu/conv/${arm%%:*}-s$seed.yaml" >/dev/null
         done
     done
