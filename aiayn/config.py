@@ -219,9 +219,10 @@ class TrainConfig(Strict):
     adam_betas: tuple[float, float] = (0.9, 0.98)
     adam_eps: float = Field(1e-9, gt=0)
     clip_norm: float = Field(0.0, ge=0, description="gradient-norm clipping; 0 turns it off")
-    precision: Literal["auto", "fp32", "bf16"] = Field(
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="auto: bf16 autocast on a GPU or CPU with native bf16 (Ampere+; "
-        "AVX512-BF16, AMX, Arm BF16), fp32 elsewhere; bf16 forces autocast")
+        "AVX512-BF16, AMX, Arm BF16), fp32 elsewhere; bf16 forces autocast; fp16: float16 "
+        "autocast with dynamic loss scaling, for GPUs without bf16 (V100, T4, P100)")
     kernels: Literal["fast", "plain"] = Field(
         "fast", description="fast: the fused output-projection loss, cheaper dropout masks and "
         "fused Adam (aiayn/kernels.py), the same math with fewer passes over memory; plain: "

@@ -15,6 +15,12 @@ a resumed run would then compute differently from its first part).
 oneDNN's ``ONEDNN_MAX_CPU_ISA`` (or ``DNNL_MAX_CPU_ISA``) can cap the instructions oneDNN
 uses below the hardware's, e.g. ``AVX2`` to run as an AVX2-only CPU would; bf16 products
 are then emulated like on such a CPU, so ``auto`` means fp32 under such a cap too.
+
+``precision: fp16`` is float16 autocast, asked for explicitly: for GPUs without bf16 (V100
+and T4 multiply fp16 on their tensor cores; the paper trained on P100s), with dynamic loss
+scaling in training (``torch.amp.GradScaler``, as fairseq's ``--fp16``), since float16's
+range is far narrower than bf16's. CPUs have no fast fp16 products here (it works, slowly:
+for tests); ``auto`` never picks it.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import torch
 X86 = {"x86_64", "amd64", "i386", "i686"}
 # /proc/cpuinfo feature names of native bf16 matrix arithmetic (x86 "flags", Arm "Features").
 BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}
-PRECISIONS = ("auto", "fp32", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 # oneDNN ISA caps (ONEDNN_MAX_CPU_ISA values) under which oneDNN has no bf16 dot-product
 # instructions: bf16 products are emulated even on a CPU that has them.
 ONEDNN_ISAS_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE",
@@ -121,19 +127,30 @@ def has_native_bf16(device: torch.device) -> bool:
 
 
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype for ``precision`` ('auto', 'fp32' or 'bf16') on ``device``;
+    """The autocast dtype for ``precision`` ('auto', 'fp32', 'bf16' or 'fp16') on ``device``;
     None means fp32 without autocast."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
     if precision == "fp32":
         return None
+    if precision == "fp16":
+        return torch.float16
     if precision == "bf16" or has_native_bf16(device):
         return torch.bfloat16
     return None
 
 
+def precision_name(dtype: torch.dtype | None) -> str:
+    """What a run computes in, as its metrics and tags say it: 'bf16', 'fp16' or 'fp32'."""
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+
+
 def slow_bf16_warning(precision: str, device: torch.device, key: str) -> str | None:
-    """A warning for bf16 forced on a device that only emulates it, naming the setting ``key``."""
+    """A warning for bf16 forced on a device that only emulates it, or fp16 on a CPU, naming
+    the setting ``key``."""
+    if precision == "fp16" and device.type == "cpu":
+        return (f"{key} is fp16 on a CPU: its fp16 products are slow here (fp16 is meant "
+                f"for GPUs without bf16, such as the V100 or T4). Set {key} to auto or fp32.")
     if precision != "bf16" or has_native_bf16(device):
         return None
     if device.type == "cuda":

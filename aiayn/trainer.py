@@ -58,7 +58,14 @@ from aiayn.model import (
     count_parameters,
 )
 from aiayn.objective import cooldown_factor, label_smoothed_loss, make_optimizer
-from aiayn.precision import autocast_dtype, hardware, no_autocast, slow_bf16_warning, step_casts
+from aiayn.precision import (
+    autocast_dtype,
+    hardware,
+    no_autocast,
+    precision_name,
+    slow_bf16_warning,
+    step_casts,
+)
 from aiayn.run_log import RunLog, TrainRow, ValidRow
 from aiayn.run_store import RunStore, run_identity
 from aiayn.sampler import Batch, BatchLoader, PrefetchLoader, ShardDataset, TokenBudgetSampler
@@ -135,6 +142,21 @@ def lr_multiplier(t: TrainConfig, step: int, elapsed_s: float) -> float:
 
 def accumulation_steps(tokens_per_step: int, world_size: int, max_tokens: int) -> int:
     return max(1, math.ceil(tokens_per_step / (world_size * max_tokens)))
+
+
+def step_budget_warning(tokens_per_step: int, world_size: int, max_tokens: int) -> str | None:
+    """A warning when the batches make a step's budget more than 10% larger than
+    train.tokens_per_step (never smaller: accumulation rounds up), with the fix."""
+    accum = accumulation_steps(tokens_per_step, world_size, max_tokens)
+    planned = accum * world_size * max_tokens
+    if planned <= 1.1 * tokens_per_step:
+        return None
+    fits = tokens_per_step // (world_size * accum)
+    return (f"train: {world_size} process(es) x {accum} batch(es) of up to {max_tokens} "
+            f"tokens (shard.max_tokens) make steps of up to {planned:,} tokens, "
+            f"{planned / tokens_per_step:.2f}x train.tokens_per_step ({tokens_per_step:,}); "
+            f"for the budget, set shard.max_tokens to {fits} and re-run the shard stage "
+            f"(on a GPU, one batch a step is the fastest: tokens_per_step / processes)")
 
 
 def target_vocabulary(datasets: list[ShardDataset], pad_id: int, bos_id: int,
@@ -246,6 +268,12 @@ class Trainer:
         self.optimizer, self.scheduler = make_optimizer(
             self.model, p.train.adam_betas, p.train.adam_eps, p.model.d_model,
             p.train.warmup_steps, p.train.lr_scale, fused=self.fast)
+        # fp16's dynamic loss scaling (train.precision: fp16): the loss is multiplied before
+        # backward so that small gradients stay representable, the gradients divided back
+        # before clipping and Adam, and a step whose gradients overflowed is skipped while
+        # the scale halves. Off (a no-op) in every other precision.
+        self.scaler = torch.amp.GradScaler(self.device.type,
+                                           enabled=self.amp_dtype == torch.float16)
 
         self.train_data = ShardDataset(paths.shards / "train")
         self.valid_data = ShardDataset(paths.shards / "valid")
@@ -273,6 +301,9 @@ class Trainer:
         self.heap = HeapTrimmer(enabled=self.device.type == "cpu")
         self.accum = accumulation_steps(p.train.tokens_per_step, world.size,
                                         int(self.train_data.meta["max_tokens"]))
+        if world.is_main and (warning := step_budget_warning(
+                p.train.tokens_per_step, world.size, int(self.train_data.meta["max_tokens"]))):
+            log.warning(warning)
         self.state = RunState()
         self.log = RunLog()
         # Device-side sums of [target tokens, loss, NLL] since the last flush (_flush).
@@ -336,6 +367,8 @@ class Trainer:
         self.scheduler.load_state_dict(ckpt["scheduler"])
         if ckpt["data"] is not None:
             self.loader.load_state_dict(ckpt["data"])
+        if ckpt.get("scaler"):
+            self.scaler.load_state_dict(ckpt["scaler"])
         run = ckpt["run"]
         self.state = RunState(step=run["step"], tokens_seen=run["tokens_seen"],
                               elapsed_s=run["elapsed_s"],
@@ -395,11 +428,13 @@ class Trainer:
                 with ctx:
                     loss, nll, _ = self._forward_loss(batch)
                     with no_autocast(device):
-                        (loss * scale).backward()
+                        self.scaler.scale(loss * scale).backward()
                 self._pending[1] += loss.detach()
                 self._pending[2] += nll.detach()
         self._pending[0] += local_tokens
         params = [q for q in self.model.parameters() if q.grad is not None]
+        if self.scaler.is_enabled():  # the true gradients, for clipping, the norm and Adam
+            self.scaler.unscale_(self.optimizer)
         if self.p.train.clip_norm > 0:
             self._grad_norm = torch.nn.utils.clip_grad_norm_(params, self.p.train.clip_norm)
         elif self._logs_at(self.state.step + 1):  # the norm is only shown, not used
@@ -407,7 +442,8 @@ class Trainer:
         self._lr = self.scheduler.get_last_lr()[0] * self.cooldown_factor()
         for group in self.optimizer.param_groups:
             group["lr"] = self._lr
-        self.optimizer.step()
+        self.scaler.step(self.optimizer)  # skipped where fp16 gradients overflowed
+        self.scaler.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
@@ -534,6 +570,7 @@ class Trainer:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),  # {} unless fp16
             "data": self.loader.state_dict(),
             "rng": rngs,
             "run": {"step": s.step, "tokens_seen": s.tokens_seen, "elapsed_s": s.elapsed_s,
@@ -645,7 +682,8 @@ class Trainer:
         log.info("train: %s parameters, %d process(es) on %s, %s, %s kernels%s, "
                  "accumulation %d (<= %d tokens per batch, %d per step)%s",
                  f"{count_parameters(self.model):,}", self.world.size, self.device,
-                 "bf16 autocast" if self.amp_dtype else "fp32", p.kernels,
+                 f"{precision_name(self.amp_dtype)} autocast" if self.amp_dtype else "fp32",
+                 p.kernels,
                  (", compiled" if p.compile else "")
                  + (f", subword split {p.subword_split:g}" if p.subword_split else ""),
                  self.accum, int(self.train_data.meta["max_tokens"]), p.tokens_per_step,
@@ -669,7 +707,8 @@ class Trainer:
             "world_size": self.world.size,
             "accumulation": self.accum,
             "device": self.device.type,
-            "precision": "bf16" if self.amp_dtype else "fp32",
+            "precision": precision_name(self.amp_dtype),
+            **({"loss_scale": self.scaler.get_scale()} if self.scaler.is_enabled() else {}),
             **hardware(self.device),
             "kernels": self.p.train.kernels,
             "output_vocab": self.cfg.output_vocab,

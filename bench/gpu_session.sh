@@ -31,6 +31,8 @@
 #      every step, 25k target tokens per step as 4 x 6,250 (the default) or 1 x 25,000,
 #      eager, ABAB, with the kernel launches of a step counted; then 1 x 25,000 compiled.
 #      All under one deadline (PART5_SECONDS) so that part 6 keeps its time.
+#   7. fp16 (issue 44, goal 3): gpu_step base and big, 1 x 25,000, bf16 against fp16 with
+#      dynamic loss scaling, ABAB; then big compiled (did not fit part 5's deadline).
 #   6. multi30k towards convergence (issue 45): runs of CONV arms x CONV_SEEDS side by side
 #      on the one GPU, each with 8,192-token batches (one micro-batch a step; shards of
 #      `prepare`'s .gpu/m30k8k), up to CONV_STEPS steps, the time budget CONV_MINUTES (the
@@ -64,8 +66,13 @@ SEEDS=${SEEDS:-"1 2 3"}
 SCREEN_STEPS=${SCREEN_STEPS:-1750}      # the AVX2-only CPU's hour: steps 1683-1750 (2026-11-26/27)
 SCREEN_MINUTES=${SCREEN_MINUTES:-7}     # a guard only: the steps end each run first
 PART5_SECONDS=${PART5_SECONDS:-190}     # part 5's deadline, all its runs together
+PART7_SECONDS=${PART7_SECONDS:-330}     # part 7's
 # part 6: arms as SCREEN's ("name:KEY=VALUE ..."), on top of the preset with 8k-token steps
-CONV=${CONV:-"d0.2:;d0.3:model.dropout=0.3"}
+# The first screen (session6: "d0.2:;d0.3:model.dropout=0.3") chose dropout 0.3 on valid;
+# the next one regularises further or widens the model, all at dropout 0.3 or more, and
+# offers averages of up to 30 checkpoints (all four runs of session6 took the widest, 20).
+CONV=${CONV:-"d0.3:model.dropout=0.3;reg:model.dropout=0.3 train.attention_dropout=0.1 train.activation_dropout=0.1 train.subword_split=0.1;wide:model.d_model=512 model.heads=8 model.d_ff=2048 model.dropout=0.4"}
+CONV_AVERAGE=${CONV_AVERAGE:-"[1,5,10,20,30]"}
 CONV_SEEDS=${CONV_SEEDS:-"1 2"}
 CONV_STEPS=${CONV_STEPS:-8000}          # the published recipe's 8,000 updates of ~8k tokens
 CONV_MINUTES=${CONV_MINUTES:-4}         # each run's time budget (validation included)
@@ -110,6 +117,7 @@ if [ "${1:-}" = prepare ]; then
             .venv/bin/aiayn params multi30k shard.max_tokens=8192 train.tokens_per_step=8192 \
                 train.steps="$CONV_STEPS" train.max_minutes="$CONV_MINUTES" \
                 train.valid_bleu_every=1000 train.checkpoint_every_steps=200 seed="$seed" \
+                "train.average_candidates=$CONV_AVERAGE" \
                 ${arm#*:} --out ".gpu/conv/${arm%%:*}-s$seed.yaml" >/dev/null
         done
     done
@@ -217,18 +225,20 @@ RES=$PWD/.gpu/out  # parts 5 and 6 write here; packed into $OUT/results.tar.gz a
 mkdir -p "$RES"
 pack() { tar czf "$OUT/results.tar.gz" -C "$RES" . 2>/dev/null; }
 
-if want 5; then
-part "5. micro-batch size: 4 x 6250 against 1 x 25000 (eager, ABAB), then 1 x 25000 compiled"
-deadline=$((SECONDS + PART5_SECONDS))
 step_run() {  # $1: the JSON's name, $2: the seconds it may take at most; the rest: arguments
+    # (the part's $deadline and $label set by the part)
     local name=$1 limit=$2 left=$((deadline - SECONDS)); shift 2
     [ "$left" -lt "$limit" ] && limit=$left
-    if [ "$limit" -lt 15 ]; then echo "PART 5 SKIPPED $name: part 5's deadline"; return; fi
+    if [ "$limit" -lt 15 ]; then echo "PART $label SKIPPED $name: the part's deadline"; return; fi
     local run=($PY)
     case " $* " in *" --ddp "*) run=($PY -m torch.distributed.run --standalone --nproc-per-node 1);; esac
     timeout "$limit" "${run[@]}" -m bench.gpu_step --configs base,big --count-kernels "$@" \
-        --json "$RES/gpu_step_$name.json" || echo "PART 5 FAILED $name ($?)"
+        --json "$RES/gpu_step_$name.json" || echo "PART $label FAILED $name ($?)"
 }
+
+if want 5; then
+part "5. micro-batch size: 4 x 6250 against 1 x 25000 (eager, ABAB), then 1 x 25000 compiled"
+deadline=$((SECONDS + PART5_SECONDS)) label=5
 for round in 1 2; do
     step_run "mb6250_$round" 50 --warmup 3 --steps 8 --max-tokens 6250
     step_run "mb25000_$round" 50 --warmup 3 --steps 8 --max-tokens 25000 \
@@ -236,6 +246,17 @@ for round in 1 2; do
 done
 step_run mb25000_ddp 60 --warmup 3 --steps 8 --max-tokens 25000 --ddp  # torchrun, NCCL
 step_run mb25000_compile 150 --warmup 6 --steps 8 --max-tokens 25000 --compile --configs base
+pack
+fi
+
+if want 7; then
+part "7. fp16 (dynamic loss scaling) against bf16, 1 x 25000, eager, ABAB; big compiled"
+deadline=$((SECONDS + PART7_SECONDS)) label=7
+for round in 1 2; do
+    step_run "bf16_$round" 50 --warmup 3 --steps 8 --max-tokens 25000 --precision bf16
+    step_run "fp16_$round" 50 --warmup 3 --steps 8 --max-tokens 25000 --precision fp16
+done
+step_run big_compile 200 --configs big --warmup 6 --steps 8 --max-tokens 25000 --compile
 pack
 fi
 

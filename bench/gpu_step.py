@@ -55,7 +55,7 @@ import torch.distributed as dist
 from aiayn import kernels
 from aiayn.model import Transformer, TransformerConfig, avoid_cudnn_attention
 from aiayn.objective import make_optimizer
-from aiayn.precision import autocast_dtype, no_autocast, step_casts
+from aiayn.precision import autocast_dtype, no_autocast, precision_name, step_casts
 from aiayn.sampler import Batch
 from aiayn.trainer import batch_loss
 from bench import harness
@@ -179,6 +179,8 @@ def measure(name: str, args, device: torch.device) -> dict:
         torch._dynamo.utils.counters.clear()
         net = torch.compile(net)
     amp = autocast_dtype(args.precision, device)
+    # fp16: dynamic loss scaling as the trainer does it (a no-op in other precisions)
+    scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)
     accum = max(1, -(-args.tokens_per_step // args.max_tokens))
     # --reuse: the measured steps cycle through the warm-up's batches, whose shapes were met.
     fresh = args.warmup + (0 if args.reuse else args.steps)
@@ -203,10 +205,13 @@ def measure(name: str, args, device: torch.device) -> dict:
                                         blocks=blocks)
                 m = timer.mark()
                 with no_autocast(device.type):
-                    (loss / total).backward()
+                    scaler.scale(loss / total).backward()
                 marks.append((a, m, timer.mark()))
         o = timer.mark()
-        optimizer.step()
+        if scaler.is_enabled():
+            scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         return t0, marks, o, timer.mark()
@@ -234,7 +239,7 @@ def measure(name: str, args, device: torch.device) -> dict:
                 else None)
     step_s = statistics.median(parts["step"])
     achieved = statistics.fmean(f / s for f, s in zip(flops, parts["step"], strict=True))
-    result = {"config": name, "accumulation": accum, "precision": "bf16" if amp else "fp32",
+    result = {"config": name, "accumulation": accum, "precision": precision_name(amp),
               "compile": args.compile, "ddp": args.ddp, "reuse": args.reuse,
               "weight_casts": "per micro-batch" if args.cast_per_batch else "per step",
               "cudnn_attention": torch.backends.cuda.cudnn_sdp_enabled(),
@@ -316,7 +321,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = harness.parser(__doc__)
     ap.add_argument("--configs", default="base,big", help="base, big and/or tiny")
     ap.add_argument("--device", default=None, help="cuda (default when there is one) or cpu")
-    ap.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"))
+    ap.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
+                    help="auto: bf16 where the GPU has it; fp16: float16 with dynamic loss "
+                         "scaling, as train.precision fp16")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model")
     ap.add_argument("--cudnn-attention", action="store_true",
                     help="leave cuDNN attention in SDPA's choice (the trainer takes it out)")

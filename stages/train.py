@@ -18,7 +18,7 @@ from aiayn.distributed import world_from_env
 from aiayn.errors import AiaynError
 from aiayn.io import file_sha256
 from aiayn.plots import plot_training_curves
-from aiayn.precision import hardware
+from aiayn.precision import hardware, precision_name
 from aiayn.run_store import RUN_FILE
 from aiayn.subword import merge_parents
 from aiayn.tokenizer import load_tokenizer
@@ -148,7 +148,7 @@ def start_tracking(tracker: Tracker, trainer: Trainer, p, run_file: Path) -> Non
         run_name(p), p.model_dump(mode="json"),
         tags={"stage": "train", "world_size": str(world.size),
               # what auto resolved to on this machine, beside the params as written
-              "precision": "bf16" if trainer.amp_dtype else "fp32",
+              "precision": precision_name(trainer.amp_dtype),
               **hardware(trainer.device),  # the CPU or GPU, and any instruction caps
               "kernels": p.train.kernels, "compile": str(p.train.compile).lower()},
         run_id=trainer.state.mlflow_run_id or load_run_id(run_file))

@@ -35,7 +35,7 @@ def translate(
     batch_size: Annotated[int | None, typer.Option(min=1, help="Sentences decoded together (default: decode.batch_size).")] = None,
     truncate: Annotated[bool, typer.Option(help="Cut inputs longer than the model's limit instead of stopping with an error.")] = False,
     device: Annotated[Literal["auto", "cpu", "cuda"], typer.Option(help="auto (cuda if a GPU is visible), cpu or cuda.")] = "auto",
-    precision: Annotated[Literal["fp32", "bf16", "auto"], typer.Option(help="--engine aiayn: fp32; bf16 (autocast); or auto: bf16 on a GPU or CPU with native bf16 (Ampere+; AVX512-BF16, AMX, Arm BF16), else fp32.")] = "fp32",
+    precision: Annotated[Literal["fp32", "bf16", "fp16", "auto"], typer.Option(help="--engine aiayn: fp32; bf16 (autocast); fp16 (autocast, for GPUs without bf16); or auto: bf16 on a GPU or CPU with native bf16 (Ampere+; AVX512-BF16, AMX, Arm BF16), else fp32.")] = "fp32",
     progress: Annotated[bool, typer.Option(help="Show a progress bar (sentences/s) on standard error.")] = True,
 ) -> None:
     """Translate with beam search (paper Section 6.1: beam 4, alpha 0.6, max length input + 50).

@@ -139,8 +139,8 @@ def test_auto_is_fp32_on_a_gpu_without_native_bf16(native, monkeypatch):
 
 
 def test_unknown_precision_is_refused():
-    with pytest.raises(ValueError, match="auto, fp32, bf16"):
-        autocast_dtype("fp16", CPU)
+    with pytest.raises(ValueError, match="auto, fp32, bf16, fp16, not 'int8'"):
+        autocast_dtype("int8", CPU)
 
 
 def test_forced_bf16_on_an_emulating_cpu_warns(native):
@@ -167,3 +167,15 @@ def test_trainer_follows_the_cpu(native, toy_workspace, tmp_path, caplog):
         trainer = make_trainer(toy_workspace, tmp_path / "c", {"train": {"precision": "bf16"}})
     assert trainer.amp_dtype is torch.bfloat16
     assert "train.precision is bf16, but this CPU has no native bf16" in caplog.text
+
+
+def test_fp16_is_float16_autocast_asked_for_explicitly():
+    from aiayn.precision import autocast_dtype, precision_name, slow_bf16_warning
+
+    cpu = torch.device("cpu")
+    assert autocast_dtype("fp16", cpu) is torch.float16
+    assert autocast_dtype("auto", cpu) in (None, torch.bfloat16)  # auto never picks fp16
+    assert [precision_name(d) for d in (None, torch.bfloat16, torch.float16)] == [
+        "fp32", "bf16", "fp16"]
+    warning = slow_bf16_warning("fp16", cpu, "train.precision")
+    assert "train.precision is fp16 on a CPU" in warning and "auto or fp32" in warning

@@ -29,7 +29,13 @@ from aiayn.precision import hardware as precision_hardware
 from aiayn.subword import merge_parents
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, decode, load_tokenizer
 from aiayn.toy import generate_pairs
-from aiayn.trainer import Trainer, TrainingDiverged, TrainPaths, accumulation_steps
+from aiayn.trainer import (
+    Trainer,
+    TrainingDiverged,
+    TrainPaths,
+    accumulation_steps,
+    step_budget_warning,
+)
 from tests.conftest import REPO, merge, write_params
 
 
@@ -86,6 +92,15 @@ def test_accumulation_keeps_the_global_budget():
     assert accumulation_steps(25_000, 4, 6250) == 1
     assert accumulation_steps(25_000, 8, 6250) == 1
     assert accumulation_steps(25_000, 3, 4096) == 3   # ceil: never below the budget
+    # 8 GPUs with batches of 6,250 would step on 50,000 tokens: said, with the fix
+    assert step_budget_warning(25_000, 1, 6250) is None
+    assert step_budget_warning(25_000, 1, 25_000) is None
+    assert step_budget_warning(25_000, 3, 4096) == (  # 3 x 3 x 4096 = 36,864
+        "train: 3 process(es) x 3 batch(es) of up to 4096 tokens (shard.max_tokens) make "
+        "steps of up to 36,864 tokens, 1.47x train.tokens_per_step (25,000); for the budget, "
+        "set shard.max_tokens to 2777 and re-run the shard stage (on a GPU, one batch a step "
+        "is the fastest: tokens_per_step / processes)")
+    assert "set shard.max_tokens to 3125" in step_budget_warning(25_000, 8, 6250)
 
 
 def test_a_tiny_model_memorises_a_handful_of_toy_pairs(toy_workspace):
@@ -144,9 +159,11 @@ def test_a_run_writes_logs_metrics_and_checkpoints(toy_workspace, tmp_path):
     assert summary["tokens_seen"] == load_checkpoint(ckpts[-1])["meta"]["tokens_seen"]
 
 
-@pytest.mark.parametrize("split", [0.0, 0.3], ids=["plain", "subword_split"])
-def test_an_interrupted_run_resumes_bitwise(toy_workspace, tmp_path, split):
-    changes = {"train": {"subword_split": split}}
+@pytest.mark.parametrize("split,precision", [(0.0, "auto"), (0.3, "auto"), (0.0, "fp16")],
+                         ids=["plain", "subword_split", "fp16"])
+def test_an_interrupted_run_resumes_bitwise(toy_workspace, tmp_path, split, precision):
+    # fp16: the loss scale (its value and growth tracker) resumes with the run too
+    changes = {"train": {"subword_split": split, "precision": precision}}
     full = make_trainer(toy_workspace, tmp_path / "full", changes)
     full.fit()
     part = make_trainer(toy_workspace, tmp_path / "part", changes)
@@ -160,6 +177,45 @@ def test_an_interrupted_run_resumes_bitwise(toy_workspace, tmp_path, split):
     assert_bitwise_equal(a["model"], b["model"])
     assert a["run"]["train_rows"][-1][:6] == b["run"]["train_rows"][-1][:6]
     assert a["run"]["valid_rows"] == b["run"]["valid_rows"]
+
+
+def test_fp16_learns_as_fp32_does_with_its_loss_scale_in_the_checkpoint(toy_workspace,
+                                                                         tmp_path):
+    """train.precision fp16 (for GPUs without bf16): float16 autocast with dynamic loss
+    scaling; on a tiny model it follows fp32's losses within fp16's rounding."""
+    runs = {}
+    for precision in ("fp32", "fp16"):
+        trainer = make_trainer(toy_workspace, tmp_path / precision,
+                               {"train": {"precision": precision}, "model": {"dropout": 0.0}})
+        runs[precision] = (trainer, trainer.fit())
+    (fp32, a), (fp16, b) = runs["fp32"], runs["fp16"]
+    assert b["precision"] == "fp16" and a["precision"] == "fp32" and "loss_scale" not in a
+    assert b["loss_scale"] == fp16.scaler.get_scale() > 0
+    for ra, rb in zip(fp32.log.train, fp16.log.train, strict=True):
+        assert rb.loss == pytest.approx(ra.loss, rel=2e-2)
+    assert fp16.log.train[-1].loss < fp16.log.train[0].loss  # it learns
+    saved = load_checkpoint(list_checkpoints(tmp_path / "fp16/checkpoints")[-1])["scaler"]
+    assert saved["scale"] == b["loss_scale"] and "_growth_tracker" in saved
+    assert load_checkpoint(list_checkpoints(tmp_path / "fp32/checkpoints")[-1])["scaler"] == {}
+
+
+def test_an_fp16_step_whose_gradients_overflow_is_skipped_and_the_scale_halves(
+        toy_workspace, tmp_path):
+    trainer = make_trainer(toy_workspace, tmp_path, {"train": {"precision": "fp16"}})
+    it = iter(trainer.loader)
+    trainer.train_step(trainer._micro_batches(it))
+    scale = trainer.scaler.get_scale()
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    weight = trainer.model.embedding.weight
+    hook = weight.register_hook(lambda g: torch.full_like(g, float("inf")))
+    trainer.train_step(trainer._micro_batches(it))  # its gradients overflow
+    hook.remove()
+    after = trainer.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # Adam did not step
+    assert trainer.scaler.get_scale() == scale / 2
+    trainer.train_step(trainer._micro_batches(it))  # the next step goes on as usual
+    assert not torch.equal(trainer.model.embedding.weight, before["embedding.weight"])
+    assert torch.isfinite(trainer.model.embedding.weight).all()
 
 
 def test_subword_split_trains_on_more_target_tokens_of_the_same_batches(toy_workspace,
