@@ -366,7 +366,7 @@ def our_columns(r: RowResult) -> list[str]:
             "–" if steps is None else f"{steps:,}", _num(r.train.get("valid_ppl")),
             _num(_score(r.bleu_valid, "tokenized_bleu"), 1),
             _num(_score(r.bleu_valid, "sacrebleu"), 1),
-            "–" if params is None else f"{params / 1e6:.1f}"]
+            "–" if params is None else f"{params / 1e6:.3g}"]
 
 
 HEADER = ("| row | N | d_model | d_ff | h | d_k | d_v | P_drop | ε_ls | positions | steps "

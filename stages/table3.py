@@ -168,7 +168,8 @@ def table3(
         settings = " ".join(f"{k}={v}" for k, v in plan.overrides.items()) or "(the base)"
         note = " (the same as the base on these params)" if plan.same_as_base else ""
         if found.get(name) in ("Queued", "Running", "Success"):
-            log.info("table3: %s already %s, not queued again", name, found[name].lower())
+            log.info("table3: %s already %s, not queued again", name,
+                     {"Success": "finished"}.get(found[name], found[name].lower()))
             continue
         log.info("table3: %s: %s%s", name, settings, note)
         args = ["exp", "run", "--queue", "-n", name, "-S", f"experiment={preset}"]
