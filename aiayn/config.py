@@ -180,7 +180,14 @@ class ModelConfig(Strict):
     d_ff: int = Field(2048, gt=0)
     dropout: float = Field(0.1, ge=0.0, lt=1.0)
     norm: Literal["post", "pre"] = "post"
-    max_positions: int = Field(1024, gt=0)
+    max_positions: int = Field(1024, gt=0, description="rows of the position table: the "
+                               "longest sequence (tokens with BOS/EOS) the model reads or writes")
+    d_k: int = Field(0, description="Section 3.2.2: dimensions of one head's queries and keys; "
+                     "0: d_model / heads (the paper's base). Table 3 (A), (B)")
+    d_v: int = Field(0, description="dimensions of one head's values; 0: d_model / heads")
+    positions: Literal["sinusoidal", "learned"] = Field(
+        "sinusoidal", description="Section 3.5: sinusoidal (the paper), or learned positional "
+        "embeddings (Table 3 row (E)): max_positions x d_model more parameters")
     output_vocab: Literal["shared", "target"] = Field(
         "shared", description="shared: the softmax spans the whole shared vocabulary (the "
         "paper, Section 3.4); target: only the tokens that occur on the target side of the "
@@ -189,10 +196,18 @@ class ModelConfig(Strict):
 
     @model_validator(mode="after")
     def _heads(self) -> ModelConfig:
-        if self.d_model % self.heads:
+        for name in ("d_k", "d_v"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be positive, or 0 for "
+                                 f"d_model / heads ({self.d_model} / {self.heads})")
+        if (not self.d_k or not self.d_v) and self.d_model % self.heads:
+            # Where one of d_k, d_v is set, say why the other still needs the division.
+            unset = [n for n in ("d_k", "d_v") if not getattr(self, n)]
+            why = (f" ({unset[0]} 0 means d_model / heads; set it too to keep these heads)"
+                   if len(unset) == 1 else "")
             raise ValueError(
                 f"d_model ({self.d_model}) must be divisible by heads ({self.heads}); "
-                f"e.g. heads={_divisor_hint(self.d_model, self.heads)}"
+                f"e.g. heads={_divisor_hint(self.d_model, self.heads)}{why}"
             )
         return self
 
@@ -330,9 +345,12 @@ class Params(Strict):
     @model_validator(mode="after")
     def _positions(self) -> Params:
         if self.shard.max_len + 2 > self.model.max_positions:
+            learned = ("; with model.positions 'learned' the model holds one learned row per "
+                       "position, so max_positions must cover the longest sequence"
+                       if self.model.positions == "learned" else "")
             raise ValueError(
                 f"shard.max_len ({self.shard.max_len}) + 2 exceeds model.max_positions "
-                f"({self.model.max_positions})"
+                f"({self.model.max_positions}){learned}"
             )
         return self
 

@@ -41,6 +41,8 @@ decoder_layers), heads, pre_norm=(norm == "pre"), activation=RELU)``:
 * ``layer_norm_epsilon`` 1e-5 (``nn.LayerNorm``'s; CTranslate2's default is 1e-6);
 * one vocabulary for both sides: token string i for our id i (the BPE's own strings);
   decoder start ``<s>``, end ``</s>``; the source is given with its ``</s>``;
+* ``position_encodings`` is the model's own table either way, so learned positions
+  (``model.positions: learned``, Table 3 row (E)) export as they are;
 * ``spec.optimize(quantization)`` quantizes the weights (int8, int16, float16, bfloat16 and
   their mixes, as CTranslate2 offers) or keeps float32 (``none``).
 
@@ -81,6 +83,24 @@ projection, biases everywhere, a configurable activation. What differs, and its 
   ``decode.alpha`` (|Y|^alpha, see above), ``early_stopping="never"`` (the exact stopping
   rule, as ours; transformers' default is a heuristic), ``max_length`` = max_positions.
 
+* Learned positions (``model.positions: learned``) cannot be exported: Marian computes its
+  sinusoid table at load time and has no setting for a learned one (an error says so;
+  CTranslate2 takes them).
+
+Attention heads of other sizes (``model.d_k``, ``model.d_v``; Table 3 rows (A), (B))
+---------------------------------------------------------------------------------------
+Both engines give every head one size for queries, keys and values, and scale scores by
+1/sqrt(of that size). A model with d_k != d_v is exported with heads of d = max(d_k, d_v):
+each head's queries and keys (or values) get zero rows up to d, the output projection zero
+columns for padded values, and the query weights and bias are multiplied by sqrt(d / d_k),
+so that the engine's 1/sqrt(d) scales by 1/sqrt(d_k) as ours. Zeros add nothing to a dot
+product or a weighted sum: the engine computes our function (to float rounding), with
+(2 + 1) * heads * (d - min(d_k, d_v)) unused rows per layer's attention. Where
+heads * d != d_model (say 8 heads of 128 in d_model 512), CTranslate2 is told its
+``head_dim``; Marian derives its head size as d_model / heads and has no such setting, so
+such a model is refused for transformers, with the reason, and exports to CTranslate2.
+Every row of Table 3 has heads * max(d_k, d_v) = d_model.
+
 ``transformers`` 5 removed the ``translation`` pipeline; the folder loads with
 ``pipeline("translation", model=DIR)`` in transformers 4.x and with
 ``AutoModelForSeq2SeqLM`` + ``AutoTokenizer`` in both.
@@ -97,6 +117,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
@@ -173,6 +194,44 @@ def output_bias(model: Transformer) -> Tensor:
     return bias
 
 
+def engine_head_size(cfg: TransformerConfig) -> int:
+    """The one per-head size of queries, keys and values an engine's attention gets:
+    max(d_k, d_v) (module docstring)."""
+    return max(cfg.key_size, cfg.value_size)
+
+
+def engine_attention(sd: dict[str, Tensor], name: str, cfg: TransformerConfig,
+                     cross: bool) -> dict[str, tuple[Tensor, Tensor]]:
+    """(weight, bias) of the q, k, v and out projections of our attention ``name``, with
+    heads of :func:`engine_head_size`: zero rows after each head's queries, keys and values
+    up to that size, zero columns in the output projection, queries scaled by
+    sqrt(size / d_k). With d_k = d_v (the paper's base) the weights are ours, unchanged."""
+    h, dk, dv = cfg.heads, cfg.key_size, cfg.value_size
+    d = engine_head_size(cfg)
+    if cross:
+        q = sd[f"{name}.q_proj.weight"], sd[f"{name}.q_proj.bias"]
+        kv_w = sd[f"{name}.kv_proj.weight"].split([h * dk, h * dv])
+        kv_b = sd[f"{name}.kv_proj.bias"].split([h * dk, h * dv])
+        k, v = (kv_w[0], kv_b[0]), (kv_w[1], kv_b[1])
+    else:
+        w = sd[f"{name}.qkv_proj.weight"].split([h * dk, h * dk, h * dv])
+        b = sd[f"{name}.qkv_proj.bias"].split([h * dk, h * dk, h * dv])
+        q, k, v = ((w[i], b[i]) for i in range(3))
+
+    def rows(t: Tensor, size: int) -> Tensor:  # (h * size, ...) -> (h * d, ...)
+        heads = t.reshape(h, size, *t.shape[1:])
+        zeros = heads.new_zeros(h, d - size, *t.shape[1:])
+        return torch.cat([heads, zeros], dim=1).reshape(h * d, *t.shape[1:])
+
+    scale = math.sqrt(d / dk)  # 1.0 where d = d_k: the weights stay bit for bit
+    out_w = sd[f"{name}.out_proj.weight"]  # (d_model, h * d_v)
+    out_w = rows(out_w.t(), dv).t().contiguous()
+    return {"q": (rows(q[0], dk) * scale, rows(q[1], dk) * scale),
+            "k": (rows(k[0], dk), rows(k[1], dk)),
+            "v": (rows(v[0], dv), rows(v[1], dv)),
+            "out": (out_w, sd[f"{name}.out_proj.bias"])}
+
+
 # -- loading what `aiayn average` wrote -----------------------------------------------------
 
 @dataclass
@@ -227,6 +286,19 @@ def check_exportable(cfg: TransformerConfig, fmt: str) -> None:
         if cfg.d_model % 2:
             raise DataError(f"model.d_model is {cfg.d_model}: the sinusoid layouts of ours "
                             "and Marian map onto each other only for an even d_model")
+        if cfg.positions != "sinusoidal":
+            raise DataError(
+                f"model.positions is {cfg.positions!r}: MarianMT, the transformers "
+                "architecture that computes ours, computes a sinusoid table at load time and "
+                "has no learned position embeddings, so this model cannot be exported to it "
+                "exactly; export it with --format ctranslate2 (which reads our table)")
+        if cfg.heads * engine_head_size(cfg) != cfg.d_model:
+            raise DataError(
+                f"model.heads {cfg.heads} x max(d_k {cfg.key_size}, d_v {cfg.value_size}) = "
+                f"{cfg.heads * engine_head_size(cfg)}, not d_model {cfg.d_model}: MarianMT's "
+                "heads are d_model / heads wide, with no setting for another size, so this "
+                "model cannot be exported to it exactly; export it with --format ctranslate2 "
+                "(which has a head size setting)")
 
 
 # -- CTranslate2 -----------------------------------------------------------------------------
@@ -241,13 +313,28 @@ def ctranslate2_spec(model: Transformer, vocab: list[str]) -> Any:
     if len(vocab) != cfg.vocab_size:
         raise ValueError(f"{len(vocab)} token strings for a vocabulary of {cfg.vocab_size}")
     pre = cfg.norm == "pre"
-    spec = transformer_spec.TransformerSpec.from_config(
-        (cfg.encoder_layers, cfg.decoder_layers), cfg.heads, pre_norm=pre,
-        activation=common_spec.Activation.RELU)
-    sd = {k: v.detach().float().cpu().numpy().copy() for k, v in model.state_dict().items()}
+    d_head = engine_head_size(cfg)
+    # head_dim only where d_model / heads is not the head size: the spec stays as before.
+    head_dim = None if cfg.heads * d_head == cfg.d_model else d_head
+    relu = common_spec.Activation.RELU
+    spec = transformer_spec.TransformerSpec(
+        transformer_spec.TransformerEncoderSpec(cfg.encoder_layers, cfg.heads, pre_norm=pre,
+                                                activation=relu, head_dim=head_dim),
+        transformer_spec.TransformerDecoderSpec(cfg.decoder_layers, cfg.heads, pre_norm=pre,
+                                                activation=relu, head_dim=head_dim))
+    tensors = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    sd = {k: v.numpy().copy() for k, v in tensors.items()}
 
     def linear(s, name: str) -> None:
         s.weight, s.bias = sd[f"{name}.weight"], sd[f"{name}.bias"]
+
+    def attention(s, name: str, cross: bool) -> None:  # heads of d_head (engine_attention)
+        a = {k: (w.numpy().copy(), b.numpy().copy())
+             for k, (w, b) in engine_attention(tensors, name, cfg, cross).items()}
+        fused = [["q"], ["k", "v"]] if cross else [["q", "k", "v"]]
+        for target, parts in zip(s.linear, fused + [["out"]], strict=True):
+            target.weight = np.concatenate([a[x][0] for x in parts])
+            target.bias = np.concatenate([a[x][1] for x in parts])
 
     def norm(s, name: str) -> None:
         s.gamma, s.beta = sd[f"{name}.weight"], sd[f"{name}.bias"]
@@ -261,20 +348,16 @@ def ctranslate2_spec(model: Transformer, vocab: list[str]) -> Any:
         side.position_encodings.encodings = positions
     for i, ls in enumerate(spec.encoder.layer):
         p = f"encoder.{i}"
-        linear(ls.self_attention.linear[0], f"{p}.self_attn.qkv_proj")
-        linear(ls.self_attention.linear[1], f"{p}.self_attn.out_proj")
+        attention(ls.self_attention, f"{p}.self_attn", cross=False)
         norm(ls.self_attention.layer_norm, f"{p}.res_attn.norm")
         linear(ls.ffn.linear_0, f"{p}.ffn.w1")
         linear(ls.ffn.linear_1, f"{p}.ffn.w2")
         norm(ls.ffn.layer_norm, f"{p}.res_ffn.norm")
     for i, ls in enumerate(spec.decoder.layer):
         p = f"decoder.{i}"
-        linear(ls.self_attention.linear[0], f"{p}.self_attn.qkv_proj")
-        linear(ls.self_attention.linear[1], f"{p}.self_attn.out_proj")
+        attention(ls.self_attention, f"{p}.self_attn", cross=False)
         norm(ls.self_attention.layer_norm, f"{p}.res_self.norm")
-        linear(ls.attention.linear[0], f"{p}.cross_attn.q_proj")
-        linear(ls.attention.linear[1], f"{p}.cross_attn.kv_proj")
-        linear(ls.attention.linear[2], f"{p}.cross_attn.out_proj")
+        attention(ls.attention, f"{p}.cross_attn", cross=True)
         norm(ls.attention.layer_norm, f"{p}.res_cross.norm")
         linear(ls.ffn.linear_0, f"{p}.ffn.w1")
         linear(ls.ffn.linear_1, f"{p}.ffn.w2")
@@ -374,13 +457,12 @@ def marian_state_dict(model: Transformer) -> dict[str, Tensor]:
         out[f"{dst}.weight"] = sd[f"{src}.weight"][perm]
         out[f"{dst}.bias"] = sd[f"{src}.bias"][perm]
 
-    def attention(dst: str, src: str, cross: bool) -> None:
-        fused = ["q_proj", "kv_proj"] if cross else ["qkv_proj"]
-        weights = torch.cat([sd[f"{src}.{f}.weight"] for f in fused]).chunk(3)
-        biases = torch.cat([sd[f"{src}.{f}.bias"] for f in fused]).chunk(3)
-        for name, w, b in zip(("q_proj", "k_proj", "v_proj"), weights, biases, strict=True):
-            reads(f"{dst}.{name}", w, b)
-        writes(f"{dst}.out_proj", f"{src}.out_proj")
+    def attention(dst: str, src: str, cross: bool) -> None:  # heads of d_model / heads
+        a = engine_attention(sd, src, cfg, cross)
+        for name in ("q", "k", "v"):
+            reads(f"{dst}.{name}_proj", *a[name])
+        out_w, out_b = a["out"]
+        out[f"{dst}.out_proj.weight"], out[f"{dst}.out_proj.bias"] = out_w[perm], out_b[perm]
 
     def ffn(dst: str, src: str) -> None:
         reads(f"{dst}.fc1", sd[f"{src}.ffn.w1.weight"], sd[f"{src}.ffn.w1.bias"])

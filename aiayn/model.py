@@ -5,7 +5,8 @@ Readable top to bottom against the paper:
 * 3.1  encoder and decoder stacks of N identical layers; each sub-layer is wrapped as
        LayerNorm(x + Dropout(Sublayer(x)))  (post-LN, the paper) or, as an option,
        x + Dropout(Sublayer(LayerNorm(x)))  (pre-LN, with a final LayerNorm per stack);
-* 3.2  multi-head scaled dot-product attention, through
+* 3.2  multi-head scaled dot-product attention (h heads, queries and keys of d_k, values of
+       d_v dimensions; d_k = d_v = d_model / h unless set apart, as Table 3 rows (A), (B)), through
        ``torch.nn.functional.scaled_dot_product_attention`` (fused kernels where available;
        under CPU bf16 autocast fp32 scores and softmax written out, see :func:`attend`),
        with an explicit path that also returns the attention weights for plots;
@@ -14,7 +15,8 @@ Readable top to bottom against the paper:
        pre-softmax projection; embeddings multiplied by sqrt(d_model); as an option
        (``output_vocab="target"``) the projection keeps only the rows of the tokens that
        occur on the target side (:meth:`Transformer.set_output_vocab`);
-* 3.5  sinusoidal positional encodings;
+* 3.5  sinusoidal positional encodings, or (``positions="learned"``, Table 3 row (E))
+       learned positional embeddings as in ConvS2S [9];
 * 5.4  dropout on every sub-layer output and on the sums of embeddings and positions.
 
 The model knows nothing of files or tokenizers. Decoding uses ``encode`` once per source
@@ -55,20 +57,45 @@ class TransformerConfig:
     attention_dropout: float = 0.0
     activation_dropout: float = 0.0
     norm: str = "post"  # "post" as the paper, or "pre"
-    max_positions: int = 1024
+    max_positions: int = 1024  # rows of the position table (learned: parameters)
+    # Section 3.2.2: per head, queries and keys of d_k and values of d_v dimensions; 0 (the
+    # paper's base): d_model / heads. Table 3 (A) varies heads at constant heads * d_k, (B)
+    # shrinks d_k alone. 0 is kept as 0, so that a model saved before these fields existed
+    # has the same configuration (and run identity) as one saved after.
+    d_k: int = 0
+    d_v: int = 0
+    # Section 3.5: "sinusoidal" (the paper), or "learned" (Table 3 row (E)).
+    positions: str = "sinusoidal"
     pad_id: int = 0
     # "shared": the softmax spans the whole shared vocabulary (the paper, Section 3.4);
     # "target": only the tokens of the target side (Transformer.set_output_vocab).
     output_vocab: str = "shared"
 
     def __post_init__(self) -> None:
-        if self.d_model % self.heads:
-            raise ValueError(f"d_model ({self.d_model}) must be divisible by heads ({self.heads})")
+        if self.d_k < 0 or self.d_v < 0:
+            raise ValueError(f"d_k ({self.d_k}) and d_v ({self.d_v}) must be positive, or 0 "
+                             "for d_model / heads")
+        if (not self.d_k or not self.d_v) and self.d_model % self.heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by heads ({self.heads}) "
+                             "where d_k or d_v is left at d_model / heads")
+        if self.positions not in ("sinusoidal", "learned"):
+            raise ValueError(f"positions must be 'sinusoidal' or 'learned', not "
+                             f"{self.positions!r}")
         if self.norm not in ("post", "pre"):
             raise ValueError(f"norm must be 'post' or 'pre', not {self.norm!r}")
         if self.output_vocab not in ("shared", "target"):
             raise ValueError(f"output_vocab must be 'shared' or 'target', not "
                              f"{self.output_vocab!r}")
+
+    @property
+    def key_size(self) -> int:
+        """d_k, the dimensions of one head's queries and keys."""
+        return self.d_k or self.d_model // self.heads
+
+    @property
+    def value_size(self) -> int:
+        """d_v, the dimensions of one head's values."""
+        return self.d_v or self.d_model // self.heads
 
     @classmethod
     def base(cls, vocab_size: int, **kw) -> TransformerConfig:
@@ -227,29 +254,33 @@ class Packing:
 
 
 class MultiHeadAttention(nn.Module):
-    """Section 3.2.2: h heads of scaled dot-product attention over d_model/h dimensions.
+    """Section 3.2.2: h heads of scaled dot-product attention, queries and keys projected to
+    d_k dimensions per head, values to d_v; the h * d_v concatenated outputs projected back
+    to d_model. The paper's base has d_k = d_v = d_model / h.
 
     ``fast``: attention dropout masks from aiayn.kernels.dropout and the fast linear layers;
     ``explicit_keys``: :func:`attend`'s limit of its CPU bf16 path."""
 
-    def __init__(self, d_model: int, heads: int, dropout: float, cross: bool,
-                 fast: bool = False, explicit_keys: int = EXPLICIT_ATTENTION_KEYS):
+    def __init__(self, d_model: int, heads: int, d_k: int, d_v: int, dropout: float,
+                 cross: bool, fast: bool = False,
+                 explicit_keys: int = EXPLICIT_ATTENTION_KEYS):
         super().__init__()
-        self.heads, self.d_head, self.dropout, self.cross = heads, d_model // heads, dropout, cross
+        self.heads, self.d_k, self.d_v, self.dropout, self.cross = heads, d_k, d_v, dropout, cross
         self.fast, self.explicit_keys = fast, explicit_keys
+        hk, hv = heads * d_k, heads * d_v
         if cross:  # queries from the decoder, keys and values from the encoder output
-            self.q_proj = Linear(d_model, d_model, fast)
-            self.kv_proj = Linear(d_model, 2 * d_model, fast)
-        else:  # one fused projection for queries, keys and values
-            self.qkv_proj = Linear(d_model, 3 * d_model, fast)
-        self.out_proj = Linear(d_model, d_model, fast)
+            self.q_proj = Linear(d_model, hk, fast)
+            self.kv_proj = Linear(d_model, hk + hv, fast)  # rows: keys, then values
+        else:  # one fused projection: rows of queries, keys, then values
+            self.qkv_proj = Linear(d_model, 2 * hk + hv, fast)
+        self.out_proj = Linear(hv, d_model, fast)
 
     def split_heads(self, x: Tensor) -> Tensor:
-        b, t, _ = x.shape
-        return x.view(b, t, self.heads, self.d_head).transpose(1, 2)  # (B, H, T, d_head)
+        b, t, hd = x.shape
+        return x.view(b, t, self.heads, hd // self.heads).transpose(1, 2)  # (B, H, T, d_k|d_v)
 
     def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
-        k, v = self.kv_proj(memory).chunk(2, dim=-1)
+        k, v = self.kv_proj(memory).split([self.heads * self.d_k, self.heads * self.d_v], -1)
         return self.split_heads(k), self.split_heads(v)
 
     def forward(self, x: Tensor, *, mask: Tensor | None = None, causal: bool = False,
@@ -269,10 +300,12 @@ class MultiHeadAttention(nn.Module):
             q = self.split_heads(padded(self.q_proj(x)))
             k, v = kv if kv is not None else self.project_kv(memory)
         else:
-            q, k, v = (self.split_heads(t) for t in padded(self.qkv_proj(x)).chunk(3, dim=-1))
+            hk, hv = self.heads * self.d_k, self.heads * self.d_v
+            q, k, v = (self.split_heads(t)
+                       for t in padded(self.qkv_proj(x)).split([hk, hk, hv], dim=-1))
             if cache is not None:
                 if "k" in cache:
-                    k = torch.cat([cache["k"], k], dim=2)  # (B, H, t_past + Tq, d_head)
+                    k = torch.cat([cache["k"], k], dim=2)  # (B, H, t_past + Tq, d_k)
                     v = torch.cat([cache["v"], v], dim=2)
                 cache["k"], cache["v"] = k, v
         b, _, tq, _ = q.shape
@@ -285,7 +318,7 @@ class MultiHeadAttention(nn.Module):
             mask = allowed if mask is None else mask & allowed
             causal = False
         if need_weights:
-            scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.d_head)  # (B, H, Tq, Tk)
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.d_k)  # (B, H, Tq, Tk)
             if mask is not None:
                 scores = scores.masked_fill(~mask, float("-inf"))
             weights = scores.softmax(dim=-1)
@@ -293,11 +326,11 @@ class MultiHeadAttention(nn.Module):
         else:
             # Without a cache queries and keys line up (training; shapes may be symbolic
             # under torch.compile, so no test on them); a single query after a cached prefix
-            # sees every key.
+            # sees every key. The scale is 1/sqrt(d_k), q's last dimension.
             out = attend(q, k, v, mask, drop, causal if cache is None else causal and tk == tq,
                          self.fast, self.explicit_keys)
             weights = None
-        out = out.transpose(1, 2).reshape(b, tq, -1)  # (B, Tq, H * d_head)
+        out = out.transpose(1, 2).reshape(b, tq, -1)  # (B, Tq, H * d_v)
         if packing is not None:
             out = packing.unpad(out)
         return self.out_proj(out), weights
@@ -338,8 +371,8 @@ class EncoderLayer(nn.Module):
                  explicit_keys: int = EXPLICIT_ATTENTION_KEYS):
         super().__init__()
         pre = cfg.norm == "pre"
-        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.attention_dropout, False,
-                                            fast, explicit_keys)
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.key_size, cfg.value_size,
+                                            cfg.attention_dropout, False, fast, explicit_keys)
         self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout, fast)
         self.res_attn = Residual(cfg.d_model, cfg.dropout, pre, fast)
         self.res_ffn = Residual(cfg.d_model, cfg.dropout, pre, fast)
@@ -356,10 +389,11 @@ class DecoderLayer(nn.Module):
                  explicit_keys: int = EXPLICIT_ATTENTION_KEYS):
         super().__init__()
         pre = cfg.norm == "pre"
-        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.attention_dropout, False,
-                                            fast, explicit_keys)
-        self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.attention_dropout, True,
-                                             fast, explicit_keys)
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.key_size, cfg.value_size,
+                                            cfg.attention_dropout, False, fast, explicit_keys)
+        self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.key_size,
+                                             cfg.value_size, cfg.attention_dropout, True, fast,
+                                             explicit_keys)
         self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout, fast)
         self.res_self = Residual(cfg.d_model, cfg.dropout, pre, fast)
         self.res_cross = Residual(cfg.d_model, cfg.dropout, pre, fast)
@@ -447,8 +481,14 @@ class Transformer(nn.Module):
         # Section 3.4: one matrix for source embedding, target embedding and output projection.
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_id)
         self.embed_dropout = Dropout(cfg.dropout, fast)
-        self.register_buffer("positions", sinusoidal_positions(cfg.max_positions, cfg.d_model),
-                             persistent=False)
+        # Section 3.5: a fixed sinusoid table (a buffer, not saved), or Table 3 row (E):
+        # learned embeddings, one d_model row per position (parameters, saved as "positions").
+        if cfg.positions == "learned":
+            self.positions = nn.Parameter(torch.empty(cfg.max_positions, cfg.d_model))
+        else:
+            self.register_buffer("positions", sinusoidal_positions(cfg.max_positions,
+                                                                   cfg.d_model),
+                                 persistent=False)
         self.encoder = nn.ModuleList(EncoderLayer(cfg, fast, explicit_keys)
                                      for _ in range(cfg.encoder_layers))
         self.decoder = nn.ModuleList(DecoderLayer(cfg, fast, explicit_keys)
@@ -468,13 +508,16 @@ class Transformer(nn.Module):
         nn.init.normal_(self.embedding.weight, mean=0.0, std=self.cfg.d_model ** -0.5)
         with torch.no_grad():
             self.embedding.weight[self.cfg.pad_id].zero_()
+        if isinstance(self.positions, nn.Parameter):  # as fairseq's and tensor2tensor's
+            nn.init.normal_(self.positions, mean=0.0, std=self.cfg.d_model ** -0.5)
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.xavier_uniform_(module.weight)
                 nn.init.zeros_(module.bias)
 
     def embed(self, tokens: Tensor, offset: int = 0) -> Tensor:
-        """Section 3.4-3.5: sqrt(d) * E[token] + PE[position], then dropout (5.4)."""
+        """Section 3.4-3.5: sqrt(d) * E[token] + PE[position] (sinusoid or learned), then
+        dropout (5.4)."""
         t = tokens.shape[1]
         if offset + t > self.cfg.max_positions:
             raise ValueError(f"sequence of {offset + t} tokens exceeds model.max_positions "

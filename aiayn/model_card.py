@@ -24,6 +24,17 @@ def _fmt(value: Any, digits: int = 1) -> str:
     return str(value)
 
 
+def _head_size(model: dict, name: str) -> str:
+    """d_k or d_v of a model configuration; 0 or absent (folders from before the setting)
+    means d_model / heads."""
+    size = model.get(name) or 0
+    if size:
+        return str(size)
+    if model.get("d_model") and model.get("heads"):
+        return str(model["d_model"] // model["heads"])
+    return NOT_MEASURED
+
+
 def _check_sentence(check: float | None, quantization: str) -> str:
     if quantization != "none":
         found = "" if check is None else (
@@ -114,9 +125,11 @@ def model_card(fmt: str, model_config: dict, *, src_lang: str, tgt_lang: str, be
         "",
         "## Model and training",
         "",
-        "| d_model | heads | layers (enc + dec) | d_ff | LayerNorm | max positions | parameters |",
-        "|---|---|---|---|---|---|---|",
-        f"| {m.get('d_model')} | {m.get('heads')} | {m.get('encoder_layers')} + "
+        "| d_model | heads | d_k | d_v | layers (enc + dec) | d_ff | LayerNorm | max positions "
+        "| parameters |",
+        "|---|---|---|---|---|---|---|---|---|",
+        f"| {m.get('d_model')} | {m.get('heads')} | {_head_size(m, 'd_k')} | "
+        f"{_head_size(m, 'd_v')} | {m.get('encoder_layers')} + "
         f"{m.get('decoder_layers')} | {m.get('d_ff')} | {m.get('norm', 'post')} | "
         f"{m.get('max_positions')} | {_fmt(parameters)} |",
         "",
@@ -126,7 +139,9 @@ def model_card(fmt: str, model_config: dict, *, src_lang: str, tgt_lang: str, be
            ", whose softmax spans only the tokens that occur on the target side of the "
            f"training data ({_fmt((train or {}).get('output_vocab_size'))} tokens; the others "
            "are never generated)")
-        + "; sinusoidal positions; ReLU.",
+        + ("; learned positional embeddings (Table 3 row (E))"
+           if m.get("positions", "sinusoidal") == "learned" else "; sinusoidal positions")
+        + "; ReLU.",
         "- Weights: " + (f"the average of the checkpoints of steps "
                          f"{', '.join(map(str, model_config['averaged_steps']))}"
                          if model_config.get("averaged_steps") else

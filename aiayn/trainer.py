@@ -115,7 +115,8 @@ def model_config(p: Params, vocab_size: int) -> TransformerConfig:
         decoder_layers=m.decoder_layers, d_ff=m.d_ff, dropout=m.dropout,
         attention_dropout=p.train.attention_dropout,
         activation_dropout=p.train.activation_dropout, norm=m.norm,
-        max_positions=m.max_positions, output_vocab=m.output_vocab)
+        max_positions=m.max_positions, output_vocab=m.output_vocab, d_k=m.d_k, d_v=m.d_v,
+        positions=m.positions)
 
 
 def pick_device(choice: str, world: World) -> torch.device:

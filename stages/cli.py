@@ -28,6 +28,7 @@ COMMANDS = {
     "export": "stages.export",
     "attention": "stages.attention",
     "results": "stages.results",
+    "table3": "stages.table3",
 }
 
 HELP = (

@@ -23,6 +23,7 @@ def results(
     metrics: Annotated[Path, typer.Option(help="The metrics folder the stages wrote.")] = Path("metrics"),
     checkpoints: Annotated[Path, typer.Option(help="The train stage's checkpoint folder (holds the MLflow run id).")] = Path("data/checkpoints"),
     model: Annotated[Path, typer.Option(help="The averaged model folder.")] = Path("data/model"),
+    table3: Annotated[bool, typer.Option("--table3", help="Instead: the paper's Table 3 from the `table3-*` DVC experiments of this commit (`aiayn table3 --queue`), beside the paper's values; written to METRICS/table3.md and printed.")] = False,
 ) -> None:
     """Print the last run's results and where everything is (not a DVC stage; reads only).
 
@@ -30,7 +31,15 @@ def results(
     METRICS/average.json, CHECKPOINTS/mlflow_run.json. Writes:
     nothing (standard output only). Exits non-zero when there are no scores yet (run
     `dvc repro` first).
+
+    With --table3: reads `dvc exp show --json` (the experiments of HEAD) and writes
+    METRICS/table3.md, the paper's Table 3 layout with each row's experiment (params, steps,
+    valid perplexity, valid BLEU, parameters) beside the paper's numbers; rows that have
+    not run show –.
     """
+    if table3:
+        _table3(metrics / "table3.md")
+        return
     from aiayn.tracking import resolve_tracking_uri
 
     bleu, train = _read(metrics / "bleu.json"), _read(metrics / "train.json")
@@ -92,6 +101,30 @@ def results(
                  "(then http://127.0.0.1:5000, experiment 'aiayn')")
     else:
         echo("  MLflow run      none recorded (trained with --no-mlflow?)")
+
+
+def _table3(out: Path) -> None:
+    import json
+    import subprocess
+
+    from aiayn import table3 as t3
+    from aiayn.io import write_text
+
+    try:
+        shown = subprocess.run(["dvc", "exp", "show", "--json"], capture_output=True, text=True)
+    except FileNotFoundError:
+        typer.secho("error: dvc: command not found; activate the virtualenv", fg=typer.colors.RED,
+                    err=True)
+        raise typer.Exit(code=2) from None
+    if shown.returncode != 0:
+        typer.secho(f"error: dvc exp show failed: {' '.join(shown.stderr.split())[:600]}",
+                    fg=typer.colors.RED, err=True)
+        raise typer.Exit(code=2)
+    found = t3.results_from_exp_show(json.loads(shown.stdout or "[]"))
+    text = t3.render_table(found)
+    write_text(out, text)
+    typer.echo(text, nl=False)
+    typer.echo(f"({len(found)} of {len(t3.PAPER_ROWS)} rows have run; written to {out})")
 
 
 app = single_command_app(results, "Print the last run's results and where they are.")

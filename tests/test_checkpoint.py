@@ -450,3 +450,57 @@ def test_average_stage_refuses_checkpoints_of_different_runs(trained):
     assert result.exit_code == 2
     assert "differ in model_config" in result.output
     assert "step-00000200.pt" in result.output
+
+
+def rewrite_checkpoints(trained: dict, config: TransformerConfig, drop: tuple[str, ...] = ()
+                        ) -> dict[int, dict]:
+    """The fixture's checkpoints again, of models built from ``config``, their recorded
+    model_config without the keys ``drop`` (as a version before those settings wrote it)."""
+    states = {}
+    for i, step in enumerate((100, 200, 300)):
+        torch.manual_seed(20 + i)
+        model = Transformer(config)
+        recorded = {k: v for k, v in config.to_dict().items() if k not in drop}
+        path = checkpoint_path(trained["folder"], step)
+        state = load_checkpoint(path)
+        state["model"] = model.state_dict()
+        state["meta"]["model_config"] = recorded
+        torch.save(state, path)
+        states[step] = model.state_dict()
+    return states
+
+
+def test_average_stage_averages_learned_positions_and_records_the_head_sizes(trained):
+    cfg = TransformerConfig(vocab_size=trained["vocab"], d_model=16, heads=2, d_k=4, d_v=6,
+                            encoder_layers=1, decoder_layers=1, d_ff=32, dropout=0.0,
+                            max_positions=32, positions="learned")
+    states = rewrite_checkpoints(trained, cfg)
+    result = run_stage(trained["args"])
+    assert result.exit_code == 0, result.output
+    tensors, config = load_model_files(trained["out"])
+    assert {k: config["model"][k] for k in ("d_k", "d_v", "positions")} == {
+        "d_k": 4, "d_v": 6, "positions": "learned"}
+    expected = ((states[200]["positions"].double() + states[300]["positions"].double()) / 2)
+    assert torch.equal(tensors["positions"], expected.float())
+    model = Transformer(TransformerConfig(**config["model"]))
+    model.load_state_dict(tensors, strict=True)
+    assert model.decoder[0].cross_attn.kv_proj.weight.shape == (2 * 4 + 2 * 6, 16)
+
+
+def test_checkpoints_and_folders_from_before_the_table3_settings_load_as_the_base(trained):
+    from aiayn.translation import load_translator
+
+    # Written by a version without d_k, d_v and positions: they were the paper's base.
+    rewrite_checkpoints(trained, tiny_config(trained["vocab"]),
+                        drop=("d_k", "d_v", "positions"))
+    result = run_stage(trained["args"])
+    assert result.exit_code == 0, result.output
+    config = json.loads((trained["out"] / "config.json").read_text())
+    assert {k: config["model"][k] for k in ("d_k", "d_v", "positions")} == {
+        "d_k": 0, "d_v": 0, "positions": "sinusoidal"}  # the new fields, at their defaults
+    # A folder whose config.json lacks them (exported before) loads and translates too.
+    for key in ("d_k", "d_v", "positions"):
+        del config["model"][key]
+    (trained["out"] / "config.json").write_text(json.dumps(config))
+    translator = load_translator(trained["out"], device="cpu")
+    assert translator.model.cfg.key_size == 8 and translator.model.cfg.positions == "sinusoidal"

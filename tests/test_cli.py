@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from stages.cli import app
 
 SUBCOMMANDS = ("params", "download", "vocab", "survey", "shard", "train", "average",
-               "translate", "score", "export", "attention", "results")
+               "translate", "score", "export", "attention", "results", "table3")
 
 
 def help_text(*args: str) -> str:

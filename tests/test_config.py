@@ -96,6 +96,22 @@ def test_heads_must_divide_d_model():
     assert "\n" not in msg  # one line
 
 
+def test_d_k_d_v_and_positions_are_checked_with_what_to_do():
+    msg = bad(lambda r: r["model"].update(d_k=-4))
+    assert msg.endswith(": model: d_k (-4) must be positive, or 0 for d_model / heads (128 / 4)")
+    msg = bad(lambda r: r["model"].update(d_model=100, heads=8, d_k=16))
+    assert "divisible by heads (8)" in msg and "d_v 0 means d_model / heads" in msg
+    # Both set: heads need not divide d_model (h * d_v is projected back to d_model).
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    raw["model"].update(d_model=100, heads=8, d_k=16, d_v=16)
+    assert parse_params(raw).model.d_k == 16
+    msg = bad(lambda r: r["model"].update(positions="rotary"))
+    assert "model.positions" in msg and "'sinusoidal' or 'learned'" in msg
+    msg = bad(lambda r: (r["model"].update(positions="learned", max_positions=64),
+                         r["shard"].update(max_len=100)))
+    assert "exceeds model.max_positions (64)" in msg and "one learned row per position" in msg
+
+
 def test_unknown_language_is_named():
     msg = bad(lambda r: r["data"].update(src_lang="xx"))
     assert "data.src_lang" in msg and "'xx'" in msg and "'de'" in msg

@@ -308,3 +308,76 @@ def test_push_to_a_remote_then_pull_into_a_fresh_clone(tiny_repo, tmp_path):
     assert set(status) <= {"export/dvc.yaml:export"}, status
     log = run(["dvc", "repro"], clone, env).stdout
     assert "Running stage" not in log and "up to date" in log, log
+
+
+def test_table3_queues_every_row_once_and_a_tiny_row_runs_into_the_table(tmp_path, cli_env):
+    """`aiayn table3 --queue` in a real git + DVC repository on the toy task: 20 named
+    experiments whose params are the rows built on the current params, not queued twice;
+    one row (learned positions) run end to end by `dvc queue start`, then shown by
+    `aiayn results --table3` and skipped by a later --queue."""
+    from mlflow import MlflowClient
+
+    from aiayn import table3 as t3
+    from aiayn.table3 import flatten
+
+    env = {**cli_env, **GIT_IDENTITY}
+    root = copy_project(tmp_path / "repo", env, TINY)
+    queued = run(["aiayn", "table3", "--queue", "--budget-steps", "4"], root, env)
+    assert "queued 20 experiment(s)" in queued.stdout, queued.stdout + queued.stderr
+    status = run(["dvc", "queue", "status"], root, env).stdout
+    names = {line.split()[1] for line in status.splitlines() if line.endswith("Queued")}
+    assert names == {row.name for row in t3.PAPER_ROWS}, status
+
+    # Each experiment's params: the current params with its row's settings, nothing else.
+    raw = yaml.safe_load((root / "params.yaml").read_text())
+    planned = {p.row.name: p for p in t3.build_rows(raw, list(t3.PAPER_ROWS),
+                                                    t3.budget(steps=4))}
+    shown = json.loads(run(["dvc", "exp", "show", "--json"], root, env).stdout)
+    params = {e["name"]: e["revs"][0]["data"]["params"]["params.yaml"]["data"]
+              for b in shown for e in b.get("experiments") or []}
+    assert set(params) == set(planned)
+    for name, plan in planned.items():
+        assert plan.error is None, plan
+        assert flatten(params[name]) == flatten(t3.merge(raw, t3.nested(plan.overrides))), name
+    assert {k: params["table3-A-h1"]["model"][k] for k in ("heads", "d_k", "d_v")} == {
+        "heads": 1, "d_k": 32, "d_v": 32}
+    assert params["table3-big"]["train"]["steps"] == 4  # the common budget, big included
+
+    again = run(["aiayn", "table3", "--queue", "--budget-steps", "4"], root, env)
+    assert "queued 0 experiment(s)" in again.stdout
+    assert "table3-C-N8 already queued" in again.stderr
+
+    # Run one row: the others leave the queue.
+    others = sorted(names - {"table3-E-learned"})
+    run(["dvc", "queue", "remove", *others], root, env)
+    # The workers outlive the command (see the sweep test): nothing of theirs is captured.
+    subprocess.run(["dvc", "queue", "start", "-j", "1"], cwd=root, env=env,
+                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, timeout=120, check=True)
+    deadline = time.monotonic() + 600
+    while True:
+        status = run(["dvc", "queue", "status"], root, env).stdout
+        if "Queued" not in status and "Running" not in status:
+            break
+        assert time.monotonic() < deadline, status
+        time.sleep(2)
+    assert "Success" in status, run(["dvc", "queue", "logs", "table3-E-learned"], root, env,
+                                    check=False).stdout[-3000:]
+
+    shown = run(["aiayn", "results", "--table3"], root, env).stdout
+    assert "1 of 20 rows have run" in shown
+    row = next(line for line in shown.splitlines() if "`table3-E-learned`" in line)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1:12] == ["1", "32", "64", "4", "8", "8", "0.1", "0.1", "learned", "4",
+                           cells[11]] and float(cells[11]) > 1  # a perplexity
+    assert (root / "metrics/table3.md").read_text() in shown
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("aiayn").experiment_id])
+    assert [(r.info.run_name, r.info.status) for r in runs] == [("table3-E-learned",
+                                                                 "FINISHED")]
+    assert runs[0].data.params["model.positions"] == "learned"
+
+    later = run(["aiayn", "table3", "--queue", "--rows", "E,base", "--budget-steps", "4"],
+                root, env)
+    assert "table3-E-learned already finished" in later.stderr
+    assert "queued 1 experiment(s)" in later.stdout  # base: removed above, never run

@@ -521,3 +521,70 @@ def test_a_target_side_output_vocabulary_is_exported_as_the_output_bias(toy_work
         assert {t for out in want for t in out} <= set(spanned.tolist())
         for name, engine in engines.items():
             assert decode_all(engine, sources[:12], cfg_) == want, name
+
+
+# -- Table 3's shapes: heads of other sizes (rows A, B), learned positions (row E) --------------
+
+TABLE3_SHAPES = {  # name: settings on d_model 16, and whether Marian can express it
+    "A: 1 head of 16": (dict(heads=1, d_k=16, d_v=16), True),
+    "B: d_k 2 < d_v 8": (dict(heads=2, d_k=2, d_v=8), True),
+    "d_k 8 > d_v 2": (dict(heads=2, d_k=8, d_v=2), True),
+    "2 heads of 12 in 16": (dict(heads=2, d_k=12, d_v=12), False),
+    "E: learned positions": (dict(heads=2, positions="learned"), False),
+}
+
+
+def shaped_folder(toy_workspace, tmp_path, settings: dict) -> Path:
+    """An untrained model of those settings, its biases and positions random (zero biases
+    would hide a wrongly mapped one), saved as `aiayn average` would."""
+    tok = load_tokenizer(toy_workspace / "data/vocab/tokenizer.json")
+    torch.manual_seed(3)
+    cfg = TransformerConfig(vocab_size=tok.get_vocab_size(), d_model=16, encoder_layers=1,
+                            decoder_layers=2, d_ff=32, dropout=0.0, max_positions=64,
+                            **settings)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+    return save_model_folder(model, toy_workspace, tmp_path / "model")
+
+
+@pytest.mark.parametrize("name", list(TABLE3_SHAPES))
+def test_table3_shapes_export_exactly_or_say_why_not(name, toy_workspace, tmp_path, sources):
+    from aiayn.engines import CTranslate2Translator, TransformersTranslator
+    from aiayn.translation import load_translator
+
+    settings, marian = TABLE3_SHAPES[name]
+    folder = shaped_folder(toy_workspace, tmp_path, settings)
+    ours = load_translator(folder, device="cpu")
+    want = decode_all(ours, sources[:8], uniform(1))
+    # CTranslate2 expresses every shape (a head_dim where heads x head != d_model).
+    ct2_dir = export(folder, tmp_path / "ct2", "ctranslate2")
+    assert ct2_dir.max_logprob_difference < 1e-4
+    engine = CTranslate2Translator.from_folder(ct2_dir.directory, threads=1)
+    assert decode_all(engine, sources[:8], uniform(1)) == want
+    if marian:
+        hf = export(folder, tmp_path / "hf", "transformers")
+        assert hf.max_logprob_difference < 1e-4
+        engine = TransformersTranslator.from_folder(hf.directory)
+        assert decode_all(engine, sources[:8], uniform(1)) == want
+    else:
+        reason = ("learned position embeddings" if "positions" in settings
+                  else "heads are d_model / heads wide")
+        with pytest.raises(DataError, match=f"{reason}.*--format ctranslate2"):
+            export(folder, tmp_path / "hf", "transformers")
+        assert not (tmp_path / "hf").exists()
+
+
+def test_the_model_card_names_the_head_sizes_and_positions():
+    card = model_card("ctranslate2", {"model": {"d_model": 512, "heads": 8, "d_k": 16,
+                                                "positions": "learned"}, "vocab_size": 100},
+                      src_lang="de", tgt_lang="en", beam=4, alpha=0.6, parameters=1234,
+                      metrics={})
+    assert "| d_model | heads | d_k | d_v |" in card and "| 512 | 8 | 16 | 64 |" in card
+    assert "learned positional embeddings" in card and "sinusoidal" not in card
+    old = model_card("ctranslate2", {"model": {"d_model": 512, "heads": 8}, "vocab_size": 100},
+                     src_lang="de", tgt_lang="en", beam=4, alpha=0.6, parameters=1234,
+                     metrics={})  # a folder from before d_k, d_v, positions
+    assert "| 512 | 8 | 64 | 64 |" in old and "sinusoidal positions" in old

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from aiayn.model import (
+    Packing,
     Transformer,
     TransformerConfig,
     avoid_cudnn_attention,
@@ -331,3 +332,122 @@ def test_kernels_are_chosen_at_construction_for_every_layer_and_change_no_parame
     torch.manual_seed(0)
     b = Transformer(cfg).state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# -- Table 3's settings: d_k, d_v apart from d_model / heads, learned positions ----------------
+
+SHAPES = {  # name: TransformerConfig settings on tiny()'s d_model 32
+    "A: one head of 32": dict(heads=1, d_k=32, d_v=32),
+    "B: d_k 2 < d_v 8": dict(d_k=2, d_v=8),
+    "d_k 12 > d_v 4, 3 heads": dict(heads=3, d_k=12, d_v=4),
+    "E: learned positions": dict(positions="learned"),
+}
+
+
+def tiny_shaped(name: str, fast: bool = False) -> Transformer:
+    kw = dict(SHAPES[name])
+    torch.manual_seed(0)
+    cfg = TransformerConfig(vocab_size=50, d_model=32, heads=kw.pop("heads", 4),
+                            encoder_layers=2, decoder_layers=2, d_ff=64, max_positions=64, **kw)
+    return Transformer(cfg, fast=fast).eval()
+
+
+def closed_form_attention_count(d, h, d_k, d_v):
+    return d * h * d_k * 2 + 2 * h * d_k + d * h * d_v + h * d_v + h * d_v * d + d
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_table3_shapes_count_as_the_closed_form(name):
+    model = tiny_shaped(name)
+    cfg = model.cfg
+    attn_default = 4 * (32 * 32 + 32)
+    attn = closed_form_attention_count(32, cfg.heads, cfg.key_size, cfg.value_size)
+    positions = 64 * 32 if cfg.positions == "learned" else 0
+    expected = closed_form_count(50, 32, 64, 2, 2, False) + 6 * (attn - attn_default) + positions
+    assert count_parameters(model) == expected
+    first = model.decoder[0]
+    hk, hv = cfg.heads * cfg.key_size, cfg.heads * cfg.value_size
+    assert first.self_attn.qkv_proj.weight.shape == (2 * hk + hv, 32)
+    assert first.cross_attn.q_proj.weight.shape == (hk, 32)
+    assert first.cross_attn.kv_proj.weight.shape == (hk + hv, 32)
+    assert first.cross_attn.out_proj.weight.shape == (32, hv)
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_table3_shapes_decode_incrementally_as_the_full_forward(name):
+    model = tiny_shaped(name).double()
+    src, tgt = batch(b=3, s=7, t=9)
+    src[1, 5:] = PAD
+    full = model(src, tgt)
+    state = model.start(src)
+    steps = [model.decode_step(tgt[:, i:i + 1], state) for i in range(tgt.shape[1])]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-10, atol=1e-10)
+    state = model.start(src).reorder(torch.tensor([2, 0, 0]))
+    torch.testing.assert_close(model.decode_step(tgt[[2, 0, 0], :3], state),
+                               full[[2, 0, 0], :3], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_table3_shapes_attention_maps_and_fast_kernels_compute_the_same(name):
+    model = tiny_shaped(name).double()
+    src, tgt = batch(b=2, s=6, t=5)
+    src[0, 4:] = PAD
+    maps = model.attention_maps(src, tgt)
+    assert maps["cross"][0].shape == (2, model.cfg.heads, 5, 6)
+    for w in maps["encoder_self"] + maps["cross"]:
+        torch.testing.assert_close(w.sum(-1), torch.ones_like(w.sum(-1)))
+        assert torch.all(w[0, :, :, 4:] == 0)
+    memory, _ = model.encode(src, need_weights=True)  # the explicit 1/sqrt(d_k) path
+    torch.testing.assert_close(memory, model.encode(src), rtol=1e-10, atol=1e-10)
+    fast = tiny_shaped(name, fast=True)
+    assert fast.state_dict().keys() == model.state_dict().keys()
+    fast.load_state_dict(tiny_shaped(name).state_dict())
+    packed = Packing.positions(tgt, PAD)
+    rows = fast(src, tgt, packed=packed)
+    plain = tiny_shaped(name)(src, tgt, hidden=True)
+    torch.testing.assert_close(rows, plain.reshape(-1, 32)[packed], rtol=1e-4, atol=1e-4)
+
+
+def test_the_attention_scale_is_one_over_sqrt_d_k():
+    """Section 3.2.1: softmax(Q K^T / sqrt(d_k)) V with d_k apart from d_v: one head's
+    output against the formula, through the fused kernel and the explicit path."""
+    from aiayn import model as model_mod
+
+    torch.manual_seed(3)
+    attn = model_mod.MultiHeadAttention(16, 2, 3, 5, 0.0, cross=False).double().eval()
+    x = torch.randn(1, 4, 16, dtype=torch.double)
+    q, k, v = attn.qkv_proj(x).split([6, 6, 10], dim=-1)
+    heads = []
+    for h in range(2):
+        qh, kh, vh = q[0, :, 3 * h:3 * h + 3], k[0, :, 3 * h:3 * h + 3], v[0, :, 5 * h:5 * h + 5]
+        heads.append((qh @ kh.T / math.sqrt(3)).softmax(-1) @ vh)
+    expected = attn.out_proj(torch.cat(heads, dim=-1))[None]
+    for need_weights in (False, True):
+        out, _ = attn(x, need_weights=need_weights)
+        torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+
+
+def test_learned_positions_are_saved_trained_parameters_and_sinusoids_are_not():
+    learned, sinusoid = tiny_shaped("E: learned positions"), tiny()
+    assert "positions" in dict(learned.named_parameters())
+    assert "positions" in learned.state_dict() and "positions" not in sinusoid.state_dict()
+    assert learned.positions.shape == (64, 32)
+    assert learned.positions.std().item() == pytest.approx(32 ** -0.5, rel=0.1)
+    src, tgt = batch()
+    learned.train()
+    learned(src, tgt).sum().backward()
+    assert learned.positions.grad[:tgt.shape[1]].abs().sum() > 0  # the decoder's positions
+    assert learned.positions.grad[max(7, tgt.shape[1]):].abs().sum() == 0  # never read
+
+
+def test_config_checks_d_k_d_v_and_positions():
+    with pytest.raises(ValueError, match="d_k .* must be positive"):
+        TransformerConfig(vocab_size=10, d_k=-1)
+    with pytest.raises(ValueError, match="positions must be"):
+        TransformerConfig(vocab_size=10, positions="rotary")
+    with pytest.raises(ValueError, match="divisible"):
+        TransformerConfig(vocab_size=10, d_model=30, heads=4, d_k=8)  # d_v left at d/h
+    cfg = TransformerConfig(vocab_size=10, d_model=30, heads=4, d_k=8, d_v=6)
+    assert (cfg.key_size, cfg.value_size) == (8, 6)
+    base = TransformerConfig(vocab_size=10)
+    assert (base.d_k, base.key_size, base.value_size) == (0, 64, 64)  # 0 kept: old configs

@@ -1,0 +1,332 @@
+"""The paper's Table 3 as experiments: its rows on the current params, the parameter counts
+against the paper's column, the `aiayn table3` command and the rendered table."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+from aiayn import table3 as t3
+from aiayn.config import parse_params
+from aiayn.model import Transformer, count_parameters
+from aiayn.trainer import model_config
+from stages.params import compose
+from stages.table3 import base_of, hydra_value
+from tests.conftest import REPO
+
+VOCAB = 37_000  # Section 5.1: "a shared source-target vocabulary of about 37000 tokens"
+
+
+def composed(preset: str, *overrides: str) -> dict:
+    return yaml.safe_load(compose(REPO / "conf", preset, list(overrides)))
+
+
+def built(raw: dict, plan: t3.PlannedRow):
+    return parse_params(t3.merge(raw, t3.nested(plan.overrides)))
+
+
+def paper_columns(p) -> dict:
+    """A row's params in the paper's columns."""
+    m = p.model
+    assert m.encoder_layers == m.decoder_layers
+    return {"N": m.encoder_layers, "d_model": m.d_model, "d_ff": m.d_ff, "h": m.heads,
+            "d_k": m.d_k or m.d_model // m.heads, "d_v": m.d_v or m.d_model // m.heads,
+            "P_drop": m.dropout, "eps_ls": p.train.label_smoothing, "steps": p.train.steps,
+            **({"positions": "learned"} if m.positions == "learned" else {})}
+
+
+def test_the_rows_are_the_papers_table():
+    assert len(t3.PAPER_ROWS) == 20 and len({r.name for r in t3.PAPER_ROWS}) == 20
+    groups = [r.group for r in t3.PAPER_ROWS]
+    assert {g: groups.count(g) for g in t3.GROUPS} == {"base": 1, "A": 4, "B": 2, "C": 7,
+                                                       "D": 4, "E": 1, "big": 1}
+    for row in t3.PAPER_ROWS:
+        v = row.values
+        if row.group == "A":  # constant computation (Section 3.2.2)
+            assert v["h"] * v["d_k"] == v["h"] * v["d_v"] == 512
+    assert {r.name: (r.ppl, r.bleu, r.params_m) for r in t3.PAPER_ROWS
+            if r.group in ("base", "big")} == {"table3-base": (4.92, 25.8, 65),
+                                               "table3-big": (4.33, 26.4, 213)}
+
+
+def test_on_the_papers_base_every_row_is_the_papers_row():
+    raw = composed("wmt14_base")
+    for plan in t3.build_rows(raw, list(t3.PAPER_ROWS)):
+        assert plan.error is None, plan
+        assert paper_columns(built(raw, plan)) == plan.row.values, plan.row.name
+    # (A) h=8 would be the base itself; none of the paper's rows is.
+    assert not any(p.same_as_base for p in t3.build_rows(raw, list(t3.PAPER_ROWS)))
+
+
+def plans(raw: dict, common: dict | None = None) -> dict[str, t3.PlannedRow]:
+    return {p.row.name.removeprefix(t3.PREFIX): p
+            for p in t3.build_rows(raw, list(t3.PAPER_ROWS), common)}
+
+
+def test_on_multi30k_the_rows_vary_its_model_as_the_paper_varies_its_base():
+    raw = composed("multi30k")  # d_model 256, 4 heads (d_k 64), 3 + 3 layers, d_ff 1024
+    got = plans(raw)
+    assert got["base"].overrides == {}
+    assert got["A-h1"].overrides == {"model.heads": 1, "model.d_k": 256, "model.d_v": 256}
+    assert got["A-h32"].overrides == {"model.heads": 32, "model.d_k": 8, "model.d_v": 8}
+    assert got["A-h4"].same_as_base  # multi30k has 4 heads already
+    assert got["B-dk16"].overrides == {"model.d_k": 16, "model.d_v": 64}
+    assert got["C-N8"].overrides == {"model.encoder_layers": 8, "model.decoder_layers": 8}
+    assert got["C-d256"].overrides == {"model.d_model": 128, "model.d_k": 32, "model.d_v": 32}
+    assert got["C-ff4096"].overrides == {"model.d_ff": 2048}
+    assert got["D-ls0.0"].overrides == {"train.label_smoothing": 0.0}
+    assert got["E-learned"].overrides == {"model.positions": "learned"}
+    assert got["big"].overrides == {"model.d_model": 512, "model.d_ff": 2048, "model.heads": 8,
+                                    "model.dropout": 0.3, "train.steps": 12_000,
+                                    "train.max_minutes": 165}
+    # A common budget holds for every row, big included; the rest of big stays.
+    budgeted = plans(raw, t3.budget(steps=500))
+    assert budgeted["base"].overrides == {"train.steps": 500, "train.max_minutes": 0}
+    assert budgeted["big"].overrides == {"train.steps": 500, "train.max_minutes": 0,
+                                         "model.d_model": 512, "model.d_ff": 2048,
+                                         "model.heads": 8, "model.dropout": 0.3}
+    assert plans(raw, t3.budget(minutes=20))["big"].overrides["train.max_minutes"] == 20
+    for plan in budgeted.values():
+        assert plan.error is None and built(raw, plan).train.steps == 500
+
+
+def test_a_row_that_cannot_be_built_says_why():
+    raw = composed("multi30k", "model.d_model=80", "model.heads=4", "model.d_ff=512")
+    got = plans(raw)
+    assert got["A-h32"].error == "d_model 80 is not divisible by 32"
+    assert got["A-h16"].overrides == {"model.heads": 16, "model.d_k": 5, "model.d_v": 5}
+    assert got["B-dk16"].overrides == {"model.d_k": 5, "model.d_v": 20}  # 20 / 4
+    raw = composed("multi30k", "model.d_model=12", "model.heads=4")  # d_k 3
+    assert plans(raw)["B-dk16"].error == "d_k 3 is not divisible by 4"
+
+
+def test_rows_are_chosen_by_group_or_name():
+    assert [r.name for r in t3.select_rows("B,big")] == ["table3-B-dk16", "table3-B-dk32",
+                                                         "table3-big"]
+    assert [r.name for r in t3.select_rows("table3-C-N2, E-learned")] == [
+        "table3-C-N2", "table3-E-learned"]
+    assert len(t3.select_rows(None)) == 20
+    with pytest.raises(ValueError, match="unknown F, C-N3"):
+        t3.select_rows("F,C-N3")
+    with pytest.raises(ValueError, match="not both"):
+        t3.budget(steps=5, minutes=2)
+
+
+# -- parameter counts ---------------------------------------------------------------------------
+
+def counts() -> dict[str, tuple[int, int, int]]:
+    """Each row on the paper's base with a 37,000-token shared vocabulary: (parameters,
+    parameters outside the embedding, d_model); built on the meta device (no memory)."""
+    raw = composed("wmt14_base")
+    out = {}
+    for plan in t3.build_rows(raw, list(t3.PAPER_ROWS)):
+        cfg = model_config(built(raw, plan), VOCAB)
+        with torch.device("meta"):
+            n = count_parameters(Transformer(cfg))
+        out[plan.row.name.removeprefix(t3.PREFIX)] = (n, n - VOCAB * cfg.d_model, cfg.d_model)
+    return out
+
+
+def test_parameter_counts_against_the_papers_column():
+    """Our count of every row of Table 3 on a 37,000-token shared vocabulary, against the
+    paper's column (millions, rounded as printed).
+
+    Counted by hand (aiayn/model.py, Section 3): the one shared V x d_model matrix (source and
+    target embeddings and the output projection, Section 3.4); per encoder layer the
+    attention's four projections with biases (W_Q, W_K of h*d_k columns, W_V of h*d_v, W_O from
+    h*d_v) + the FFN's W1, b1, W2, b2 + two LayerNorms (gain, bias); per decoder layer two
+    attentions + FFN + three LayerNorms; no final LayerNorm (post-LN); sinusoids have no
+    parameters. Base: 18,944,000 + 6 x 3,152,384 + 6 x 4,204,032 = 63,082,496.
+
+    What is true: with V = 37,000 the base counts 63.1M, not the paper's 65M, and big
+    214.2M, not 213M. No vocabulary size makes every printed count: base, (B) and (C) all
+    print as ours for any V in [40,931, 41,161) (41k rows of d_model, the only term that
+    depends on V), while big needs V in [35,296, 36,272). So the paper's column is not one
+    count of this architecture over one vocabulary; we pin our counts and the vocabulary-
+    free facts instead:
+
+    - every row that keeps d_model differs from the base by what the paper's row differs, to
+      its rounding (both printed numbers round by at most 0.5M: the differences agree within
+      1M): (B) -7, -5; (C) N -29, -15, +15; d_ff -12, +25;
+    - rows that change d_model differ from the base by their embedding too (V x Δd_model),
+      so there the comparison is the V each printed count implies, above; (A), (D), (E)
+      have no printed count ((A) keeps h x d_k = d_model: the base's count; (E) adds
+      max_positions x d_model learned rows, 524,288 at max_positions 1024).
+    """
+    c = counts()
+    ours = {name: n for name, (n, _, _) in c.items()}
+    assert ours["base"] == 63_082_496 and ours["big"] == 214_245_376
+    assert {name: round(n / 1e6, 2) for name, n in ours.items()} == {
+        "base": 63.08, "A-h1": 63.08, "A-h4": 63.08, "A-h16": 63.08, "A-h32": 63.08,
+        "B-dk16": 55.99, "B-dk32": 58.35, "C-N2": 33.66, "C-N4": 48.37, "C-N8": 77.8,
+        "C-d256": 26.83, "C-d1024": 163.89, "C-ff1024": 50.49, "C-ff4096": 88.27,
+        "D-drop0.0": 63.08, "D-drop0.2": 63.08, "D-ls0.0": 63.08, "D-ls0.2": 63.08,
+        "E-learned": 63.61, "big": 214.25}
+    assert ours["E-learned"] - ours["base"] == 1024 * 512
+    printed = {r.name.removeprefix(t3.PREFIX): r.params_m for r in t3.PAPER_ROWS
+               if r.params_m is not None}
+    # With V = 37,000 none prints as the paper's: base, (B), (C) are 1-4M short, big 1M over.
+    assert not [n for n, m in printed.items() if t3.rounds_to(ours[n], m)]
+
+    # Vocabulary-free: the difference from the base, for rows that keep d_model.
+    same_width = [n for n in printed if n != "base" and c[n][2] == 512]
+    assert same_width == ["B-dk16", "B-dk32", "C-N2", "C-N4", "C-N8", "C-ff1024", "C-ff4096"]
+    for name in same_width:
+        ours_m, paper_m = (ours[name] - ours["base"]) / 1e6, printed[name] - printed["base"]
+        assert abs(ours_m - paper_m) < 1, (name, ours_m, paper_m)
+
+    # The vocabulary each printed count implies for our architecture.
+    implied = {n: t3.paper_counts_implied_vocabulary(c[n][1], c[n][2], m)
+               for n, m in printed.items()}
+    base_family = [n for n in implied if n != "big"]
+    low = max(implied[n][0] for n in base_family)
+    high = min(implied[n][1] for n in base_family)
+    assert (round(low), round(high)) == (40_931, 41_161)  # one V fits base, (B), (C)
+    for n in base_family:
+        assert t3.rounds_to(c[n][1] + 41_000 * c[n][2], printed[n]), n
+    big_low, big_high = implied["big"]
+    assert (round(big_low), round(big_high)) == (35_296, 36_272)  # big alone: another V
+    assert big_high < low and not big_low <= VOCAB < big_high
+
+
+# -- the command's pieces -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("value, text", [
+    (1, "1"), (0.3, "0.3"), (1e-9, "1e-09"), (True, "true"), (None, "null"),
+    ("learned", "learned"), ("../shared/data/multi30k", "../shared/data/multi30k"),
+    ("two words", "'two words'"), ("1.0", "'1.0'"), ([1, 3, 5], "[1,3,5]"), ([], "[]"),
+    ({"train": "train", "valid": "val"}, "{train:train,valid:val}")])
+def test_values_are_written_in_hydras_override_grammar(value, text):
+    assert hydra_value(value) == text
+
+
+def write_params(tmp_path: Path, preset: str, *overrides: str) -> Path:
+    path = tmp_path / "params.yaml"
+    path.write_text(compose(REPO / "conf", preset, list(overrides)))
+    return path
+
+
+def test_the_base_is_found_as_a_preset_and_overrides(tmp_path):
+    conf = REPO / "conf"
+    assert base_of(write_params(tmp_path, "multi30k"), conf, None) == ("multi30k", [])
+    assert base_of(write_params(tmp_path, "demo"), conf, None) == ("demo", [])
+    given = ["train.max_minutes=30", "train.average_candidates=[1,3]",
+             "data.local.dir='my corpus/x'", "train.adam_eps=1e-08", "model.d_k=16"]
+    preset, overrides = base_of(write_params(tmp_path, "multi30k", *given), conf, None)
+    assert preset == "multi30k" and sorted(overrides) == sorted(given)
+    assert base_of(write_params(tmp_path, "multi30k"), conf, "demo")[0] == "demo"
+
+
+def test_params_that_no_preset_composes_stop_with_what_to_do(tmp_path):
+    from aiayn.errors import ParamsError
+
+    raw = composed("demo")
+    del raw["model"]["d_k"]  # a params.yaml written by hand, not composed
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ParamsError, match="not the composition of .* `aiayn params PRESET"):
+        base_of(path, REPO / "conf", None)
+
+
+def test_the_dry_run_prints_each_rows_dvc_command(tmp_path, monkeypatch):
+    from stages.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    write_params(tmp_path, "multi30k", "train.max_minutes=30")
+    (tmp_path / "conf").symlink_to(REPO / "conf")
+    result = CliRunner().invoke(app, ["table3", "--dry-run", "--rows", "base,B,E,big",
+                                      "--budget-steps", "300", "--set", "train.average_last=1"])
+    assert result.exit_code == 0, result.output
+    lines = [x for x in result.stdout.splitlines() if x.startswith("dvc ")]
+    common = "-S experiment=multi30k -S train.steps=300 -S train.max_minutes=0 " \
+             "-S train.average_last=1"
+    assert lines == [
+        f"dvc exp run --queue -n table3-base {common}",
+        f"dvc exp run --queue -n table3-B-dk16 {common} -S model.d_k=16 -S model.d_v=64",
+        f"dvc exp run --queue -n table3-B-dk32 {common} -S model.d_k=32 -S model.d_v=64",
+        f"dvc exp run --queue -n table3-E-learned {common} -S model.positions=learned",
+        f"dvc exp run --queue -n table3-big {common} -S model.d_model=512 -S model.d_ff=2048 "
+        "-S model.heads=8 -S model.dropout=0.3"]
+    assert "5 experiment(s)" in result.stdout
+    bad = CliRunner().invoke(app, ["table3", "--rows", "Z"])
+    assert bad.exit_code == 2 and "--rows: unknown Z" in bad.output
+
+
+# -- the table ----------------------------------------------------------------------------------
+
+def experiment(name: str, model: dict, train_params: dict, train: dict, valid: dict) -> dict:
+    return {"name": name, "revs": [{"rev": name[-4:], "data": {
+        "params": {"params.yaml": {"data": {"model": model, "train": train_params}}},
+        "metrics": {"metrics/train.json": {"data": train},
+                    "metrics/bleu_valid.json": {"data": valid}}}}]}
+
+
+SHOWN = [  # `dvc exp show --json`, cut down to what the table reads
+    {"rev": "workspace", "name": None, "experiments": None},
+    {"rev": "0123abc", "name": "main", "experiments": [
+        experiment("table3-base", {"d_model": 256, "heads": 4, "encoder_layers": 3,
+                                   "decoder_layers": 3, "d_ff": 1024, "d_k": 0, "d_v": 0,
+                                   "dropout": 0.2, "positions": "sinusoidal"},
+                   {"label_smoothing": 0.3, "steps": 4000},
+                   {"steps": 1750, "valid_ppl": 5.4321, "parameters": 9_876_543},
+                   {"sacrebleu": {"score": 40.123}, "tokenized_bleu": {"score": 41.56}}),
+        experiment("table3-B-dk16", {"d_model": 256, "heads": 4, "encoder_layers": 3,
+                                     "decoder_layers": 2, "d_ff": 1024, "d_k": 16, "d_v": 64,
+                                     "dropout": 0.2, "positions": "sinusoidal"},
+                   {"label_smoothing": 0.3}, {"steps": 2000, "valid_ppl": 6.0,
+                                              "parameters": 9_000_000},
+                   {"sacrebleu": {"score": 38.0}, "tokenized_bleu": {"score": 39.04}}),
+        experiment("table3-E-learned", {"d_model": 256, "heads": 4, "encoder_layers": 3,
+                                        "decoder_layers": 3, "d_ff": 1024, "dropout": 0.2,
+                                        "positions": "learned"},
+                   {"label_smoothing": 0.3}, {"steps": 12, "valid_ppl": 50.0,
+                                              "parameters": 10_000_000},
+                   {"sacrebleu": {"score": 1.0}, "tokenized_bleu": {"score": 1.25}}),
+        {"name": "table3-A-h1", "revs": [{"rev": "q", "data": {"params": {}, "metrics": {}}}]},
+        experiment("lr2", {}, {}, {"steps": 1}, {}),  # not the table's
+    ]},
+    # An older commit's run of a row: the newest is shown.
+    {"rev": "fedcba9", "experiments": [experiment("table3-base", {}, {}, {"steps": 1},
+                                                  {"sacrebleu": {"score": 0.0}})]},
+]
+
+EXPECTED = """\
+# T
+
+Variations on the Transformer (Vaswani et al., 2017, Table 3), each row an experiment \
+`aiayn table3 --queue` queued on the params of this repository: the row changes what the \
+paper's row changes (aiayn/table3.py, docs/table3.md), everything else is as the params \
+say. Our columns are what each experiment ran with and measured (positions: sinusoids or \
+learned, row (E)); the last three are the paper's, on WMT14 newstest2013.
+
+| row | N | d_model | d_ff | h | d_k | d_v | P_drop | ε_ls | positions | steps | PPL (dev) \
+| BLEU (dev) | sacreBLEU (dev) | params ×10⁶ | paper: PPL (dev) | BLEU (dev) | params ×10⁶ |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
+| base `table3-base` | 3 | 256 | 1024 | 4 | 64 | 64 | 0.2 | 0.3 | sin | 1,750 | 5.43 | 41.6 \
+| 40.1 | 9.88 | 4.92 | 25.8 | 65 |
+| (A) `table3-A-h1` | – | – | – | – | – | – | – | – | – | – | not run | – | – | – | 5.29 \
+| 24.9 |  |
+| (B) `table3-B-dk16` | 3+2 | 256 | 1024 | 4 | 16 | 64 | 0.2 | 0.3 | sin | 2,000 | 6.00 \
+| 39.0 | 38.0 | 9 | 5.16 | 25.1 | 58 |
+| (E) `table3-E-learned` | 3 | 256 | 1024 | 4 | 64 | 64 | 0.2 | 0.3 | learned | 12 | 50.00 \
+| 1.2 | 1.0 | 10 | 4.92 | 25.7 |  |
+"""
+
+
+def test_the_table_in_the_papers_layout_from_experiment_results():
+    found = t3.results_from_exp_show(copy.deepcopy(SHOWN))
+    assert sorted(found) == ["table3-B-dk16", "table3-E-learned", "table3-base"]
+    rows = tuple(r for r in t3.PAPER_ROWS
+                 if r.name in ("table3-base", "table3-A-h1", "table3-B-dk16", "table3-E-learned"))
+    text = t3.render_table(found, rows, title="T")
+    table, notes = text.split("\n\n- ", 1)
+    assert table + "\n" == EXPECTED
+    assert "per target token of our BPE" in notes and "not comparable" in notes
+    assert "dev = our valid split" in notes
+    whole = t3.render_table({}, title="T")
+    assert whole.count(" not run ") == 20
