@@ -35,10 +35,14 @@ get on the current base; the values are in each experiment's params.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from aiayn.config import Params, parse_params
 
@@ -330,6 +334,24 @@ def results_from_exp_show(shown: list[dict]) -> dict[str, RowResult]:
                 continue  # queued, running or failed: nothing to show yet
             params = flatten(((data.get("params") or {}).get("params.yaml") or {}).get("data"))
             found[name] = RowResult(params, train, valid)
+    return found
+
+
+def results_from_folders(folders: list[Path]) -> dict[str, RowResult]:
+    """The table's runs from run folders named after their rows (``table3-A-h1/``), each
+    holding the params.yaml it ran with and the metrics/ its stages wrote (train.json,
+    bleu_valid.json), as ``bench/gpu_session.sh`` runs them without DVC; folders that have
+    not scored yet are left out."""
+    found: dict[str, RowResult] = {}
+    for folder in folders:
+        folder = Path(folder)
+        files = [folder / "params.yaml", folder / "metrics/train.json",
+                 folder / "metrics/bleu_valid.json"]
+        if not folder.name.startswith(PREFIX) or not all(f.is_file() for f in files):
+            continue
+        params, train, valid = (yaml.safe_load(f.read_text()) if f.suffix == ".yaml"
+                                else json.loads(f.read_text()) for f in files)
+        found[folder.name] = RowResult(flatten(params), train, valid)
     return found
 
 

@@ -33,6 +33,9 @@
 #      All under one deadline (PART5_SECONDS) so that part 6 keeps its time.
 #   7. fp16 (issue 44, goal 3): gpu_step base and big, 1 x 25,000, bf16 against fp16 with
 #      dynamic loss scaling, ABAB; then big compiled (did not fit part 5's deadline).
+#   8. Table 3 (issue 46) on multi30k: the paper's 20 rows built on the preset by
+#      aiayn.table3, side by side for TABLE3_MINUTES each (the cooldown by the clock), no
+#      averaging, then translate and score valid; $RES/table3.md in the paper's layout.
 #   6. multi30k towards convergence (issue 45): runs of CONV arms x CONV_SEEDS side by side
 #      on the one GPU, each with 8,192-token batches (one micro-batch a step; shards of
 #      `prepare`'s .gpu/m30k8k), up to CONV_STEPS steps, the time budget CONV_MINUTES (the
@@ -76,6 +79,7 @@ CONV_AVERAGE=${CONV_AVERAGE:-"[1,5,10,20,30]"}
 CONV_SEEDS=${CONV_SEEDS:-"1 2"}
 CONV_STEPS=${CONV_STEPS:-8000}          # the published recipe's 8,000 updates of ~8k tokens
 CONV_MINUTES=${CONV_MINUTES:-4}         # each run's time budget (validation included)
+TABLE3_MINUTES=${TABLE3_MINUTES:-5}     # part 8: each of Table 3's rows, side by side
 
 if [ "${1:-}" = prepare ]; then
     set -e
@@ -122,6 +126,30 @@ if [ "${1:-}" = prepare ]; then
         done
     done
     ls .gpu/conv
+    # part 8: Table 3's rows built on the multi30k preset (aiayn.table3: the paper's changes
+    # to its base, made to this base), each for TABLE3_MINUTES, no averaging (the paper's
+    # Table 3: beam search, no checkpoint averaging), validation BLEU only at the end
+    rm -rf .gpu/table3 && mkdir -p .gpu/table3
+    TABLE3_MINUTES=$TABLE3_MINUTES .venv/bin/python - <<'PYEOF'
+import os
+from pathlib import Path
+
+import yaml
+
+from aiayn import table3 as t3
+
+raw = yaml.safe_load(Path(".gpu/m30k/params.yaml").read_text())
+common = {**t3.budget(minutes=float(os.environ["TABLE3_MINUTES"])), "train.steps": 100000,
+          "train.average_candidates": [], "train.average_last": 1,
+          "train.valid_bleu_every": 0, "train.checkpoint_every_steps": 500}
+for row in t3.build_rows(raw, t3.select_rows(None), common):
+    if row.error:
+        print(f"{row.row.name}: left out ({row.error})")
+        continue
+    out = Path(".gpu/table3") / f"{row.row.name}.yaml"
+    out.write_text(yaml.safe_dump(t3.merge(raw, t3.nested(row.overrides)), sort_keys=False))
+PYEOF
+    ls .gpu/table3 | wc -l
     du -sh .whl .gpu
     exit 0
 fi
@@ -257,6 +285,29 @@ for round in 1 2; do
     step_run "fp16_$round" 50 --warmup 3 --steps 8 --max-tokens 25000 --precision fp16
 done
 step_run big_compile 200 --configs big --warmup 6 --steps 8 --max-tokens 25000 --compile
+pack
+fi
+
+if want 8; then
+part "8. Table 3 on multi30k: $(ls .gpu/table3/*.yaml | wc -l) rows side by side, $TABLE3_MINUTES min each"
+table3_run() (  # $1: the row's folder, holding params.yaml; the preset's data linked in
+    cd "$1" && mkdir -p data && for x in raw vocab shards; do ln -sfn "$ROOT/$WORK/data/$x" data/$x; done \
+    && OMP_NUM_THREADS=1 timeout $((TABLE3_MINUTES * 60 + 120)) $PY -m stages.train --no-progress --no-mlflow \
+    && OMP_NUM_THREADS=1 $PY -m stages.average --no-mlflow \
+    && OMP_NUM_THREADS=1 $PY -m stages.translate --split valid --no-progress \
+    && $PY -m stages.score --split valid --metrics metrics/bleu_valid.json --no-mlflow
+)
+ROOT=$PWD
+pids=()
+for f in .gpu/table3/*.yaml; do
+    d=.gpu/table3/$(basename "$f" .yaml) && mkdir -p "$d" && cp "$f" "$d/params.yaml"
+    (table3_run "$d" > "$d/run.log" 2>&1 || echo "PART 8 FAILED: $d ($?)"
+     mkdir -p "$RES/table3/${d##*/}" && cp -r "$d/params.yaml" "$d/run.log" "$d/metrics" \
+        "$RES/table3/${d##*/}/" 2>/dev/null) &
+    pids+=($!)
+done
+wait "${pids[@]}"
+$PY -m stages.results --table3 --metrics "$RES" --runs .gpu/table3/*/
 pack
 fi
 

@@ -24,6 +24,7 @@ def results(
     checkpoints: Annotated[Path, typer.Option(help="The train stage's checkpoint folder (holds the MLflow run id).")] = Path("data/checkpoints"),
     model: Annotated[Path, typer.Option(help="The averaged model folder.")] = Path("data/model"),
     table3: Annotated[bool, typer.Option("--table3", help="Instead: the paper's Table 3 from the `table3-*` DVC experiments of this commit (`aiayn table3 --queue`), beside the paper's values; written to METRICS/table3.md and printed.")] = False,
+    runs: Annotated[list[Path] | None, typer.Option("--runs", help="With --table3: read these run folders (`table3-<row>/` with params.yaml and metrics/, as bench/gpu_session.sh runs them without DVC) instead of the DVC experiments.")] = None,
 ) -> None:
     """Print the last run's results and where everything is (not a DVC stage; reads only).
 
@@ -38,7 +39,7 @@ def results(
     not run show –.
     """
     if table3:
-        _table3(metrics / "table3.md")
+        _table3(metrics / "table3.md", runs)
         return
     from aiayn.tracking import resolve_tracking_uri
 
@@ -103,13 +104,15 @@ def results(
         echo("  MLflow run      none recorded (trained with --no-mlflow?)")
 
 
-def _table3(out: Path) -> None:
+def _table3(out: Path, runs: list[Path] | None = None) -> None:
     import json
     import subprocess
 
     from aiayn import table3 as t3
-    from aiayn.io import write_text
 
+    if runs:
+        _write_table3(out, t3.results_from_folders(runs))
+        return
     try:
         shown = subprocess.run(["dvc", "exp", "show", "--json"], capture_output=True, text=True)
     except FileNotFoundError:
@@ -120,7 +123,13 @@ def _table3(out: Path) -> None:
         typer.secho(f"error: dvc exp show failed: {' '.join(shown.stderr.split())[:600]}",
                     fg=typer.colors.RED, err=True)
         raise typer.Exit(code=2)
-    found = t3.results_from_exp_show(json.loads(shown.stdout or "[]"))
+    _write_table3(out, t3.results_from_exp_show(json.loads(shown.stdout or "[]")))
+
+
+def _write_table3(out: Path, found: dict) -> None:
+    from aiayn import table3 as t3
+    from aiayn.io import write_text
+
     text = t3.render_table(found)
     write_text(out, text)
     typer.echo(text, nl=False)

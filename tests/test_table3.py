@@ -330,3 +330,40 @@ def test_the_table_in_the_papers_layout_from_experiment_results():
     assert "dev = our valid split" in notes
     whole = t3.render_table({}, title="T")
     assert whole.count(" not run ") == 20
+
+
+def test_run_folders_give_the_same_rows_as_the_experiments(tmp_path):
+    """bench/gpu_session.sh runs the rows without DVC, one folder each: the same results as
+    `dvc exp show` gives for the experiments; folders that have not scored are left out."""
+    import json
+
+    import yaml
+
+    from stages.cli import app
+
+    shown = t3.results_from_exp_show(copy.deepcopy(SHOWN))
+    folders = []
+    for name, result in shown.items():
+        folder = tmp_path / name
+        (folder / "metrics").mkdir(parents=True)
+        params = {}
+        for key, value in result.params.items():  # flattened back into sections
+            section, _, leaf = key.partition(".")
+            params.setdefault(section, {})[leaf] = value
+        (folder / "params.yaml").write_text(yaml.safe_dump(params))
+        (folder / "metrics/train.json").write_text(json.dumps(result.train))
+        (folder / "metrics/bleu_valid.json").write_text(json.dumps(result.bleu_valid))
+        folders.append(folder)
+    unscored = tmp_path / "table3-A-h1"
+    (unscored / "metrics").mkdir(parents=True)
+    (unscored / "params.yaml").write_text("model: {}\n")
+    other = tmp_path / "lr2"
+    other.mkdir()
+    found = t3.results_from_folders([*folders, unscored, other])
+    assert found == shown
+    out = tmp_path / "metrics/table3.md"
+    result = CliRunner().invoke(app, ["results", "--table3", "--metrics", str(out.parent),
+                                      *[a for f in folders for a in ("--runs", str(f))]])
+    assert result.exit_code == 0, result.output
+    assert out.read_text() == t3.render_table(shown)
+    assert "3 of 20 rows have run" in result.output
