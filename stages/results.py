@@ -99,7 +99,7 @@ def results(
             echo(f"                  open {uri} in a browser")
         else:
             echo(f"                  mlflow ui --backend-store-uri {uri}   "
-                 "(then http://127.0.0.1:5000, experiment 'aiayn')")
+                 "(then http://127.0.0.1:5000/#/experiments?workflowType=machine_learning, experiment 'aiayn': MLflow's model-training view)")
     else:
         echo("  MLflow run      none recorded (trained with --no-mlflow?)")
 
