@@ -228,25 +228,35 @@ m30k() {  # each step only after the one before it succeeded
     data/model/config.json 2>/dev/null)
 [ -f "$WORK/metrics/bleu.json" ] && cat "$WORK/metrics/train.json" "$WORK/metrics/bleu.json"
 fi
-if want 4; then
-part "4. recipe screen: $(ls .gpu/screen/*.yaml | wc -l) runs side by side"
-screen_run() (  # $1: the run's folder, holding params.yaml; the preset's data linked in
-    cd "$1" && mkdir -p data && for x in raw vocab shards; do ln -sfn "$ROOT/$WORK/data/$x" data/$x; done \
-    && OMP_NUM_THREADS=2 timeout $((SCREEN_MINUTES * 60 + 120)) $PY -m stages.train --no-progress --no-mlflow \
-    && OMP_NUM_THREADS=2 $PY -m stages.average --no-mlflow \
-    && OMP_NUM_THREADS=2 $PY -m stages.translate --split valid --no-progress \
+# Parts 4, 6 and 8: folders of params files, each trained side by side on the one GPU, then
+# averaged, translated and scored on valid by the pipeline's own stages.
+valid_run() (  # $1: the run's folder (params.yaml); $2: the data folder linked in; $3: its
+               # time budget in minutes (a guard: timeout); $4: threads a run may use
+    cd "$1" && mkdir -p data && for x in raw vocab shards; do ln -sfn "$2/$x" data/$x; done \
+    && OMP_NUM_THREADS=$4 timeout $(($3 * 60 + 120)) $PY -m stages.train --no-progress --no-mlflow \
+    && OMP_NUM_THREADS=$4 $PY -m stages.average --no-mlflow \
+    && OMP_NUM_THREADS=$4 $PY -m stages.translate --split valid --no-progress \
     && $PY -m stages.score --split valid --metrics metrics/bleu_valid.json --no-mlflow
 )
-ROOT=$PWD
-pids=()  # waited for by pid: a bare `wait` would also wait for the log's tee
-for f in .gpu/screen/*.yaml; do
-    d=.gpu/screen/$(basename "$f" .yaml) && mkdir -p "$d" && cp "$f" "$d/params.yaml"
-    (screen_run "$d" > "$d/run.log" 2>&1 || echo "PART 4 FAILED: $d ($?)"
-     mkdir -p "$OUT/screen/${d##*/}" && cp -r "$d/params.yaml" "$d/run.log" "$d/metrics" \
-        "$OUT/screen/${d##*/}/" 2>/dev/null) &  # each run's results as soon as it ends
-    pids+=($!)
-done
-wait "${pids[@]}"
+keep_run() {  # copy run folder $1's params, log and metrics into $2/<run>/
+    mkdir -p "$2/${1##*/}" && cp -r "$1/params.yaml" "$1/run.log" "$1/metrics" \
+        "$2/${1##*/}/" 2>/dev/null
+}
+side_by_side() {  # $1: the part; $2: the folder of <run>.yaml files; $3: the data folder;
+                  # $4: minutes; $5: threads a run; $6: where each run's records are kept
+    local pids=() f d  # waited for by pid: a bare `wait` would also wait for the log's tee
+    for f in "$2"/*.yaml; do
+        d=$2/$(basename "$f" .yaml) && mkdir -p "$d" && cp "$f" "$d/params.yaml"
+        (valid_run "$d" "$3" "$4" "$5" > "$d/run.log" 2>&1 || echo "PART $1 FAILED: $d ($?)"
+         keep_run "$d" "$6") &  # each run's results as soon as it ends
+        pids+=($!)
+    done
+    wait "${pids[@]}"
+}
+
+if want 4; then
+part "4. recipe screen: $(ls .gpu/screen/*.yaml | wc -l) runs side by side"
+side_by_side 4 .gpu/screen "$PWD/$WORK/data" "$SCREEN_MINUTES" 2 "$OUT/screen"
 $PY -m bench.screen_table --runs .gpu/screen/*/
 fi
 RES=$PWD/.gpu/out  # parts 5 and 6 write here; packed into $OUT/results.tar.gz after each
@@ -290,48 +300,14 @@ fi
 
 if want 8; then
 part "8. Table 3 on multi30k: $(ls .gpu/table3/*.yaml | wc -l) rows side by side, $TABLE3_MINUTES min each"
-table3_run() (  # $1: the row's folder, holding params.yaml; the preset's data linked in
-    cd "$1" && mkdir -p data && for x in raw vocab shards; do ln -sfn "$ROOT/$WORK/data/$x" data/$x; done \
-    && OMP_NUM_THREADS=1 timeout $((TABLE3_MINUTES * 60 + 120)) $PY -m stages.train --no-progress --no-mlflow \
-    && OMP_NUM_THREADS=1 $PY -m stages.average --no-mlflow \
-    && OMP_NUM_THREADS=1 $PY -m stages.translate --split valid --no-progress \
-    && $PY -m stages.score --split valid --metrics metrics/bleu_valid.json --no-mlflow
-)
-ROOT=$PWD
-pids=()
-for f in .gpu/table3/*.yaml; do
-    d=.gpu/table3/$(basename "$f" .yaml) && mkdir -p "$d" && cp "$f" "$d/params.yaml"
-    (table3_run "$d" > "$d/run.log" 2>&1 || echo "PART 8 FAILED: $d ($?)"
-     mkdir -p "$RES/table3/${d##*/}" && cp -r "$d/params.yaml" "$d/run.log" "$d/metrics" \
-        "$RES/table3/${d##*/}/" 2>/dev/null) &
-    pids+=($!)
-done
-wait "${pids[@]}"
+side_by_side 8 .gpu/table3 "$PWD/$WORK/data" "$TABLE3_MINUTES" 1 "$RES/table3"
 $PY -m stages.results --table3 --metrics "$RES" --runs .gpu/table3/*/
 pack
 fi
 
 if want 6; then
 part "6. multi30k towards convergence: $(ls .gpu/conv/*.yaml | wc -l) runs side by side"
-conv_run() (  # $1: the run's folder, holding params.yaml; the 8k-batch data linked in
-    cd "$1" && mkdir -p data && for x in raw vocab shards; do ln -sfn "$ROOT/.gpu/m30k8k/data/$x" data/$x; done \
-    && OMP_NUM_THREADS=3 timeout $((CONV_MINUTES * 60 + 90)) $PY -m stages.train --no-progress --no-mlflow \
-    && OMP_NUM_THREADS=3 $PY -m stages.average --no-mlflow \
-    && OMP_NUM_THREADS=3 $PY -m stages.translate --split valid --no-progress \
-    && $PY -m stages.score --split valid --metrics metrics/bleu_valid.json --no-mlflow
-)
-keep() {  # copy a run's records into $RES/conv/<run>/
-    mkdir -p "$RES/conv/${1##*/}" && cp -r "$1/params.yaml" "$1/run.log" "$1/metrics" \
-        "$RES/conv/${1##*/}/" 2>/dev/null
-}
-ROOT=$PWD
-pids=()
-for f in .gpu/conv/*.yaml; do
-    d=.gpu/conv/$(basename "$f" .yaml) && mkdir -p "$d" && cp "$f" "$d/params.yaml"
-    (conv_run "$d" > "$d/run.log" 2>&1 || echo "PART 6 FAILED: $d ($?)"; keep "$d") &
-    pids+=($!)
-done
-wait "${pids[@]}"
+side_by_side 6 .gpu/conv "$PWD/.gpu/m30k8k/data" "$CONV_MINUTES" 3 "$RES/conv"
 pack
 $PY -m bench.screen_table --runs .gpu/conv/*/ | tee "$RES/conv_summary.log"
 # the recipe is chosen on valid: the arm with the best mean valid sacreBLEU translates test
@@ -351,7 +327,7 @@ for d in .gpu/conv/"$best"-s*/; do
     d=${d%/}
     ( cd "$d" && OMP_NUM_THREADS=4 $PY -m stages.translate --split test --no-progress >> run.log 2>&1 \
       && $PY -m stages.score --no-mlflow >> run.log 2>&1 ) || echo "PART 6 TEST FAILED: $d"
-    keep "$d"
+    keep_run "$d" "$RES/conv"
     $PY -c "import json, sys; b = json.load(open(sys.argv[1])); print(sys.argv[1], 'test2016 \
 sacreBLEU', b['sacrebleu']['score'], 'chrF', b.get('chrf', {}).get('score'), 'lowercased \
 tokenized', b['lowercase_bleu']['score'])" "$d/metrics/bleu.json" || true
