@@ -26,6 +26,22 @@ OUTS = ("data/raw", "data/vocab", "data/survey", "data/shards", "data/checkpoint
         "data/translations")
 
 
+def run_queue(root: Path, env: dict, jobs: int, timeout: float) -> str:
+    """`dvc queue start -j JOBS`, then wait until nothing is queued or running; the last
+    `dvc queue status`. The workers it starts outlive it and inherit its stdout and stderr:
+    captured, those pipes would stay open until the workers exit (seen: 10 minutes after the
+    queue was done), so none of its output is captured."""
+    subprocess.run(["dvc", "queue", "start", "-j", str(jobs)], cwd=root, env=env,
+                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, timeout=120, check=True)
+    deadline = time.monotonic() + timeout
+    while True:
+        status = run(["dvc", "queue", "status"], root, env).stdout
+        if "Queued" not in status and "Running" not in status:
+            return status
+        assert time.monotonic() < deadline, status
+        time.sleep(2)
+
 def tree_digest(folder: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file()}
@@ -148,20 +164,7 @@ def test_a_queued_sweep_reruns_only_training_onwards_and_compares(tiny_repo):
     queued = run(["dvc", "queue", "status"], root, env).stdout
     assert queued.count("Queued") == 4, queued
     # Two at a time, as the README suggests: both write the one mlflow.db at once.
-    # The workers it starts outlive it and inherit its stdout and stderr: captured, those
-    # pipes would stay open until the workers exit (seen: 10 minutes after the queue was
-    # done), and the test would wait on them. Its output is not read, so none is captured.
-    started = subprocess.run(["dvc", "queue", "start", "-j", "2"], cwd=root, env=env,
-                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, timeout=120)
-    assert started.returncode == 0
-    deadline = time.monotonic() + 900
-    while True:
-        status = run(["dvc", "queue", "status"], root, env).stdout
-        if "Queued" not in status and "Running" not in status:
-            break
-        assert time.monotonic() < deadline, status
-        time.sleep(2)
+    status = run_queue(root, env, jobs=2, timeout=900)
     assert status.count("Success") == 4, status
 
     # dvc exp show: one row per lr_scale, each with its own BLEU, chrF and losses.
@@ -318,7 +321,7 @@ def test_table3_queues_every_row_once_and_a_tiny_row_runs_into_the_table(tmp_pat
     from mlflow import MlflowClient
 
     from aiayn import table3 as t3
-    from aiayn.table3 import flatten
+    from aiayn.config import flatten
 
     env = {**cli_env, **GIT_IDENTITY}
     root = copy_project(tmp_path / "repo", env, TINY)
@@ -350,17 +353,7 @@ def test_table3_queues_every_row_once_and_a_tiny_row_runs_into_the_table(tmp_pat
     # Run one row: the others leave the queue.
     others = sorted(names - {"table3-E-learned"})
     run(["dvc", "queue", "remove", *others], root, env)
-    # The workers outlive the command (see the sweep test): nothing of theirs is captured.
-    subprocess.run(["dvc", "queue", "start", "-j", "1"], cwd=root, env=env,
-                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL, timeout=120, check=True)
-    deadline = time.monotonic() + 600
-    while True:
-        status = run(["dvc", "queue", "status"], root, env).stdout
-        if "Queued" not in status and "Running" not in status:
-            break
-        assert time.monotonic() < deadline, status
-        time.sleep(2)
+    status = run_queue(root, env, jobs=1, timeout=600)
     assert "Success" in status, run(["dvc", "queue", "logs", "table3-E-learned"], root, env,
                                     check=False).stdout[-3000:]
 
