@@ -450,6 +450,18 @@ def shapes_training(key: str) -> bool:
     raise KeyError(f"{key!r} is not declared in aiayn.config.PARAM_EFFECTS")
 
 
+def flatten(d: dict | None, prefix: str = "") -> dict[str, Any]:
+    """Nested sections as dotted keys: ``{"model": {"d_model": 512}}`` becomes
+    ``{"model.d_model": 512}``."""
+    out: dict[str, Any] = {}
+    for key, value in (d or {}).items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def _format_location(loc: tuple[Any, ...]) -> str:
     return ".".join(str(p) for p in loc if not str(p).startswith("function-after"))
 

@@ -44,7 +44,7 @@ from typing import Any
 
 import yaml
 
-from aiayn.config import Params, parse_params
+from aiayn.config import Params, flatten, parse_params
 
 PREFIX = "table3-"
 
@@ -304,16 +304,6 @@ class RowResult:
     params: dict[str, Any]  # flattened: "model.d_model" -> 512
     train: dict[str, Any]  # metrics/train.json
     bleu_valid: dict[str, Any]  # metrics/bleu_valid.json
-
-
-def flatten(d: dict | None, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in (d or {}).items():
-        if isinstance(value, dict):
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def results_from_exp_show(shown: list[dict]) -> dict[str, RowResult]:

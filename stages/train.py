@@ -13,7 +13,7 @@ import typer
 import yaml
 
 from aiayn import distributed
-from aiayn.config import parse_params
+from aiayn.config import flatten, parse_params
 from aiayn.distributed import world_from_env
 from aiayn.errors import AiaynError
 from aiayn.io import file_sha256
@@ -180,11 +180,11 @@ def run_name(p) -> str | None:
 def preset_of(p, conf_dir: Path) -> str:
     """The preset in CONF_DIR/experiment/ that ``p`` equals, or the nearest with the number
     of settings that differ (``multi30k+2``); ``params`` when there is none to compare."""
-    mine = _leaves(p.model_dump(mode="json"))
+    mine = flatten(p.model_dump(mode="json"))
     best = None
     for preset in sorted((conf_dir / "experiment").glob("*.yaml")):
         try:
-            theirs = _leaves(parse_params(yaml.safe_load(compose(conf_dir, preset.stem, [])))
+            theirs = flatten(parse_params(yaml.safe_load(compose(conf_dir, preset.stem, [])))
                              .model_dump(mode="json"))
         except AiaynError:
             continue
@@ -194,16 +194,6 @@ def preset_of(p, conf_dir: Path) -> str:
     if best is None:
         return "params"
     return best[1] if best[0] == 0 else f"{best[1]}+{best[0]}"
-
-
-def _leaves(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_leaves(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def log_results(tracker: Tracker, summary: dict, metric_files: list[Path], curves: Path,
