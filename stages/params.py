@@ -8,7 +8,7 @@ stage commands), validates the result, and can check that params.yaml is up to d
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 import yaml
@@ -42,6 +42,32 @@ def compose(conf_dir: Path, experiment: str | None, overrides: list[str]) -> str
                           f"{', '.join(presets)}") from None
     OmegaConf.resolve(cfg)
     return OmegaConf.to_yaml(cfg)
+
+
+def differences(a: dict, b: dict, prefix: str = "") -> dict[str, Any]:
+    """The settings (dotted keys) whose value in ``b`` differs from ``a``, with b's value."""
+    out: dict[str, Any] = {}
+    for key in b:
+        here = f"{prefix}{key}"
+        if isinstance(b[key], dict) and isinstance(a.get(key), dict):
+            out.update(differences(a[key], b[key], here + "."))
+        elif a.get(key, object()) != b[key]:
+            out[here] = b[key]
+    return out
+
+
+def nearest_preset(current: dict, conf_dir: Path, presets: list[str] | None = None
+                   ) -> tuple[str, dict[str, Any]] | None:
+    """The preset of CONF_DIR/experiment/ (or of ``presets``) whose composition differs from
+    the params mapping ``current`` in the fewest settings, and those settings (dotted keys,
+    with current's values); None where there is no preset."""
+    names = presets or sorted(p.stem for p in (conf_dir / "experiment").glob("*.yaml"))
+    best = None
+    for name in names:
+        changed = differences(yaml.safe_load(compose(conf_dir, name, [])), current)
+        if best is None or len(changed) < len(best[1]):
+            best = (name, changed)
+    return best
 
 
 @stage

@@ -38,37 +38,19 @@ def hydra_value(value: Any) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def differences(a: dict, b: dict, prefix: str = "") -> dict[str, Any]:
-    """The settings (dotted keys) whose value in ``b`` differs from ``a``, with b's value."""
-    out: dict[str, Any] = {}
-    for key in b:
-        here = f"{prefix}{key}"
-        if isinstance(b[key], dict) and isinstance(a.get(key), dict):
-            out.update(differences(a[key], b[key], here + "."))
-        elif a.get(key, object()) != b[key]:
-            out[here] = b[key]
-    return out
-
-
 def base_of(params: Path, conf: Path, experiment: str | None) -> tuple[str, list[str]]:
     """The preset and the Hydra overrides that compose ``params`` from ``conf`` (what every
     row starts from: `dvc exp run` composes params.yaml from conf/ again, so the current
     params must be said as a preset plus overrides). Checked by composing them."""
-    from stages.params import compose
+    from stages.params import compose, nearest_preset
 
     if not params.is_file():
         raise ParamsError(f"{params}: no such params file; run from the repository root")
     current = yaml.safe_load(params.read_text(encoding="utf-8"))
-    presets = ([experiment] if experiment else
-               sorted(p.stem for p in (conf / "experiment").glob("*.yaml")))
-    candidates = []
-    for preset in presets:
-        composed = yaml.safe_load(compose(conf, preset, []))
-        changed = differences(composed, current)
-        candidates.append((len(changed), preset, changed))
-    if not candidates:
+    found = nearest_preset(current, conf, [experiment] if experiment else None)
+    if found is None:
         raise ParamsError(f"{conf}/experiment: no presets")
-    _, preset, changed = min(candidates, key=lambda c: c[0])
+    preset, changed = found
     overrides = [f"{key}={hydra_value(value)}" for key, value in changed.items()]
     if yaml.safe_load(compose(conf, preset, overrides)) != current:
         raise ParamsError(

@@ -10,10 +10,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-import yaml
 
 from aiayn import distributed
-from aiayn.config import flatten, parse_params
 from aiayn.distributed import world_from_env
 from aiayn.errors import AiaynError
 from aiayn.io import file_sha256
@@ -25,7 +23,7 @@ from aiayn.tokenizer import load_tokenizer
 from aiayn.tracking import Tracker, default_run_name, git_commit, load_run_id, save_run_id
 from aiayn.trainer import Trainer, TrainPaths
 from stages.common import ParamsPath, log, read_params, single_command_app, stage
-from stages.params import compose
+from stages.params import nearest_preset
 
 
 def torchrun_command(nproc: int, max_restarts: int, argv: list[str]) -> list[str]:
@@ -180,20 +178,14 @@ def run_name(p) -> str | None:
 def preset_of(p, conf_dir: Path) -> str:
     """The preset in CONF_DIR/experiment/ that ``p`` equals, or the nearest with the number
     of settings that differ (``multi30k+2``); ``params`` when there is none to compare."""
-    mine = flatten(p.model_dump(mode="json"))
-    best = None
-    for preset in sorted((conf_dir / "experiment").glob("*.yaml")):
-        try:
-            theirs = flatten(parse_params(yaml.safe_load(compose(conf_dir, preset.stem, [])))
-                             .model_dump(mode="json"))
-        except AiaynError:
-            continue
-        differ = sum(mine.get(k) != theirs.get(k) for k in mine.keys() | theirs.keys())
-        if best is None or differ < best[0]:
-            best = (differ, preset.stem)
-    if best is None:
+    try:
+        found = nearest_preset(p.model_dump(mode="json"), conf_dir)
+    except AiaynError:  # a conf/ that does not compose
+        found = None
+    if found is None:
         return "params"
-    return best[1] if best[0] == 0 else f"{best[1]}+{best[0]}"
+    preset, changed = found
+    return preset if not changed else f"{preset}+{len(changed)}"
 
 
 def log_results(tracker: Tracker, summary: dict, metric_files: list[Path], curves: Path,
