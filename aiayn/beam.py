@@ -133,7 +133,7 @@ def _search(model, src: Tensor, cfg: BeamConfig, use_cache: bool,
         banned = torch.isin(columns, banned).nonzero()[:, 0]
     rows = torch.arange(n, device=device).repeat_interleave(k)
     if use_cache:
-        state = model.start(src).reorder(rows)
+        state = model.start(src, group=k)  # the source side once per sentence
     else:
         src_rows = src[rows]
     tokens = torch.full((n * k, 1), BOS_ID, dtype=torch.long, device=device)  # BOS + prefix
@@ -198,6 +198,7 @@ def _search(model, src: Tensor, cfg: BeamConfig, use_cache: bool,
             return results
 
         # Keep the survivors' rows (and drop finished sentences) in one reorder.
+        dropped = len(keep) < n
         ids = [ids[i] for i in keep]
         n = len(keep)
         keep_t = torch.tensor(keep, device=device)
@@ -207,7 +208,12 @@ def _search(model, src: Tensor, cfg: BeamConfig, use_cache: bool,
         best_score, best_len = best_score[keep_t], best_len[keep_t]
         best_tokens = best_tokens[keep_t]
         if use_cache:
-            state = state.reorder(rows)
+            # The source side follows the sentences only; greedy rows stay in place until
+            # a sentence finishes (rows would be the identity).
+            if dropped:
+                state = state.reorder(rows, keep_t)
+            elif k > 1:
+                state = state.reorder(rows)
         else:
             src_rows = src_rows[rows]
     raise AssertionError("unreachable: every sentence is done at its maximum length")

@@ -286,12 +286,15 @@ class MultiHeadAttention(nn.Module):
     def forward(self, x: Tensor, *, mask: Tensor | None = None, causal: bool = False,
                 memory: Tensor | None = None, kv: tuple[Tensor, Tensor] | None = None,
                 cache: dict | None = None, need_weights: bool = False,
-                packing: Packing | None = None) -> tuple[Tensor, Tensor | None]:
+                packing: Packing | None = None, group: int = 1
+                ) -> tuple[Tensor, Tensor | None]:
         """x: (B, Tq, d), or (N, d) rows of ``packing``. mask: bool (B, 1, Tq|1, Tk), True
         where attention is allowed.
 
         Self-attention with ``cache`` appends this step's keys/values to cache["k"/"v"];
-        cross-attention takes precomputed ``kv`` or projects ``memory``.
+        cross-attention takes precomputed ``kv`` or projects ``memory``. With ``group`` g,
+        cross-attention's keys, values and mask hold one row per g rows of ``x``
+        (B = g * sources): each source's g rows attend as g * Tq queries of one row.
         """
         def padded(t: Tensor) -> Tensor:  # (B, Tq, k), also from packed rows
             return packing.pad(t) if packing is not None else t
@@ -309,6 +312,11 @@ class MultiHeadAttention(nn.Module):
                     v = torch.cat([cache["v"], v], dim=2)
                 cache["k"], cache["v"] = k, v
         b, _, tq, _ = q.shape
+        if group > 1:
+            if not self.cross or need_weights:
+                raise ValueError("group applies to cross-attention without weights only")
+            q = q.view(b // group, group, self.heads, tq, -1).transpose(1, 2).reshape(
+                b // group, self.heads, group * tq, -1)
         drop = self.dropout if self.training else 0.0
         tk = k.shape[2]
         # A single query at the end of a cached prefix sees every key: no causal mask then.
@@ -330,6 +338,9 @@ class MultiHeadAttention(nn.Module):
             out = attend(q, k, v, mask, drop, causal if cache is None else causal and tk == tq,
                          self.fast, self.explicit_keys)
             weights = None
+        if group > 1:  # (B / g, H, g * Tq, d_v) → (B, H, Tq, d_v)
+            out = out.reshape(b // group, self.heads, group, tq, -1).transpose(1, 2).reshape(
+                b, self.heads, tq, -1)
         out = out.transpose(1, 2).reshape(b, tq, -1)  # (B, Tq, H * d_v)
         if packing is not None:
             out = packing.unpad(out)
@@ -401,7 +412,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, y: Tensor, memory: Tensor | None, src_mask: Tensor, *,
                 cache: dict | None = None, need_weights: bool = False,
-                packing: Packing | None = None):
+                packing: Packing | None = None, group: int = 1):
         y, w_self = self.res_self(y, lambda h: self.self_attn(
             h, causal=True, cache=cache, need_weights=need_weights, packing=packing))
         kv = cache.get("cross") if cache is not None else None
@@ -409,7 +420,7 @@ class DecoderLayer(nn.Module):
             kv = cache["cross"] = self.cross_attn.project_kv(memory)
         y, w_cross = self.res_cross(y, lambda h: self.cross_attn(
             h, mask=src_mask, memory=memory, kv=kv, need_weights=need_weights,
-            packing=packing))
+            packing=packing, group=group))
         y, _ = self.res_ffn(y, lambda h: (self.ffn(h), None))
         return y, w_self, w_cross
 
@@ -455,18 +466,40 @@ class OutputVocab:
 class DecoderState:
     """What decoding carries between steps: encoder output, mask and per-layer caches."""
 
-    memory: Tensor  # (B, S, d)
-    src_mask: Tensor  # (B, 1, 1, S) bool
+    memory: Tensor  # (N, S, d): one row per source
+    src_mask: Tensor  # (N, 1, 1, S) bool
     caches: list[dict] = field(default_factory=list)
     position: int = 0
+    # Decoder rows per source: rows g*r .. g*r + g - 1 read source r (beam search's g
+    # hypotheses of one sentence). The source side (memory, mask, cross-attention keys and
+    # values) is kept once per source, not copied per row and reordered with the beams.
+    group: int = 1
 
-    def reorder(self, index: Tensor) -> DecoderState:
-        """Select batch rows (beam search keeps the survivors), caches included."""
-        def pick(t):
-            return t.index_select(0, index)
-        caches = [{k: (tuple(pick(t) for t in v) if isinstance(v, tuple) else pick(v))
-                   for k, v in c.items()} for c in self.caches]
-        return DecoderState(pick(self.memory), pick(self.src_mask), caches, self.position)
+    def reorder(self, index: Tensor, sources: Tensor | None = None) -> DecoderState:
+        """Select decoder rows ``index`` (beam search keeps the survivors): the
+        self-attention caches. ``sources``: the sources kept, in order (the memory, the mask
+        and the cross-attention caches); with ``group`` 1 they are the rows themselves, by
+        default. With a larger group and no ``sources`` the sources stay as they are, and
+        ``index`` must keep each row among its own source's rows."""
+        if sources is None and self.group == 1:
+            sources = index
+
+        def pick(t: Tensor, i: Tensor) -> Tensor:
+            return t.index_select(0, i)
+        caches = []
+        for c in self.caches:
+            kept = {}
+            for k, v in c.items():
+                i = index if k != "cross" else sources
+                if i is None:
+                    kept[k] = v
+                else:
+                    kept[k] = tuple(pick(t, i) for t in v) if isinstance(v, tuple) else pick(v, i)
+            caches.append(kept)
+        if sources is None:
+            return DecoderState(self.memory, self.src_mask, caches, self.position, self.group)
+        return DecoderState(pick(self.memory, sources), pick(self.src_mask, sources), caches,
+                            self.position, self.group)
 
 
 class Transformer(nn.Module):
@@ -596,10 +629,11 @@ class Transformer(nn.Module):
 
     # -- incremental decoding -------------------------------------------------------------
 
-    def start(self, src: Tensor) -> DecoderState:
-        """Encode once; the returned state feeds ``decode_step``."""
+    def start(self, src: Tensor, group: int = 1) -> DecoderState:
+        """Encode once; the returned state feeds ``decode_step``. ``group``: decoder rows per
+        source (``decode_step`` then takes ``group`` rows of tokens for each source row)."""
         return DecoderState(self.encode(src), self.source_mask(src),
-                            [{} for _ in self.decoder], 0)
+                            [{} for _ in self.decoder], 0, group)
 
     def decode_step(self, tokens: Tensor, state: DecoderState,
                     projection: Tensor | None = None) -> Tensor:
@@ -612,7 +646,7 @@ class Transformer(nn.Module):
         """
         y = self.embed(tokens, offset=state.position)
         for layer, cache in zip(self.decoder, state.caches, strict=True):
-            y, _, _ = layer(y, state.memory, state.src_mask, cache=cache)
+            y, _, _ = layer(y, state.memory, state.src_mask, cache=cache, group=state.group)
         state.position += tokens.shape[1]
         y = self.decoder_norm(y)
         return self.logits(y) if projection is None else y @ projection.t()

@@ -77,8 +77,8 @@ class Bigram(torch.nn.Module):
     def forward(self, src, tgt_in):
         return self.table[tgt_in]
 
-    def start(self, src):
-        return DecoderState(src[:, :, None].float(), src != PAD, [{}], 0)
+    def start(self, src, group=1):
+        return DecoderState(src[:, :, None].float(), src != PAD, [{}], 0, group)
 
     def decode_step(self, tokens, state):
         state.position += tokens.shape[1]

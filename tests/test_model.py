@@ -373,6 +373,35 @@ def test_table3_shapes_count_as_the_closed_form(name):
     assert first.cross_attn.out_proj.weight.shape == (32, hv)
 
 
+
+@pytest.mark.parametrize("name", ["base", *SHAPES])
+def test_grouped_state_decodes_as_one_row_per_hypothesis(name):
+    """Beam search's state keeps each source once for its g rows (``group``): every step,
+    a reorder of the rows within their sources, and one that drops a source, agree with the
+    full forward pass over the sources repeated row by row."""
+    model = (tiny() if name == "base" else tiny_shaped(name)).double()
+    g = 3
+    src, tgt = batch(b=2, s=6, t=5)
+    src[1, 4:] = PAD
+    tgt = tgt.repeat_interleave(g, 0) - torch.arange(2 * g)[:, None] % 2  # rows differ
+    rows = torch.arange(2).repeat_interleave(g)  # the source of each row
+    state = model.start(src, group=g)
+    steps = [model.decode_step(tgt[:, i:i + 1], state) for i in range(2)]
+    torch.testing.assert_close(torch.cat(steps, 1), model(src[rows], tgt[:, :2]),
+                               rtol=1e-10, atol=1e-10)
+    within = torch.tensor([2, 2, 0, 3, 5, 4])  # each row among its own source's rows
+    state = state.reorder(within)
+    tgt = torch.cat([tgt[within, :2], tgt[:, 2:]], 1)
+    torch.testing.assert_close(model.decode_step(tgt[:, 2:3], state),
+                               model(src[rows], tgt[:, :3])[:, 2:3], rtol=1e-10, atol=1e-10)
+    keep = torch.tensor([4, 4, 3])  # source 0 is done; source 1's rows go on
+    state = state.reorder(keep, sources=torch.tensor([1]))
+    tgt = tgt[keep]
+    torch.testing.assert_close(model.decode_step(tgt[:, 3:4], state),
+                               model(src[[1, 1, 1]], tgt[:, :4])[:, 3:4],
+                               rtol=1e-10, atol=1e-10)
+    assert state.memory.shape[0] == 1 and state.caches[0]["cross"][0].shape[0] == 1
+
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_table3_shapes_decode_incrementally_as_the_full_forward(name):
     model = tiny_shaped(name).double()
