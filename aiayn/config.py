@@ -329,7 +329,7 @@ class DecodeConfig(Strict):
     alpha: float = Field(0.6, ge=0.0)
     max_len_a: float = Field(1.0, ge=0.0)
     max_len_b: int = Field(50, ge=0)
-    batch_size: int = Field(64, gt=0, description="sentences decoded together")
+    batch_size: int = Field(128, gt=0, description="sentences decoded together")
 
 
 class Params(Strict):

@@ -46,7 +46,7 @@ class BatchTranslator:
         """Token ids of each source (without EOS) → the best output ids (without BOS/EOS)."""
         raise NotImplementedError
 
-    def translate(self, lines: Sequence[str], cfg: BeamConfig, batch_size: int = 64,
+    def translate(self, lines: Sequence[str], cfg: BeamConfig, batch_size: int = 128,
                   truncate: bool = False, progress: Callable[[int], None] | None = None
                   ) -> list[str]:
         """Translate ``lines``; the i-th output translates the i-th input."""
@@ -117,7 +117,7 @@ class ValidationBleu:
     tokenizer: Tokenizer
     beam: BeamConfig
     target_lang: str
-    batch_size: int = 64
+    batch_size: int = 128
 
     @classmethod
     def from_params(cls, p, raw: Path, tokenizer: Tokenizer) -> ValidationBleu:

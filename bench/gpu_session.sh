@@ -36,6 +36,11 @@
 #   8. Table 3 (issue 46) on multi30k: the paper's 20 rows built on the preset by
 #      aiayn.table3, side by side for TABLE3_MINUTES each (the cooldown by the clock), no
 #      averaging, then translate and score valid; $RES/table3.md in the paper's layout.
+#   9. decoding on the GPU (issue 44, goal 2): bench.decode_batching over the multi30k
+#      valid sources, greedy (the validation BLEU pass) and beam 8 at alpha 1.4 (the
+#      preset's translate), with DECODE_BASELINE's decoder at decode.batch_size 64 against
+#      this checkout's at DECODE_BATCHES, side by side; the model is `prepare`'s copy of
+#      DECODE_MODEL (a folder written by `aiayn average`), else part 6's first run's.
 #   6. multi30k towards convergence (issue 45): runs of CONV arms x CONV_SEEDS side by side
 #      on the one GPU, each with 8,192-token batches (one micro-batch a step; shards of
 #      `prepare`'s .gpu/m30k8k), up to CONV_STEPS steps, the time budget CONV_MINUTES (the
@@ -80,6 +85,10 @@ CONV_SEEDS=${CONV_SEEDS:-"1 2"}
 CONV_STEPS=${CONV_STEPS:-8000}          # the published recipe's 8,000 updates of ~8k tokens
 CONV_MINUTES=${CONV_MINUTES:-4}         # each run's time budget (validation included)
 TABLE3_MINUTES=${TABLE3_MINUTES:-5}     # part 8: each of Table 3's rows, side by side
+DECODE_MODEL=${DECODE_MODEL:-}          # part 9 (prepare): a model folder to carry
+DECODE_BASELINE=${DECODE_BASELINE:-055b2b1}  # part 9 (prepare): the decoder before grouped states
+DECODE_BATCHES=${DECODE_BATCHES:-"64,256,1024"}
+DECODE_DEVICE=${DECODE_DEVICE:-cuda}   # part 9 (cpu: a dry run here)
 
 if [ "${1:-}" = prepare ]; then
     set -e
@@ -150,6 +159,13 @@ for row in t3.build_rows(raw, t3.select_rows(None), common):
     out.write_text(yaml.safe_dump(t3.merge(raw, t3.nested(row.overrides)), sort_keys=False))
 PYEOF
     ls .gpu/table3 | wc -l
+    # part 9: the valid split's text, the baseline's decoder, and a model to decode with
+    rm -rf .gpu/decode && mkdir -p .gpu/decode/baseline
+    cp "$M30K"/val.en "$M30K"/val.de .gpu/decode/
+    git archive "$DECODE_BASELINE" aiayn | tar -x -C .gpu/decode/baseline
+    if [ -n "$DECODE_MODEL" ]; then
+        cp -r "$DECODE_MODEL" .gpu/decode/model
+    fi
     du -sh .whl .gpu
     exit 0
 fi
@@ -295,6 +311,22 @@ for round in 1 2; do
     step_run "fp16_$round" 50 --warmup 3 --steps 8 --max-tokens 25000 --precision fp16
 done
 step_run big_compile 200 --configs big --warmup 6 --steps 8 --max-tokens 25000 --compile
+pack
+fi
+
+if want 9; then
+part "9. decoding on the GPU: greedy and beam 8 over the valid sources, by batch size"
+model=.gpu/decode/model
+[ -d "$model" ] || model=$(ls -d .gpu/conv/*/data/model 2>/dev/null | head -1)
+if [ -n "$model" ] && [ -d "$model" ]; then
+    timeout 300 $PY -m bench.decode_batching --device "$DECODE_DEVICE" --model "$model" \
+        --inputs .gpu/decode/val.en --references .gpu/decode/val.de \
+        --baseline .gpu/decode/baseline --batch-sizes "$DECODE_BATCHES" --beams 1,8 \
+        --alpha 1.4 --rounds 2 --json "$RES/decode_batching.json" \
+        || echo "PART 9 FAILED or timed out"
+else
+    echo "PART 9 SKIPPED: no model (prepare with DECODE_MODEL=folder, or run part 6 first)"
+fi
 pack
 fi
 

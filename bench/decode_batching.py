@@ -1,0 +1,200 @@
+"""Translation speed against the decode batch size, and against another commit's decoder.
+
+The passes that validation BLEU (greedy, every `train.valid_bleu_every` steps) and `aiayn
+translate` (the preset's beam) make over a file, timed side by side. A contender is a
+commit's decoder (this checkout, or `--baseline REF`) at one batch size (sentences decoded
+together, `decode.batch_size`); for each beam size in `--beams` the contenders take turns
+round by round (harness.rounds), each turn a child process that loads the model folder with
+`aiayn.translation.load_translator` (not timed), then translates every line once as `aiayn
+translate` does (length-sorted batches) and reports the seconds and its outputs.
+
+Printed per beam: sentences/s per contender, its speed against the first contender (median
+of the per-round ratios and their range), how many outputs equal the first contender's
+(batching must not change a translation beyond rare float ties), and with `--references`
+each contender's sacreBLEU.
+
+    .venv/bin/python -m bench.decode_batching --model data/model \\
+        --inputs ../shared/data/multi30k/val.en --references ../shared/data/multi30k/val.de \\
+        --baseline 055b2b1 --batch-sizes 64,128,256,512,1024 --beams 1,8 --alpha 1.4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from bench import harness
+
+
+def parse_args(argv: list[str] | None):
+    p = harness.parser(__doc__)
+    p.add_argument("--model", type=Path, help="a folder written by `aiayn average`")
+    p.add_argument("--inputs", type=Path, help="source sentences, one per line")
+    p.add_argument("--references", type=Path,
+                   help="the target side, line for line (adds sacreBLEU per contender)")
+    p.add_argument("--lines", type=int, default=0, help="the first N lines only (0: all)")
+    p.add_argument("--baseline", metavar="REF",
+                   help="git commit whose decoder runs as contender main@<first batch size>, "
+                        "or a folder holding that commit's aiayn/ (made where git is: "
+                        "git archive REF aiayn | tar -x -C FOLDER)")
+    p.add_argument("--batch-sizes", default="64,256,1024",
+                   help="comma-separated sentences per batch for this checkout (default "
+                        "64,256,1024; the first is the reference of the ratios when there "
+                        "is no --baseline)")
+    p.add_argument("--beams", default="1,4", help="comma-separated beam sizes (default 1,4)")
+    p.add_argument("--alpha", type=float, default=0.6, help="length penalty (default 0.6)")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="as `aiayn translate --precision` (default auto: bf16 where native)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where to decode (default cpu)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
+    p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return args
+    for name in ("model", "inputs"):
+        if getattr(args, name) is None:
+            p.error(f"--{name} is required")
+    if not (args.model / "config.json").is_file():
+        p.error(f"--model {args.model}: no config.json there; give a folder written by "
+                "`aiayn average` (e.g. data/model)")
+    for path in (args.inputs, args.references):
+        if path is not None and not path.is_file():
+            p.error(f"{path}: no such file")
+    harness.require_positive(p, args, "rounds")
+    args.batch_sizes = harness.int_list(p, "--batch-sizes", args.batch_sizes)
+    args.beams = harness.int_list(p, "--beams", args.beams)
+    return args
+
+
+def worker(spec: dict) -> None:
+    """One turn: load, translate once, write {seconds, outputs} to spec["out"]."""
+    import torch
+
+    from aiayn.beam import BeamConfig
+    from aiayn.translation import load_translator
+
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
+    translator = load_translator(Path(spec["model"]), spec["device"], spec["precision"])
+    precision = "bf16" if translator.amp_dtype == torch.bfloat16 else "fp32"
+    lines = spec["lines"]
+    cfg = BeamConfig(beam=spec["beam"], alpha=spec["alpha"])
+    translator.translate(lines[:8], cfg, batch_size=8, truncate=True)  # warm-up
+    sync = torch.cuda.synchronize if spec["device"] == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    out = translator.translate(lines, cfg, batch_size=spec["batch_size"], truncate=True)
+    sync()
+    seconds = time.perf_counter() - t0
+    Path(spec["out"]).write_text(json.dumps({"seconds": seconds, "outputs": out,
+                                             "precision": precision}))
+
+
+def run_turn(spec: dict, tree: Path | None, scratch: Path) -> dict:
+    out = scratch / "turn.json"
+    spec = dict(spec, out=str(out))
+    job = scratch / "spec.json"
+    job.write_text(json.dumps(spec))
+    env = harness.child_env(*([tree] if tree else []))
+    result = subprocess.run(harness.module_command("bench.decode_batching", "--worker",
+                                                   str(job)),
+                            capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise SystemExit(f"error: a turn of {spec['name']} failed:\n{result.stderr[-2000:]}")
+    return json.loads(out.read_text())
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.worker:
+        worker(json.loads(Path(args.worker).read_text()))
+        return {}
+    lines = args.inputs.read_text(encoding="utf-8").splitlines()
+    refs = args.references.read_text(encoding="utf-8").splitlines() if args.references else None
+    if refs is not None and len(refs) != len(lines):
+        raise SystemExit(f"error: {args.references} has {len(refs)} lines, {args.inputs} "
+                         f"{len(lines)}; give the two sides of one split")
+    if args.lines:
+        lines, refs = lines[:args.lines], (refs[:args.lines] if refs else None)
+    facts = harness.machine_facts()
+    print(harness.machine_line(facts))
+    print(f"{len(lines)} lines of {args.inputs}; model {args.model}; {args.device}, "
+          f"precision {args.precision}; beams {args.beams}, alpha {args.alpha}")
+    with tempfile.TemporaryDirectory(prefix="aiayn-decode-batching-") as tmp:
+        scratch = Path(tmp)
+        trees: dict[str, Path | None] = {}
+        contenders: list[tuple[str, int]] = []
+        if args.baseline:
+            given = Path(args.baseline)
+            trees["main"] = (given if (given / "aiayn").is_dir()
+                             else harness.extract_tree(args.baseline, scratch / "baseline"))
+            contenders.append(("main", args.batch_sizes[0]))
+        trees["this"] = None
+        contenders += [("this", b) for b in args.batch_sizes]
+        results: dict = {"lines": len(lines), "beams": {}}
+        for beam in args.beams:
+            names = [f"{who}@{size}" for who, size in contenders]
+            runs: dict[str, list[dict]] = {name: [] for name in names}
+            for rnd, order in harness.rounds(names, args.rounds):
+                for name in order:
+                    who, size = name.split("@")
+                    spec = {"name": name, "model": str(args.model), "lines": lines,
+                            "beam": beam, "alpha": args.alpha, "batch_size": int(size),
+                            "precision": args.precision, "threads": args.threads,
+                            "device": args.device}
+                    runs[name].append(run_turn(spec, trees[who], scratch))
+                print(f"beam {beam}, round {rnd + 1}/{args.rounds}: " + "  ".join(
+                    f"{n} {len(lines) / runs[n][-1]['seconds']:.1f}" for n in names)
+                    + " sent/s", flush=True)
+            results["beams"][beam] = summarize(names, runs, refs, args)
+            report(beam, results["beams"][beam])
+    results["precision"] = next(iter(runs.values()))[0]["precision"]
+    harness.save(results, args.json, argv, facts)
+    return results
+
+
+def summarize(names: list[str], runs: dict[str, list[dict]], refs: list[str] | None,
+              args) -> dict:
+    first = names[0]
+    reference_out = runs[first][0]["outputs"]
+    out = {}
+    for name in names:
+        secs = [r["seconds"] for r in runs[name]]
+        speed = [runs[first][i]["seconds"] / s for i, s in enumerate(secs)]
+        outputs = runs[name][0]["outputs"]
+        row = {"seconds": secs, "lines": len(outputs),
+               "sent_per_s": len(outputs) / statistics.median(secs),
+               "speed": list(speed),
+               "same_outputs": sum(a == b for a, b in zip(outputs, reference_out,
+                                                         strict=True))}
+        if refs is not None:
+            import sacrebleu
+            row["sacrebleu"] = sacrebleu.corpus_bleu(outputs, [refs]).score
+        out[name] = row
+    return out
+
+
+def report(beam: int, rows: dict) -> None:
+    first = next(iter(rows))
+    print(f"\nbeam {beam}: speed against {first} (median of the per-round ratios, range)")
+    print(f"{'contender':<14} {'sent/s':>8} {'speed':>7} {'range':>13} {'same outputs':>13}"
+          f" {'sacreBLEU':>10}")
+    for name, row in rows.items():
+        sp = harness.Ratio(tuple(row["speed"]))
+        bleu = f"{row['sacrebleu']:.2f}" if "sacrebleu" in row else ""
+        total = row["lines"]
+        print(f"{name:<14} {row['sent_per_s']:>8.1f} {sp.median:>6.2f}x "
+              f"{sp.low:>6.2f}..{sp.high:<5.2f} {row['same_outputs']:>7}/{total:<5}{bleu:>10}")
+    print()
+
+
+if __name__ == "__main__":
+    main()
