@@ -179,8 +179,8 @@ def target_vocabulary(datasets: list[ShardDataset], pad_id: int, bos_id: int,
 
 def batch_loss(net: nn.Module, embedding: torch.Tensor, batch: Batch, label_smoothing: float,
                pad_id: int, fast: bool, amp_dtype: torch.dtype | None,
-               output: OutputVocab | None = None, blocks: tuple[int, int] | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor, int | torch.Tensor]:
+               output: OutputVocab | None = None, blocks: tuple[int, int] | None = None,
+               pack: bool = True) -> tuple[torch.Tensor, torch.Tensor, int | torch.Tensor]:
     """(smoothed loss sum, NLL sum, labels) of ``net`` (the model, or its compiled or DDP
     wrapper, whose shared embedding matrix is ``embedding``) on a batch already on the
     device: the plain kernels (full logits, ``label_smoothed_loss``) or the fast ones (a
@@ -188,7 +188,10 @@ def batch_loss(net: nn.Module, embedding: torch.Tensor, batch: Batch, label_smoo
     With ``output`` (model.output_vocab: target) the softmax, and label smoothing's uniform
     share, span its tokens only: the fast path projects onto their rows of the matrix, the
     plain one keeps their columns of the full logits. ``blocks``: the fused loss's
-    (chunk_rows, softmax_rows), by default ``aiayn.kernels.loss_blocks`` for the device."""
+    (chunk_rows, softmax_rows), by default ``aiayn.kernels.loss_blocks`` for the device.
+    ``pack=False``: the fast path's decoder runs on the padded (B, T) batch instead of its
+    real positions only (more rows, but products whose shapes repeat when the batch's do:
+    bench.gpu_step --no-packing); the loss is the same."""
     device = batch.src.device.type
     labels, label_pad = batch.tgt_out, pad_id
     if output is not None:
@@ -198,7 +201,8 @@ def batch_loss(net: nn.Module, embedding: torch.Tensor, batch: Batch, label_smoo
             positions = batch.tgt_positions
             if positions is None:
                 positions = Packing.positions(batch.tgt_out, pad_id)
-            rows = net(batch.src, batch.tgt_in, packed=positions)
+            rows = (net(batch.src, batch.tgt_in, packed=positions) if pack
+                    else net(batch.src, batch.tgt_in, hidden=True))
             weight = embedding if output is None else output.rows(embedding)
             chunk_rows, softmax_rows = blocks or (None, None)
             return projected_label_smoothed_loss(rows, weight, labels, label_smoothing,

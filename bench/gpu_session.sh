@@ -36,6 +36,14 @@
 #   8. Table 3 (issue 46) on multi30k: the paper's 20 rows built on the preset by
 #      aiayn.table3, side by side for TABLE3_MINUTES each (the cooldown by the clock), no
 #      averaging, then translate and score valid; $RES/table3.md in the paper's layout.
+#  10. repeated batch shapes (issue 44): on new shapes every matrix product pays ~120-250 us
+#      of host time (cuBLAS's choice for a shape it has not met; ~12-27 us on shapes met
+#      before: session2 and session4 profiles), and a packed decoder's row count is new at
+#      every batch. gpu_step with widths padded to multiples of 8, the decoder on the padded
+#      batch (--no-packing) and every shape met once before measuring (--warm-shapes: a
+#      long run's steady state) against today's step, ABAB; the same without padding (the
+#      shape cache's gain alone); then base compiled, default and reduce-overhead (CUDA
+#      graphs, one per shape). All under PART10_SECONDS.
 #   9. decoding on the GPU (issue 44, goal 2): bench.decode_batching over the multi30k
 #      valid sources, greedy (the validation BLEU pass) and beam 8 at alpha 1.4 (the
 #      preset's translate), with DECODE_BASELINE's decoder at decode.batch_size 64 against
@@ -75,6 +83,7 @@ SCREEN_STEPS=${SCREEN_STEPS:-1750}      # the AVX2-only CPU's hour: steps 1683-1
 SCREEN_MINUTES=${SCREEN_MINUTES:-7}     # a guard only: the steps end each run first
 PART5_SECONDS=${PART5_SECONDS:-190}     # part 5's deadline, all its runs together
 PART7_SECONDS=${PART7_SECONDS:-330}     # part 7's
+PART10_SECONDS=${PART10_SECONDS:-420}   # part 10's
 # part 6: arms as SCREEN's ("name:KEY=VALUE ..."), on top of the preset with 8k-token steps
 # The first screen (session6: "d0.2:;d0.3:model.dropout=0.3") chose dropout 0.3 on valid;
 # the next one regularises further or widens the model, all at dropout 0.3 or more, and
@@ -311,6 +320,21 @@ for round in 1 2; do
     step_run "fp16_$round" 50 --warmup 3 --steps 8 --max-tokens 25000 --precision fp16
 done
 step_run big_compile 200 --configs big --warmup 6 --steps 8 --max-tokens 25000 --compile
+pack
+fi
+
+if want 10; then
+part "10. repeated batch shapes: widths to multiples of 8, decoder unpacked, shapes met before; ABAB against today's; compiled"
+deadline=$((SECONDS + PART10_SECONDS)) label=10
+shapes=(--max-tokens 25000 --no-packing --warm-shapes)
+for round in 1 2; do
+    step_run "today_$round" 50 --warmup 3 --steps 8 --max-tokens 25000
+    step_run "pad8_$round" 70 --warmup 3 --steps 8 "${shapes[@]}" --pad-multiple 8
+done
+step_run pad1_warm 70 --warmup 3 --steps 8 "${shapes[@]}"
+step_run pad8_compile 120 --configs base --warmup 6 --steps 8 "${shapes[@]}" --pad-multiple 8 --compile
+step_run pad8_graphs 150 --configs base --warmup 6 --steps 8 "${shapes[@]}" --pad-multiple 8 \
+    --compile --compile-mode reduce-overhead
 pack
 fi
 

@@ -111,8 +111,15 @@ def print_estimate(tokens_per_step: int) -> list[dict]:
     return rows
 
 
-def make_batches(n: int, max_tokens: int, seed: int, device: torch.device) -> list[Batch]:
-    """Token-bucket batches of WMT-like lengths, as the shard stage cuts them."""
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def make_batches(n: int, max_tokens: int, seed: int, device: torch.device,
+                 multiple: int = 1) -> list[Batch]:
+    """Token-bucket batches of WMT-like lengths, as the shard stage cuts them. ``multiple``:
+    every length counted, and every batch's widths padded, up to a multiple of it, so that
+    batch shapes repeat (the rows of a full batch follow from its padded width)."""
     rng = np.random.default_rng(seed)
     pairs = 200_000
     src = np.clip(np.round(rng.lognormal(np.log(26), 0.55, pairs)), 2, 254).astype(int)
@@ -120,7 +127,7 @@ def make_batches(n: int, max_tokens: int, seed: int, device: torch.device) -> li
     order = np.lexsort((tgt, src))
     buckets, rows, longest = [], [], 0
     for i in order:
-        length = max(src[i], tgt[i]) + 1
+        length = round_up(max(src[i], tgt[i]) + 1, multiple)
         if rows and max(longest, length) * (len(rows) + 1) > max_tokens:
             buckets.append(rows)
             rows, longest = [], 0
@@ -130,8 +137,8 @@ def make_batches(n: int, max_tokens: int, seed: int, device: torch.device) -> li
     for b in rng.choice(len(buckets), size=n, replace=False):
         idx = np.array(buckets[b])
         s, t = src[idx] + 1, tgt[idx] + 1  # + EOS / + BOS
-        src_t = np.zeros((len(idx), s.max()), np.int64)
-        tgt_in = np.zeros((len(idx), t.max()), np.int64)
+        src_t = np.zeros((len(idx), round_up(s.max(), multiple)), np.int64)
+        tgt_in = np.zeros((len(idx), round_up(t.max(), multiple)), np.int64)
         for r, (si, ti) in enumerate(zip(s, t, strict=True)):
             src_t[r, :si] = rng.integers(4, VOCAB, si)
             tgt_in[r, :ti] = rng.integers(4, VOCAB, ti)
@@ -177,7 +184,7 @@ def measure(name: str, args, device: torch.device) -> dict:
             net, device_ids=[device.index] if device.type == "cuda" else None)
     if args.compile:
         torch._dynamo.utils.counters.clear()
-        net = torch.compile(net)
+        net = torch.compile(net, mode=args.compile_mode)
     amp = autocast_dtype(args.precision, device)
     # fp16: dynamic loss scaling as the trainer does it (a no-op in other precisions)
     scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)
@@ -187,7 +194,7 @@ def measure(name: str, args, device: torch.device) -> dict:
     # --cpu-loss-blocks, the baseline: whatever the device, the CPU's blocks
     blocks = (kernels.loss_blocks(torch.device("cpu"), cfg.vocab_size) if args.cpu_loss_blocks
               else None)
-    batches = make_batches(fresh * accum, args.max_tokens, 1, device)
+    batches = make_batches(fresh * accum, args.max_tokens, 1, device, args.pad_multiple)
     timer = Timer(device)
     parts = {"forward+loss": [], "backward": [], "optimizer": [], "step": []}
     tokens, flops = [], []
@@ -202,7 +209,7 @@ def measure(name: str, args, device: torch.device) -> dict:
                 b = b.to(device, non_blocking=True)
                 a = timer.mark()
                 loss, _, _ = batch_loss(net, model.embedding.weight, b, 0.1, 0, True, amp,
-                                        blocks=blocks)
+                                        blocks=blocks, pack=not args.no_packing)
                 m = timer.mark()
                 with no_autocast(device.type):
                     scaler.scale(loss / total).backward()
@@ -218,6 +225,14 @@ def measure(name: str, args, device: torch.device) -> dict:
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    warmed: set[tuple] = set()
+    if args.warm_shapes:  # a long run's steady state: every batch shape met before
+        for at in range(fresh):
+            group = batches[at * accum:(at + 1) * accum]
+            key = tuple(tuple(b.src.shape) + tuple(b.tgt_in.shape) for b in group)
+            if key not in warmed:
+                warmed.add(key)
+                run_step(group)
     for step in range(args.warmup + args.steps):
         at = step if step < fresh else step % args.warmup
         group = batches[at * accum:(at + 1) * accum]
@@ -241,6 +256,9 @@ def measure(name: str, args, device: torch.device) -> dict:
     achieved = statistics.fmean(f / s for f, s in zip(flops, parts["step"], strict=True))
     result = {"config": name, "accumulation": accum, "precision": precision_name(amp),
               "compile": args.compile, "ddp": args.ddp, "reuse": args.reuse,
+              "compile_mode": args.compile_mode if args.compile else None,
+              "pad_multiple": args.pad_multiple, "packing": not args.no_packing,
+              "shapes_warmed": len(warmed),
               "weight_casts": "per micro-batch" if args.cast_per_batch else "per step",
               "cudnn_attention": torch.backends.cuda.cudnn_sdp_enabled(),
               "loss_blocks": blocks or kernels.loss_blocks(device, cfg.vocab_size),
@@ -325,6 +343,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="auto: bf16 where the GPU has it; fp16: float16 with dynamic loss "
                          "scaling, as train.precision fp16")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model")
+    ap.add_argument("--compile-mode", default=None,
+                    choices=("default", "reduce-overhead", "max-autotune"),
+                    help="torch.compile's mode (reduce-overhead: CUDA graphs, one per shape)")
+    ap.add_argument("--pad-multiple", type=int, default=1,
+                    help="pad every batch's widths (and count lengths in the cut) up to a "
+                         "multiple of this, so that batch shapes repeat (default 1: as the "
+                         "shard stage cuts today)")
+    ap.add_argument("--warm-shapes", action="store_true",
+                    help="before measuring, one step (not measured) on each batch shape "
+                         "the run will meet: a long run's steady state, where batches are "
+                         "new but their shapes were met (with --pad-multiple, few shapes)")
+    ap.add_argument("--no-packing", action="store_true",
+                    help="run the decoder on the padded batch, not on its real positions "
+                         "only (trainer.batch_loss pack=False): its products then have the "
+                         "batch's shape, which repeats with --pad-multiple")
     ap.add_argument("--cudnn-attention", action="store_true",
                     help="leave cuDNN attention in SDPA's choice (the trainer takes it out)")
     ap.add_argument("--cpu-loss-blocks", action="store_true",
@@ -351,7 +384,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--estimate", action="store_true", help="only print the estimate table")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    harness.require_positive(ap, args, "steps", "tokens_per_step", "max_tokens")
+    harness.require_positive(ap, args, "steps", "tokens_per_step", "max_tokens",
+                             "pad_multiple")
+    if args.compile_mode and not args.compile:
+        ap.error("--compile-mode applies to --compile: give both")
     if args.profile and args.steps < 2:
         ap.error("--profile takes the last step out of the measured ones: give --steps 2 or more")
     if args.reuse and args.warmup < 1:
@@ -382,6 +418,11 @@ def measure_configs(args, device: torch.device) -> list[dict]:
           f"{args.tokens_per_step:,} target tokens per step in batches of "
           f"<= {args.max_tokens} tokens; kernels fast; fused Adam"
           + ("; torch.compile" if args.compile else "")
+          + (f" ({args.compile_mode})" if args.compile_mode else "")
+          + (f"; widths padded to multiples of {args.pad_multiple}"
+             if args.pad_multiple > 1 else "")
+          + ("; decoder on the padded batch (no packing)" if args.no_packing else "")
+          + ("; every batch shape met once before measuring" if args.warm_shapes else "")
           + ("; cuDNN attention allowed" if args.cudnn_attention else "")
           + ("; the loss in CPU-sized blocks" if args.cpu_loss_blocks else "")
           + (f"; DDP over {dist.get_world_size()} process(es), "

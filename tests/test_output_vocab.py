@@ -89,9 +89,10 @@ def test_with_subword_splitting_it_holds_every_token_a_split_batch_can_have(toy_
     assert not split_labels <= plain  # splitting does yield tokens the text never holds
 
 
-@pytest.mark.parametrize("fast", [True, False])
-def test_the_loss_spans_the_output_vocabulary_only(fast):
-    """Fast and plain paths against the label-smoothed loss written out over the spanned
+@pytest.mark.parametrize("fast,pack", [(True, True), (True, False), (False, True)])
+def test_the_loss_spans_the_output_vocabulary_only(fast, pack):
+    """Fast and plain paths, the fast one with its decoder on the real positions only or on
+    the padded batch, against the label-smoothed loss written out over the spanned
     columns: smoothing's uniform share spread over them, not over the whole vocabulary."""
     model = tiny()
     model.set_output_vocab(SPANNED)
@@ -100,7 +101,7 @@ def test_the_loss_spans_the_output_vocabulary_only(fast):
     assert torch.equal(output.ids, torch.as_tensor(SPANNED).sort().values)
     eps = 0.1
     loss, nll, n = batch_loss(model, model.embedding.weight, batch, eps, PAD_ID, fast, None,
-                              output)
+                              output, pack=pack)
     loss.backward()
     got = model.embedding.weight.grad.clone()
     model.zero_grad()
