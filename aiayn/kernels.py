@@ -25,7 +25,9 @@ keeps torch's own operators, readable against the paper (``aiayn/model.py``,
    and scaled by the exact inverse of that probability, so the expectation is unchanged.
    The masks come from torch's generator (CPU or CUDA), so a run is as reproducible, and
    resumes as exactly, as with ``F.dropout``; they are other masks than ``F.dropout``
-   draws, so fast and plain runs agree in distribution, not bit for bit.
+   draws, so fast and plain runs agree in distribution, not bit for bit. On a GPU the
+   model's dropout layers keep ``F.dropout`` (``aiayn.model.Dropout``): its fused kernel
+   draws the mask and writes the output in one launch, where these masks take five.
 
 3. **fp32 linear layers on CPU through oneDNN** (:func:`linear`). torch multiplies fp32
    matrices on CPU with MKL; oneDNN's GEMM (``torch.ops.mkldnn._linear_pointwise``, what

@@ -211,15 +211,21 @@ class Linear(nn.Linear):
 
 
 class Dropout(nn.Module):
-    """Section 5.4's dropout; with ``fast`` its masks come from ``aiayn.kernels.dropout``."""
+    """Section 5.4's dropout; with ``fast`` on a CPU its masks come from
+    ``aiayn.kernels.dropout``. On a GPU ``F.dropout`` is one fused kernel (mask and output
+    together) where the int16 masks take five, so ``fast`` keeps it there;
+    ``int16_on_cuda`` (bench.gpu_step --int16-dropout, the baseline) takes the int16 masks
+    on a GPU too."""
 
     def __init__(self, p: float, fast: bool = False):
         super().__init__()
         self.p, self.fast = p, fast
+        self.int16_on_cuda = False
 
     def forward(self, x: Tensor) -> Tensor:
         # Compiled, F.dropout becomes Inductor's own fused random mask.
-        if self.fast and not torch.compiler.is_compiling():
+        if (self.fast and not torch.compiler.is_compiling()
+                and (x.device.type != "cuda" or self.int16_on_cuda)):
             return kernels.dropout(x, self.p, self.training)
         return F.dropout(x, self.p, self.training)
 

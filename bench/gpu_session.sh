@@ -43,7 +43,9 @@
 #      batch (--no-packing) and every shape met once before measuring (--warm-shapes: a
 #      long run's steady state) against today's step, ABAB; the same without padding (the
 #      shape cache's gain alone); then base compiled, default and reduce-overhead (CUDA
-#      graphs, one per shape). All under PART10_SECONDS.
+#      graphs, one per shape). Beside today's step in the same rounds, its baseline with
+#      the int16 dropout masks on the GPU (--int16-dropout: five launches per dropout where
+#      the model now keeps F.dropout's one). All under PART10_SECONDS.
 #   9. decoding on the GPU (issue 44, goal 2): bench.decode_batching over the multi30k
 #      valid sources, greedy (the validation BLEU pass) and beam 8 at alpha 1.4 (the
 #      preset's translate), with DECODE_BASELINE's decoder at decode.batch_size 64 against
@@ -83,7 +85,7 @@ SCREEN_STEPS=${SCREEN_STEPS:-1750}      # the AVX2-only CPU's hour: steps 1683-1
 SCREEN_MINUTES=${SCREEN_MINUTES:-7}     # a guard only: the steps end each run first
 PART5_SECONDS=${PART5_SECONDS:-190}     # part 5's deadline, all its runs together
 PART7_SECONDS=${PART7_SECONDS:-330}     # part 7's
-PART10_SECONDS=${PART10_SECONDS:-420}   # part 10's
+PART10_SECONDS=${PART10_SECONDS:-500}   # part 10's
 # part 6: arms as SCREEN's ("name:KEY=VALUE ..."), on top of the preset with 8k-token steps
 # The first screen (session6: "d0.2:;d0.3:model.dropout=0.3") chose dropout 0.3 on valid;
 # the next one regularises further or widens the model, all at dropout 0.3 or more, and
@@ -330,6 +332,7 @@ shapes=(--max-tokens 25000 --no-packing --warm-shapes)
 for round in 1 2; do
     step_run "today_$round" 50 --warmup 3 --steps 8 --max-tokens 25000
     step_run "pad8_$round" 70 --warmup 3 --steps 8 "${shapes[@]}" --pad-multiple 8
+    step_run "int16drop_$round" 50 --warmup 3 --steps 8 --max-tokens 25000 --int16-dropout
 done
 step_run pad1_warm 70 --warmup 3 --steps 8 "${shapes[@]}"
 step_run pad8_compile 120 --configs base --warmup 6 --steps 8 "${shapes[@]}" --pad-multiple 8 --compile

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from aiayn import kernels
-from aiayn.model import Transformer, TransformerConfig, avoid_cudnn_attention
+from aiayn.model import Dropout, Transformer, TransformerConfig, avoid_cudnn_attention
 from aiayn.objective import make_optimizer
 from aiayn.precision import autocast_dtype, no_autocast, precision_name, step_casts
 from aiayn.sampler import Batch
@@ -176,6 +176,9 @@ def measure(name: str, args, device: torch.device) -> dict:
     cfg = config(name)
     torch.manual_seed(0)
     model = Transformer(cfg, fast=True).to(device).train()
+    for module in model.modules():  # --int16-dropout: the fast kernels' masks on a GPU too
+        if isinstance(module, Dropout):
+            module.int16_on_cuda = args.int16_dropout
     optimizer, scheduler = make_optimizer(model, (0.9, 0.98), 1e-9, cfg.d_model, 4000, 1.0,
                                           fused=True)
     net: torch.nn.Module = model
@@ -259,6 +262,8 @@ def measure(name: str, args, device: torch.device) -> dict:
               "compile_mode": args.compile_mode if args.compile else None,
               "pad_multiple": args.pad_multiple, "packing": not args.no_packing,
               "shapes_warmed": len(warmed),
+              "dropout": "int16 masks" if args.int16_dropout or device.type != "cuda"
+              else "F.dropout",
               "weight_casts": "per micro-batch" if args.cast_per_batch else "per step",
               "cudnn_attention": torch.backends.cuda.cudnn_sdp_enabled(),
               "loss_blocks": blocks or kernels.loss_blocks(device, cfg.vocab_size),
@@ -350,6 +355,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="pad every batch's widths (and count lengths in the cut) up to a "
                          "multiple of this, so that batch shapes repeat (default 1: as the "
                          "shard stage cuts today)")
+    ap.add_argument("--int16-dropout", action="store_true",
+                    help="dropout masks from aiayn.kernels.dropout on a GPU too (the "
+                         "baseline: the model keeps F.dropout's fused kernel there)")
     ap.add_argument("--warm-shapes", action="store_true",
                     help="before measuring, one step (not measured) on each batch shape "
                          "the run will meet: a long run's steady state, where batches are "

@@ -109,6 +109,7 @@ def test_tiny_config_measures_on_the_cpu_and_writes_its_json(tmp_path, capsys):
     assert "mfu" not in r  # no GPU, so no peak to divide by
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     assert r["pad_multiple"] == 1 and r["packing"] and r["compile_mode"] is None
+    assert r["dropout"] == "int16 masks"  # the fast kernels' masks on a CPU
 
 
 def test_tiny_config_runs_with_padded_shapes_and_no_packing(capsys):
