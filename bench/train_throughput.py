@@ -212,6 +212,13 @@ class TorchNNWorker:
         p = parse_params(yaml.safe_load(Path(spec["params"]).read_text()), spec["params"])
         cfg = model_config(p, load_tokenizer(Path(spec["tokenizer"])).get_vocab_size())
         drop_everywhere = spec["name"] == "nn+drop"
+        if (cfg.key_size, cfg.value_size) != (cfg.d_model // cfg.heads,) * 2 or (
+                cfg.positions != "sinusoidal"):
+            raise SystemExit(
+                f"error: contender {spec['name']}: torch.nn.Transformer has heads of "
+                f"d_model / heads = {cfg.d_model // cfg.heads} and sinusoidal positions only; "
+                f"this model has d_k {cfg.key_size}, d_v {cfg.value_size} and {cfg.positions} "
+                "positions (Table 3's rows): leave nn and nn+drop out of --contenders")
 
         class TorchTransformer(nn.Module):
             embed = Transformer.embed  # the very same input and output code as ours

@@ -12,39 +12,44 @@ from torch.utils.flop_counter import FlopCounterMode
 from aiayn.model import Transformer, TransformerConfig
 from bench import flops
 
-SHAPES = [  # (encoder layers, decoder layers, d_model, heads, d_ff, source, target lengths)
-    (2, 3, 16, 2, 24, [7, 7], [5, 5]),
-    (1, 2, 32, 4, 48, [4], [9]),
-    (3, 1, 24, 3, 40, [6, 6, 6], [6, 6, 6]),
+SHAPES = [  # (encoder layers, decoder layers, d_model, heads, d_ff, source, target lengths,
+    #          d_k, d_v; 0: d_model / heads)
+    (2, 3, 16, 2, 24, [7, 7], [5, 5], 0, 0),
+    (1, 2, 32, 4, 48, [4], [9], 0, 0),
+    (3, 1, 24, 3, 40, [6, 6, 6], [6, 6, 6], 0, 0),
+    (1, 2, 32, 4, 48, [5], [6], 2, 8),  # as Table 3 (B): d_k below d_v
+    (2, 1, 24, 2, 40, [6, 6], [4, 4], 16, 4),  # d_k above d_v, wider than d_model / heads
 ]
 
 
-def make(enc, dec, d, heads, d_ff) -> Transformer:
+def make(enc, dec, d, heads, d_ff, d_k=0, d_v=0) -> Transformer:
     torch.manual_seed(0)
     return Transformer(TransformerConfig(vocab_size=50, d_model=d, heads=heads,
                                          encoder_layers=enc, decoder_layers=dec, d_ff=d_ff,
-                                         dropout=0.0, max_positions=64))
+                                         dropout=0.0, max_positions=64, d_k=d_k, d_v=d_v))
 
 
-@pytest.mark.parametrize("enc, dec, d, heads, d_ff, src_len, tgt_len", SHAPES)
+@pytest.mark.parametrize("enc, dec, d, heads, d_ff, src_len, tgt_len, d_k, d_v", SHAPES)
 def test_train_flops_match_pytorchs_count_of_a_training_step(enc, dec, d, heads, d_ff,
-                                                            src_len, tgt_len):
+                                                            src_len, tgt_len, d_k, d_v):
     # PyTorch's FlopCounterMode counts every matrix product (2 n k m) of the forward and the
     # backward; the math attention backend makes attention plain products it can see. It
     # computes the causal self-attention's masked half too, which the formula leaves out
     # (t (t + 1) / 2 of the t^2 products), so that half is added back here.
-    model = make(enc, dec, d, heads, d_ff)
+    model = make(enc, dec, d, heads, d_ff, d_k, d_v)
     src = torch.randint(1, 50, (len(src_len), src_len[0]))
     tgt = torch.randint(1, 50, (len(tgt_len), tgt_len[0]))
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         model(src, tgt).logsumexp(-1).sum().backward()
-    masked = sum(12 * d * dec * (t * t - t * (t + 1) / 2) for t in tgt_len)
+    width = heads * ((d_k or d // heads) + (d_v or d // heads))  # h d_k + h d_v
+    masked = sum(6 * width * dec * (t * t - t * (t + 1) / 2) for t in tgt_len)
     assert counter.get_total_flops() == flops.train_flops(model.cfg, src_len, tgt_len) + masked
 
 
-@pytest.mark.parametrize("enc, dec, d, heads, d_ff", [s[:5] for s in SHAPES])
-def test_weight_params_are_the_models_projection_matrices(enc, dec, d, heads, d_ff):
-    model = make(enc, dec, d, heads, d_ff)
+@pytest.mark.parametrize("enc, dec, d, heads, d_ff, d_k, d_v",
+                         [s[:5] + s[7:] for s in SHAPES])
+def test_weight_params_are_the_models_projection_matrices(enc, dec, d, heads, d_ff, d_k, d_v):
+    model = make(enc, dec, d, heads, d_ff, d_k, d_v)
 
     def matrices(layers: nn.Module) -> int:
         return sum(m.weight.numel() for m in layers.modules() if isinstance(m, nn.Linear))
