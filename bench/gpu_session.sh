@@ -50,7 +50,8 @@
 #      valid sources, greedy (the validation BLEU pass) and beam 8 at alpha 1.4 (the
 #      preset's translate), with DECODE_BASELINE's decoder at decode.batch_size 64 against
 #      this checkout's at DECODE_BATCHES, side by side; the model is `prepare`'s copy of
-#      DECODE_MODEL (a folder written by `aiayn average`), else part 6's first run's.
+#      DECODE_MODEL (a folder written by `aiayn average`), else one that part 3, 8 or 6
+#      trained, else the preset trained here for 2 minutes. Runs after the other parts.
 #   6. multi30k towards convergence (issue 45): runs of CONV arms x CONV_SEEDS side by side
 #      on the one GPU, each with 8,192-token batches (one micro-batch a step; shards of
 #      `prepare`'s .gpu/m30k8k), up to CONV_STEPS steps, the time budget CONV_MINUTES (the
@@ -193,8 +194,13 @@ else
     export PYTHONPATH=$PWD
 fi
 part() { echo; echo "=== $1 ($(date -u +%T))"; }
-# want 1c: true when PARTS names 1c, or part 1 whole
-want() { case " $PARTS " in *" $1 "*|*" ${1:0:1} "*) return 0;; esac; return 1; }
+# want 1c: true when PARTS names 1c, or part 1 whole (a sub-part is a digit and a letter:
+# part 10 is not a sub-part of part 1)
+want() {
+    case " $PARTS " in *" $1 "*) return 0;; esac
+    case $1 in [0-9][a-z]) case " $PARTS " in *" ${1:0:1} "*) return 0;; esac;; esac
+    return 1
+}
 
 part "machine"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
@@ -341,22 +347,6 @@ step_run pad8_graphs 150 --configs base --warmup 6 --steps 8 "${shapes[@]}" --pa
 pack
 fi
 
-if want 9; then
-part "9. decoding on the GPU: greedy and beam 8 over the valid sources, by batch size"
-model=.gpu/decode/model
-[ -d "$model" ] || model=$(ls -d .gpu/conv/*/data/model 2>/dev/null | head -1)
-if [ -n "$model" ] && [ -d "$model" ]; then
-    timeout 300 $PY -m bench.decode_batching --device "$DECODE_DEVICE" --model "$model" \
-        --inputs .gpu/decode/val.en --references .gpu/decode/val.de \
-        --baseline .gpu/decode/baseline --batch-sizes "$DECODE_BATCHES" --beams 1,8 \
-        --alpha 1.4 --rounds 2 --json "$RES/decode_batching.json" \
-        || echo "PART 9 FAILED or timed out"
-else
-    echo "PART 9 SKIPPED: no model (prepare with DECODE_MODEL=folder, or run part 6 first)"
-fi
-pack
-fi
-
 if want 8; then
 part "8. Table 3 on multi30k: $(ls .gpu/table3/*.yaml | wc -l) rows side by side, $TABLE3_MINUTES min each"
 side_by_side 8 .gpu/table3 "$PWD/$WORK/data" "$TABLE3_MINUTES" 1 "$RES/table3"
@@ -391,6 +381,34 @@ for d in .gpu/conv/"$best"-s*/; do
 sacreBLEU', b['sacrebleu']['score'], 'chrF', b.get('chrf', {}).get('score'), 'lowercased \
 tokenized', b['lowercase_bleu']['score'])" "$d/metrics/bleu.json" || true
 done
+pack
+fi
+if want 9; then
+part "9. decoding on the GPU: greedy and beam 8 over the valid sources, by batch size"
+# the model: prepare's copy of DECODE_MODEL, else one an earlier part trained, else 2 minutes
+# of the preset trained here (train and average only)
+model=""
+for m in .gpu/decode/model "$WORK"/data/model .gpu/table3/table3-base/data/model \
+         .gpu/conv/*/data/model; do
+    [ -f "$m/model.safetensors" ] && { model=$m; break; }
+done
+if [ -z "$model" ]; then
+    d=.gpu/decode/train && wd=$(realpath "$WORK") && mkdir -p "$d" \
+    && sed 's/^  max_minutes: .*/  max_minutes: 2/' "$wd/params.yaml" > "$d/params.yaml" \
+    && (cd "$d" && mkdir -p data && for x in raw vocab shards; do
+            ln -sfn "$wd/data/$x" data/$x; done \
+        && timeout 300 $PY -m stages.train --no-progress --no-mlflow > run.log 2>&1 \
+        && $PY -m stages.average --no-mlflow >> run.log 2>&1) \
+    && model=$d/data/model || echo "PART 9: training its model FAILED (see $d/run.log)"
+fi
+if [ -n "$model" ]; then
+    echo "model: $model"
+    timeout 300 $PY -m bench.decode_batching --device "$DECODE_DEVICE" --model "$model" \
+        --inputs .gpu/decode/val.en --references .gpu/decode/val.de \
+        --baseline .gpu/decode/baseline --batch-sizes "$DECODE_BATCHES" --beams 1,8 \
+        --alpha 1.4 --rounds 2 --json "$RES/decode_batching.json" \
+        || echo "PART 9 FAILED or timed out"
+fi
 pack
 fi
 part "done"

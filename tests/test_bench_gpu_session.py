@@ -1,0 +1,36 @@
+"""bench/gpu_session.sh: which parts a PARTS list runs (its `want` function, run by bash),
+and the script's syntax. The parts themselves need a GPU machine and are not run here."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "gpu_session.sh"
+
+
+def wanted(parts: str, names: list[str]) -> list[str]:
+    """The names among ``names`` that the script's `want` selects under PARTS=``parts``."""
+    probe = ('source <(sed -n "/^want() {/,/^}/p" "$1"); shift; '
+             'for n in "$@"; do want "$n" && echo "$n"; done; true')
+    out = subprocess.run(["bash", "-c", probe, "probe", str(SCRIPT), *names],
+                         env={"PARTS": parts, "PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True, check=True)
+    return out.stdout.split()
+
+
+@pytest.mark.parametrize("parts, expected", [
+    ("1 2 3", ["1a", "1c", "2", "3"]),  # part 1 whole runs its sub-parts, not part 10
+    ("1c 3", ["1c", "3"]),
+    ("10 9", ["9", "10"]),  # part 10 is not part 1's
+    ("5 6 7 8", ["5", "6", "7", "8"]),
+])
+def test_parts_select_what_they_name(parts, expected):
+    names = ["1a", "1c", "2", "3", "5", "6", "7", "8", "9", "10"]
+    assert wanted(parts, names) == [n for n in names if n in expected]
+
+
+def test_the_script_parses():
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
