@@ -2,7 +2,7 @@
 
 The passes that validation BLEU (greedy, every `train.valid_bleu_every` steps) and `aiayn
 translate` (the preset's beam) make over a file, timed side by side. A contender is a
-commit's decoder (this checkout, or `--baseline REF`) at one batch size (sentences decoded
+commit's decoder (this checkout, or a `--baseline REF`) at one batch size (sentences decoded
 together, `decode.batch_size`); for each beam size in `--beams` the contenders take turns
 round by round (harness.rounds), each turn a child process that loads the model folder with
 `aiayn.translation.load_translator` (not timed), then translates every line once as `aiayn
@@ -11,11 +11,12 @@ translate` does (length-sorted batches) and reports the seconds and its outputs.
 Printed per beam: sentences/s per contender, its speed against the first contender (median
 of the per-round ratios and their range), how many outputs equal the first contender's
 (batching must not change a translation beyond rare float ties), and with `--references`
-each contender's sacreBLEU.
+each contender's sacreBLEU. Each turn runs in a scratch folder, so that the library it
+imports is the contender's (the record names the folder it came from).
 
     .venv/bin/python -m bench.decode_batching --model data/model \\
         --inputs ../shared/data/multi30k/val.en --references ../shared/data/multi30k/val.de \\
-        --baseline 055b2b1 --batch-sizes 64,128,256,512,1024 --beams 1,8 --alpha 1.4
+        --baseline 055b2b1 --baseline 0b24f1f --batch-sizes 64,128,256 --beams 1,8 --alpha 1.4
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--references", type=Path,
                    help="the target side, line for line (adds sacreBLEU per contender)")
     p.add_argument("--lines", type=int, default=0, help="the first N lines only (0: all)")
-    p.add_argument("--baseline", metavar="REF",
-                   help="git commit whose decoder runs as contender main@<first batch size>, "
-                        "or a folder holding that commit's aiayn/ (made where git is: "
-                        "git archive REF aiayn | tar -x -C FOLDER)")
+    p.add_argument("--baseline", metavar="REF", action="append", default=[],
+                   help="git commit whose decoder runs as contender REF@<first batch size> "
+                        "(repeatable), or a folder holding that commit's aiayn/ (made where "
+                        "git is: git archive REF aiayn | tar -x -C FOLDER; contender "
+                        "FOLDER's name@<size>)")
     p.add_argument("--batch-sizes", default="64,256,1024",
                    help="comma-separated sentences per batch for this checkout (default "
                         "64,256,1024; the first is the reference of the ratios when there "
@@ -94,8 +96,10 @@ def worker(spec: dict) -> None:
     out = translator.translate(lines, cfg, batch_size=spec["batch_size"], truncate=True)
     sync()
     seconds = time.perf_counter() - t0
+    import aiayn
     Path(spec["out"]).write_text(json.dumps({"seconds": seconds, "outputs": out,
-                                             "precision": precision}))
+                                             "precision": precision,
+                                             "library": str(Path(aiayn.__file__).parent)}))
 
 
 def run_turn(spec: dict, tree: Path | None, scratch: Path) -> dict:
@@ -104,9 +108,11 @@ def run_turn(spec: dict, tree: Path | None, scratch: Path) -> dict:
     job = scratch / "spec.json"
     job.write_text(json.dumps(spec))
     env = harness.child_env(*([tree] if tree else []))
+    # run from the scratch folder: `python -m` puts its folder first on the import path,
+    # and from the repository that would be this checkout's aiayn, whatever the baseline
     result = subprocess.run(harness.module_command("bench.decode_batching", "--worker",
                                                    str(job)),
-                            capture_output=True, text=True, env=env)
+                            capture_output=True, text=True, env=env, cwd=scratch)
     if result.returncode != 0:
         raise SystemExit(f"error: a turn of {spec['name']} failed:\n{result.stderr[-2000:]}")
     return json.loads(out.read_text())
@@ -132,11 +138,13 @@ def main(argv: list[str] | None = None) -> dict:
         scratch = Path(tmp)
         trees: dict[str, Path | None] = {}
         contenders: list[tuple[str, int]] = []
-        if args.baseline:
-            given = Path(args.baseline)
-            trees["main"] = (given if (given / "aiayn").is_dir()
-                             else harness.extract_tree(args.baseline, scratch / "baseline"))
-            contenders.append(("main", args.batch_sizes[0]))
+        for i, ref in enumerate(args.baseline):
+            given = Path(ref)
+            folder = (given / "aiayn").is_dir()
+            who = given.resolve().name if folder else ref
+            trees[who] = (given.resolve() if folder
+                          else harness.extract_tree(ref, scratch / f"baseline{i}"))
+            contenders.append((who, args.batch_sizes[0]))
         trees["this"] = None
         contenders += [("this", b) for b in args.batch_sizes]
         results: dict = {"lines": len(lines), "beams": {}}
@@ -145,8 +153,8 @@ def main(argv: list[str] | None = None) -> dict:
             runs: dict[str, list[dict]] = {name: [] for name in names}
             for rnd, order in harness.rounds(names, args.rounds):
                 for name in order:
-                    who, size = name.split("@")
-                    spec = {"name": name, "model": str(args.model), "lines": lines,
+                    who, size = name.rsplit("@", 1)
+                    spec = {"name": name, "model": str(args.model.resolve()), "lines": lines,
                             "beam": beam, "alpha": args.alpha, "batch_size": int(size),
                             "precision": args.precision, "threads": args.threads,
                             "device": args.device}
@@ -170,7 +178,7 @@ def summarize(names: list[str], runs: dict[str, list[dict]], refs: list[str] | N
         secs = [r["seconds"] for r in runs[name]]
         speed = [runs[first][i]["seconds"] / s for i, s in enumerate(secs)]
         outputs = runs[name][0]["outputs"]
-        row = {"seconds": secs, "lines": len(outputs),
+        row = {"seconds": secs, "lines": len(outputs), "library": runs[name][0]["library"],
                "sent_per_s": len(outputs) / statistics.median(secs),
                "speed": list(speed),
                "same_outputs": sum(a == b for a, b in zip(outputs, reference_out,

@@ -48,7 +48,7 @@
 #      the model now keeps F.dropout's one). All under PART10_SECONDS.
 #   9. decoding on the GPU (issue 44, goal 2): bench.decode_batching over the multi30k
 #      valid sources, greedy (the validation BLEU pass) and beam 8 at alpha 1.4 (the
-#      preset's translate), with DECODE_BASELINE's decoder at decode.batch_size 64 against
+#      preset's translate), with DECODE_BASELINES' decoders at decode.batch_size 64 against
 #      this checkout's at DECODE_BATCHES, side by side; the model is `prepare`'s copy of
 #      DECODE_MODEL (a folder written by `aiayn average`), else one that part 3, 8 or 6
 #      trained, else the preset trained here for 2 minutes. Runs after the other parts.
@@ -98,8 +98,9 @@ CONV_STEPS=${CONV_STEPS:-8000}          # the published recipe's 8,000 updates o
 CONV_MINUTES=${CONV_MINUTES:-4}         # each run's time budget (validation included)
 TABLE3_MINUTES=${TABLE3_MINUTES:-5}     # part 8: each of Table 3's rows, side by side
 DECODE_MODEL=${DECODE_MODEL:-}          # part 9 (prepare): a model folder to carry
-DECODE_BASELINE=${DECODE_BASELINE:-055b2b1}  # part 9 (prepare): the decoder before grouped states
-DECODE_BATCHES=${DECODE_BATCHES:-"64,256,1024"}
+# part 9 (prepare): the decoders before the grouped state (055b2b1) and before bf16 weights (0b24f1f)
+DECODE_BASELINES=${DECODE_BASELINES:-"055b2b1 0b24f1f"}
+DECODE_BATCHES=${DECODE_BATCHES:-"64,128,1024"}
 DECODE_DEVICE=${DECODE_DEVICE:-cuda}   # part 9 (cpu: a dry run here)
 
 if [ "${1:-}" = prepare ]; then
@@ -172,9 +173,11 @@ for row in t3.build_rows(raw, t3.select_rows(None), common):
 PYEOF
     ls .gpu/table3 | wc -l
     # part 9: the valid split's text, the baseline's decoder, and a model to decode with
-    rm -rf .gpu/decode && mkdir -p .gpu/decode/baseline
+    rm -rf .gpu/decode && mkdir -p .gpu/decode/baselines
     cp "$M30K"/val.en "$M30K"/val.de .gpu/decode/
-    git archive "$DECODE_BASELINE" aiayn | tar -x -C .gpu/decode/baseline
+    for b in $DECODE_BASELINES; do
+        mkdir -p ".gpu/decode/baselines/$b" && git archive "$b" aiayn | tar -x -C ".gpu/decode/baselines/$b"
+    done
     if [ -n "$DECODE_MODEL" ]; then
         cp -r "$DECODE_MODEL" .gpu/decode/model
     fi
@@ -405,7 +408,8 @@ if [ -n "$model" ]; then
     echo "model: $model"
     timeout 300 $PY -m bench.decode_batching --device "$DECODE_DEVICE" --model "$model" \
         --inputs .gpu/decode/val.en --references .gpu/decode/val.de \
-        --baseline .gpu/decode/baseline --batch-sizes "$DECODE_BATCHES" --beams 1,8 \
+        $(for b in .gpu/decode/baselines/*/; do echo --baseline "$b"; done) \
+        --batch-sizes "$DECODE_BATCHES" --beams 1,8 \
         --alpha 1.4 --rounds 2 --json "$RES/decode_batching.json" \
         || echo "PART 9 FAILED or timed out"
 fi

@@ -15,6 +15,7 @@ from aiayn.beam import BeamConfig
 from aiayn.model import Transformer, TransformerConfig
 from aiayn.translation import load_translator
 from bench import decode_batching as db
+from bench.harness import REPO
 from tests.conftest import SENTENCES_DE, SENTENCES_EN, save_model_folder, usage_error
 
 
@@ -46,7 +47,11 @@ def test_a_short_run_against_head(model_dir, tmp_path):
     translator = load_translator(model_dir, "cpu", "fp32")
     for beam in ("1", "3"):
         rows = record["beams"][beam]
-        assert list(rows) == ["main@2", "this@2", "this@4"]
+        assert list(rows) == ["HEAD@2", "this@2", "this@4"]
+        # each contender imported its own library: the baseline's extracted tree, this
+        # checkout's aiayn/ (a turn started from the repository would import it for both)
+        assert rows["HEAD@2"]["library"].endswith("/baseline0/aiayn")
+        assert rows["this@2"]["library"] == str(REPO / "aiayn")
         expected = translator.translate(lines, BeamConfig(beam=int(beam), alpha=0.6),
                                         batch_size=64, truncate=True)
         bleu = sacrebleu.corpus_bleu(expected, [refs.read_text().splitlines()]).score
@@ -54,7 +59,7 @@ def test_a_short_run_against_head(model_dir, tmp_path):
             assert len(row["seconds"]) == 1 and all(s > 0 for s in row["seconds"])
             assert row["same_outputs"] == len(lines), name
             assert row["sacrebleu"] == pytest.approx(bleu)
-        assert rows["main@2"]["speed"] == [1.0]
+        assert rows["HEAD@2"]["speed"] == [1.0]
 
 
 def test_bad_arguments_are_usage_errors(model_dir, tmp_path, capsys):
