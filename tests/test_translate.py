@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from typer.testing import CliRunner
 
 from aiayn.beam import BeamConfig
 from aiayn.errors import DataError
 from aiayn.model import Transformer, TransformerConfig
-from aiayn.translation import load_translator
+from aiayn.translation import ValidationBleu, decoding_model, load_translator
 from tests.conftest import save_model_folder, write_params
 
 
@@ -44,6 +45,46 @@ def test_order_empty_lines_and_batching(model_dir):
     assert batched == singles
     reordered = tr.translate(LINES[::-1], cfg, batch_size=2)
     assert reordered == batched[::-1]
+
+
+def test_half_precision_decodes_a_converted_model_without_touching_the_original():
+    """decoding_model: the weights in bf16 for decoding (no autocast casts then); a copy
+    when asked, so that a model in training keeps its fp32 weights; nothing for fp32."""
+    torch.manual_seed(0)
+    model = Transformer(TransformerConfig(vocab_size=40, d_model=16, heads=2,
+                                          encoder_layers=1, decoder_layers=1, d_ff=32))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert decoding_model(model, None) is model
+    copy = decoding_model(model, torch.bfloat16, copy=True)
+    assert copy is not model and all(p.dtype == torch.bfloat16 for p in copy.parameters())
+    for k, v in model.state_dict().items():
+        assert v.dtype == before[k].dtype and torch.equal(v, before[k])
+    assert decoding_model(copy, torch.bfloat16) is copy  # already in that dtype
+    in_place = decoding_model(model, torch.bfloat16)
+    assert in_place is model and model.embedding.weight.dtype == torch.bfloat16
+
+
+def test_bf16_translation_and_validation_bleu(model_dir, toy_workspace):
+    """load_translator --precision bf16 decodes a bf16 model (outputs for every line, empty
+    lines kept); the validation hook decodes a bf16 copy and leaves the model it was given
+    in fp32, its weights and its training mode as they were."""
+    from aiayn.config import parse_params
+    from aiayn.tokenizer import load_tokenizer
+
+    tr = load_translator(model_dir, "cpu", "bf16")
+    assert tr.model.embedding.weight.dtype == torch.bfloat16 and tr.amp_dtype == torch.bfloat16
+    out = tr.translate(LINES, BeamConfig(beam=3, max_len_b=8), batch_size=2)
+    assert len(out) == len(LINES) and out[1] == "" and out[5] == ""
+    p = parse_params(yaml.safe_load((toy_workspace / "params.yaml").read_text()))
+    p.train.valid_bleu_sentences = 5
+    hook = ValidationBleu.from_params(p, toy_workspace / "data/raw",
+                                      load_tokenizer(model_dir / "tokenizer.json"))
+    model = load_translator(model_dir, "cpu", "fp32").model.train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    score = hook(model, torch.device("cpu"), torch.bfloat16)
+    assert 0.0 <= score <= 100.0 and model.training
+    for k, v in model.state_dict().items():
+        assert v.dtype == torch.float32 and torch.equal(v, before[k])
 
 
 def test_too_long_input_errors_or_truncates(model_dir):
