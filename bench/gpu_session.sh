@@ -46,6 +46,9 @@
 #      graphs, one per shape). Beside today's step in the same rounds, its baseline with
 #      the int16 dropout masks on the GPU (--int16-dropout: five launches per dropout where
 #      the model now keeps F.dropout's one). All under PART10_SECONDS.
+#  11. de->en (issue 45): the arm part 6 chose on valid (DEEN_ARM overrides), its seeds with
+#      source and target swapped, side by side as part 6 (CONV_MINUTES), then test2016.
+#      A call of its own after part 6 on the same machine (~6 min), or alone with DEEN_ARM.
 #   9. decoding on the GPU (issue 44, goal 2): bench.decode_batching over the multi30k
 #      valid sources, greedy (the validation BLEU pass) and beam 8 at alpha 1.4 (the
 #      preset's translate), with DECODE_BASELINES' decoders at decode.batch_size 64 against
@@ -136,6 +139,13 @@ if [ "${1:-}" = prepare ]; then
     (cd .gpu/m30k8k && for s in download vocab survey shard; do
         ../../.venv/bin/aiayn "$s" --params params.yaml; done)
     rm -rf .gpu/m30k8k/data/survey .gpu/m30k8k/metrics
+    # part 11: the same for de->en (the shared BPE: the same tokenizer, other shards)
+    rm -rf .gpu/m30k8k-deen && mkdir -p .gpu/m30k8k-deen
+    .venv/bin/aiayn params multi30k shard.max_tokens=8192 data.local.dir="$(realpath "$M30K")" \
+        data.src_lang=de data.tgt_lang=en --out .gpu/m30k8k-deen/params.yaml >/dev/null
+    (cd .gpu/m30k8k-deen && for s in download vocab survey shard; do
+        ../../.venv/bin/aiayn "$s" --params params.yaml; done)
+    rm -rf .gpu/m30k8k-deen/data/survey .gpu/m30k8k-deen/metrics
     IFS=';' read -ra arms <<< "$CONV"
     for arm in "${arms[@]}"; do
         for seed in $CONV_SEEDS; do  # shell word splitting of the arm's settings is meant
@@ -278,6 +288,15 @@ keep_run() {  # copy run folder $1's params, log and metrics into $2/<run>/
     mkdir -p "$2/${1##*/}" && cp -r "$1/params.yaml" "$1/run.log" "$1/metrics" \
         "$2/${1##*/}/" 2>/dev/null
 }
+test_run() {  # $1: the part; $2: a run folder that valid_run trained; $3: where it is kept.
+    # Translates and scores test2016, keeps the run's records, prints its test scores.
+    ( cd "$2" && OMP_NUM_THREADS=4 $PY -m stages.translate --split test --no-progress >> run.log 2>&1 \
+      && $PY -m stages.score --no-mlflow >> run.log 2>&1 ) || echo "PART $1 TEST FAILED: $2"
+    keep_run "$2" "$3"
+    $PY -c "import json, sys; b = json.load(open(sys.argv[1])); print(sys.argv[1], 'test2016 \
+sacreBLEU', b['sacrebleu']['score'], 'chrF', b.get('chrf', {}).get('score'), 'lowercased \
+tokenized', b['lowercase_bleu']['score'])" "$2/metrics/bleu.json" || true
+}
 side_by_side() {  # $1: the part; $2: the folder of <run>.yaml files; $3: the data folder;
                   # $4: minutes; $5: threads a run; $6: where each run's records are kept
     local pids=() f d  # waited for by pid: a bare `wait` would also wait for the log's tee
@@ -373,16 +392,28 @@ print(max(arms, key=lambda a: statistics.fmean(arms[a])) if arms else "")
 PYEOF
 )
 echo "chosen on valid: ${best:-none}"
-pids=()
+echo "$best" > "$RES/conv_best.txt"
 for d in .gpu/conv/"$best"-s*/; do
     [ -n "$best" ] || break
-    d=${d%/}
-    ( cd "$d" && OMP_NUM_THREADS=4 $PY -m stages.translate --split test --no-progress >> run.log 2>&1 \
-      && $PY -m stages.score --no-mlflow >> run.log 2>&1 ) || echo "PART 6 TEST FAILED: $d"
-    keep_run "$d" "$RES/conv"
-    $PY -c "import json, sys; b = json.load(open(sys.argv[1])); print(sys.argv[1], 'test2016 \
-sacreBLEU', b['sacrebleu']['score'], 'chrF', b.get('chrf', {}).get('score'), 'lowercased \
-tokenized', b['lowercase_bleu']['score'])" "$d/metrics/bleu.json" || true
+    test_run 6 "${d%/}" "$RES/conv"
+done
+pack
+fi
+
+if want 11; then
+# de->en (issue 45): the arm part 6 chose on en->de valid (its record; DEEN_ARM overrides),
+# each of CONV_SEEDS with source and target swapped, side by side, then test2016
+arm=${DEEN_ARM:-$(cat "$RES/conv_best.txt" 2>/dev/null)}
+arm=${arm:-d0.3}
+part "11. de->en: arm $arm, seeds $CONV_SEEDS side by side, then test2016"
+rm -rf .gpu/deen && mkdir -p .gpu/deen
+for seed in $CONV_SEEDS; do
+    sed -e 's/^  src_lang: en$/  src_lang: de/' -e 's/^  tgt_lang: de$/  tgt_lang: en/' \
+        ".gpu/conv/$arm-s$seed.yaml" > ".gpu/deen/$arm-s$seed.yaml"
+done
+side_by_side 11 .gpu/deen "$PWD/.gpu/m30k8k-deen/data" "$CONV_MINUTES" 3 "$RES/deen"
+for d in .gpu/deen/*/; do
+    test_run 11 "${d%/}" "$RES/deen"
 done
 pack
 fi
