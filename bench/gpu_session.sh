@@ -108,7 +108,9 @@ DECODE_DEVICE=${DECODE_DEVICE:-cuda}   # part 9 (cpu: a dry run here)
 
 if [ "${1:-}" = prepare ]; then
     set -e
-    rm -rf .whl .gpu/m30k && mkdir -p .gpu/m30k
+    # (also the run folders and results of an earlier run or dry run: they would travel and
+    # be packed with this run's; the carry holds 64 MiB in all, DECODE_MODEL ~30 MB of it)
+    rm -rf .whl .gpu/m30k .gpu/out .gpu/deen && mkdir -p .gpu/m30k
     for d in .whl .gpu; do grep -qx "/$d/" .git/info/exclude || echo "/$d/" >> .git/info/exclude; done
     # Python 3.12 wheels for the CUDA image (versions as this project's .venv resolves them)
     .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
