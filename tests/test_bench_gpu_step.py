@@ -110,6 +110,7 @@ def test_tiny_config_measures_on_the_cpu_and_writes_its_json(tmp_path, capsys):
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     assert r["pad_multiple"] == 1 and r["packing"] and r["compile_mode"] is None
     assert r["dropout"] == "int16 masks"  # the fast kernels' masks on a CPU
+    assert r["shapes_warmed"] == 0  # without --warm-shapes
 
 
 def test_tiny_config_runs_with_padded_shapes_and_no_packing(capsys):
@@ -121,7 +122,12 @@ def test_tiny_config_runs_with_padded_shapes_and_no_packing(capsys):
             "every batch shape met once") in capsys.readouterr().out
     (r,) = result["measured"]
     assert r["pad_multiple"] == 8 and not r["packing"] and r["tokens_per_s"] > 0
-    assert 1 <= r["shapes_warmed"] <= r["batch_shapes"]
+    # one warm-up step per distinct shape of a step's batches (warm-up 1 + 2 measured
+    # steps, 2 batches each), counted here from the batches the script cuts for the run
+    run = gpu_step.make_batches(6, 600, seed=1, device=torch.device("cpu"), multiple=8)
+    steps = {tuple(tuple(b.src.shape) + tuple(b.tgt_in.shape) for b in run[i:i + 2])
+             for i in (0, 2, 4)}
+    assert r["accumulation"] == 2 and r["shapes_warmed"] == len(steps)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="measures when a GPU is there")
