@@ -490,20 +490,13 @@ class DecoderState:
         if sources is None and self.group == 1:
             sources = index
 
-        def pick(t: Tensor, i: Tensor) -> Tensor:
-            return t.index_select(0, i)
-        caches = []
-        for c in self.caches:
-            kept = {}
-            for k, v in c.items():
-                i = index if k != "cross" else sources
-                if i is None:
-                    kept[k] = v
-                else:
-                    kept[k] = tuple(pick(t, i) for t in v) if isinstance(v, tuple) else pick(v, i)
-            caches.append(kept)
-        if sources is None:
-            return DecoderState(self.memory, self.src_mask, caches, self.position, self.group)
+        def pick(v: Tensor | tuple, i: Tensor | None) -> Tensor | tuple:
+            if i is None:
+                return v
+            return tuple(t.index_select(0, i) for t in v) if isinstance(v, tuple) \
+                else v.index_select(0, i)
+        caches = [{k: pick(v, sources if k == "cross" else index) for k, v in c.items()}
+                  for c in self.caches]
         return DecoderState(pick(self.memory, sources), pick(self.src_mask, sources), caches,
                             self.position, self.group)
 

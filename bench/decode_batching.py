@@ -80,6 +80,7 @@ def worker(spec: dict) -> None:
     """One turn: load, translate once, write {seconds, outputs} to spec["out"]."""
     import torch
 
+    import aiayn
     from aiayn.beam import BeamConfig
     from aiayn.translation import load_translator
 
@@ -96,7 +97,6 @@ def worker(spec: dict) -> None:
     out = translator.translate(lines, cfg, batch_size=spec["batch_size"], truncate=True)
     sync()
     seconds = time.perf_counter() - t0
-    import aiayn
     Path(spec["out"]).write_text(json.dumps({"seconds": seconds, "outputs": out,
                                              "precision": precision,
                                              "library": str(Path(aiayn.__file__).parent)}))
@@ -162,25 +162,25 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"beam {beam}, round {rnd + 1}/{args.rounds}: " + "  ".join(
                     f"{n} {len(lines) / runs[n][-1]['seconds']:.1f}" for n in names)
                     + " sent/s", flush=True)
-            results["beams"][beam] = summarize(names, runs, refs, args)
+            results["beams"][beam] = summarize(names, runs, refs)
             report(beam, results["beams"][beam])
     results["precision"] = next(iter(runs.values()))[0]["precision"]
     harness.save(results, args.json, argv, facts)
     return results
 
 
-def summarize(names: list[str], runs: dict[str, list[dict]], refs: list[str] | None,
-              args) -> dict:
+def summarize(names: list[str], runs: dict[str, list[dict]], refs: list[str] | None
+              ) -> dict:
     first = names[0]
     reference_out = runs[first][0]["outputs"]
     out = {}
     for name in names:
         secs = [r["seconds"] for r in runs[name]]
-        speed = [runs[first][i]["seconds"] / s for i, s in enumerate(secs)]
+        speed = harness.ratio([r["seconds"] for r in runs[first]], secs)  # round by round
         outputs = runs[name][0]["outputs"]
         row = {"seconds": secs, "lines": len(outputs), "library": runs[name][0]["library"],
                "sent_per_s": len(outputs) / statistics.median(secs),
-               "speed": list(speed),
+               "speed": list(speed.per_round),
                "same_outputs": sum(a == b for a, b in zip(outputs, reference_out,
                                                          strict=True))}
         if refs is not None:
