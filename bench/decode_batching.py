@@ -50,8 +50,9 @@ def parse_args(argv: list[str] | None):
                         "is no --baseline)")
     p.add_argument("--beams", default="1,4", help="comma-separated beam sizes (default 1,4)")
     p.add_argument("--alpha", type=float, default=0.6, help="length penalty (default 0.6)")
-    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
-                   help="as `aiayn translate --precision` (default auto: bf16 where native)")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="as `aiayn translate --precision` (default auto: bf16 where native; "
+                        "fp16 for a GPU without bf16)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where to decode (default cpu)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -87,7 +88,8 @@ def worker(spec: dict) -> None:
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
     translator = load_translator(Path(spec["model"]), spec["device"], spec["precision"])
-    precision = "bf16" if translator.amp_dtype == torch.bfloat16 else "fp32"
+    # Named from the dtype here, not by aiayn.precision.precision_name: older baselines lack it.
+    precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(translator.amp_dtype, "fp32")
     lines = spec["lines"]
     cfg = BeamConfig(beam=spec["beam"], alpha=spec["alpha"])
     translator.translate(lines[:8], cfg, batch_size=8, truncate=True)  # warm-up
