@@ -57,6 +57,7 @@ from aiayn.model import Dropout, Transformer, TransformerConfig, avoid_cudnn_att
 from aiayn.objective import make_optimizer
 from aiayn.precision import autocast_dtype, no_autocast, precision_name, step_casts
 from aiayn.sampler import Batch
+from aiayn.shards import cut_batches
 from aiayn.trainer import batch_loss
 from bench import harness
 from bench.flops import train_flops
@@ -125,17 +126,13 @@ def make_batches(n: int, max_tokens: int, seed: int, device: torch.device,
     src = np.clip(np.round(rng.lognormal(np.log(26), 0.55, pairs)), 2, 254).astype(int)
     tgt = np.clip(np.round(src * rng.normal(1.0, 0.1, pairs)), 2, 254).astype(int)
     order = np.lexsort((tgt, src))
-    buckets, rows, longest = [], [], 0
-    for i in order:
-        length = round_up(max(src[i], tgt[i]) + 1, multiple)
-        if rows and max(longest, length) * (len(rows) + 1) > max_tokens:
-            buckets.append(rows)
-            rows, longest = [], 0
-        rows.append(i)
-        longest = max(longest, length)
+    # The shard stage's cut, on lengths + EOS / + BOS rounded up to the multiple.
+    src_cost, tgt_cost = (-(-(x[order] + 1) // multiple) * multiple for x in (src, tgt))
+    bounds = cut_batches(src_cost, tgt_cost, max_tokens)
     out = []
-    for b in rng.choice(len(buckets), size=n, replace=False):
-        idx = np.array(buckets[b])
+    # Drawn from all batches but the last (the longest pairs' remainder), as before.
+    for b in rng.choice(len(bounds) - 2, size=n, replace=False):
+        idx = order[bounds[b]:bounds[b + 1]]
         s, t = src[idx] + 1, tgt[idx] + 1  # + EOS / + BOS
         src_t = np.zeros((len(idx), round_up(s.max(), multiple)), np.int64)
         tgt_in = np.zeros((len(idx), round_up(t.max(), multiple)), np.int64)
