@@ -1,4 +1,21 @@
-"""Hand freed heap memory back to the operating system during CPU training.
+"""The C heap of CPU training: another allocator where one is installed, else glibc's malloc
+with freed memory handed back to the operating system.
+
+**tcmalloc or jemalloc** (``train.allocator: auto``, the default, on a CPU). ``aiayn train``
+re-launches itself with the first of AUTO_ORDER that the dynamic loader finds preloaded
+(LD_PRELOAD; Debian/Ubuntu: ``apt install libtcmalloc-minimal4`` or ``libjemalloc2``).
+Side by side with glibc and the trim below (``bench/train_memory.py --modes
+trim,tcmalloc``, the ``multi30k`` model, bf16 on 2 AVX512-BF16 cores, 2026-11-28): steps
+0.83-0.87x the time (three pairs of 200-240 steps) and the peak resident memory 0.52x,
+flat at ~1.6 GiB where glibc's climbs past 3 GiB; jemalloc, whose freed pages are kept
+(ALLOCATOR_ENV), 0.91x and 0.60x. Over 300 steps of ``bench/train_throughput.py`` on glibc a
+step page-faulted ~48,000 times (~12,000 in the first few steps), on jemalloc 151 (4,910
+against 5,881 target tokens/s): glibc's steps slow down over the first few hundred, which
+short benchmarks do not see (the preset's run that day: ~5,800 target tokens/s at first,
+~4,400 from step ~150 on). On a GPU ``auto`` keeps glibc (the host's heap does not bound
+those steps).
+
+**glibc** (no other allocator installed, or ``train.allocator: glibc``):
 
 Training on CPU with token-bucket batches allocates activations of a different shape at
 almost every step. glibc's malloc keeps the freed blocks in its heap, fragmented, so the
@@ -14,17 +31,90 @@ trainer's peaks still climbed with the trim, 2.1 to 3.4 GiB over 150 steps again
 without, and the trim every 10 steps cost ~12% of a step: bench/README.md.)
 ``bench/train_memory.py`` measures both modes side by side.
 
-There is no library for this; ``ctypes`` reaches the C library the process already runs
-on. Elsewhere (macOS, Windows, musl) there is no ``malloc_trim`` and nothing is done.
+``malloc_trim`` has no library of its own; ``ctypes`` reaches the C library the process
+already runs on. Elsewhere (macOS, Windows, musl) there is no ``malloc_trim`` and nothing
+is done. The allocators are the libraries made for the job (as Intel's and PyTorch's CPU
+performance guides advise, and ``torch.backends.xeon.run_cpu`` preloads); a process can
+only get one at its start, hence the re-launch.
 """
 
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
+import os
 import sys
 from collections.abc import Callable
 
 TRIM_EVERY_STEPS = 10
+
+# Other allocators, loaded with LD_PRELOAD at a process's start: each by the library names
+# the dynamic loader knows it by (ctypes.util.find_library), first found wins.
+ALLOCATORS = {"jemalloc": ("jemalloc",), "tcmalloc": ("tcmalloc", "tcmalloc_minimal")}
+# jemalloc returns freed pages to the kernel after 10 s by default, and a training step that
+# allocates them again pays a page fault per 4 KiB; -1 keeps them for reuse.
+ALLOCATOR_ENV = {"jemalloc": {"MALLOC_CONF": "dirty_decay_ms:-1,muzzy_decay_ms:-1"}}
+# train.allocator: auto takes the first installed (bench/README.md, "train_memory.py").
+AUTO_ORDER = ("tcmalloc", "jemalloc")
+
+
+def allocator_library(name: str) -> str | None:
+    """The shared library of allocator ``name`` (a key of ALLOCATORS) as the dynamic loader
+    finds it (e.g. 'libjemalloc.so.2'), or None where it is not installed."""
+    for lib in ALLOCATORS[name]:
+        found = ctypes.util.find_library(lib)
+        if found:
+            return found
+    return None
+
+
+def allocator_env(name: str, env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) for a child process that runs on allocator
+    ``name``: its library first in LD_PRELOAD, and its settings (ALLOCATOR_ENV) unless
+    ``env`` sets them. Raises FileNotFoundError where the library is not installed."""
+    lib = allocator_library(name)
+    if lib is None:
+        raise FileNotFoundError(
+            f"no {name} library here ({', '.join('lib' + x for x in ALLOCATORS[name])}): "
+            f"install it, e.g. `apt install libjemalloc2` or `apt install libtcmalloc-minimal4`")
+    out = dict(os.environ if env is None else env)
+    out["LD_PRELOAD"] = " ".join(x for x in (lib, out.get("LD_PRELOAD", "")) if x)
+    for key, value in ALLOCATOR_ENV.get(name, {}).items():
+        out.setdefault(key, value)
+    return out
+
+
+def choose_allocator(choice: str, on_cpu: bool) -> str:
+    """The allocator ``train.allocator`` ``choice`` means here: 'auto' is the first of
+    AUTO_ORDER that is installed when training on a CPU, else 'glibc' (on a GPU the host's
+    heap is not what bounds a step); a named allocator must be installed."""
+    if choice == "auto":
+        if on_cpu:
+            for name in AUTO_ORDER:
+                if allocator_library(name):
+                    return name
+        return "glibc"
+    if choice != "glibc" and allocator_library(choice) is None:
+        raise FileNotFoundError(
+            f"train.allocator is {choice} but no lib{ALLOCATORS[choice][-1]} is installed: "
+            f"install it (Debian/Ubuntu: `apt install "
+            f"{'libtcmalloc-minimal4' if choice == 'tcmalloc' else 'libjemalloc2'}`) or set "
+            f"train.allocator: auto")
+    return choice
+
+
+def loaded_allocator() -> str:
+    """Which allocator this process runs on: 'jemalloc', 'tcmalloc' or 'glibc' (read from
+    the libraries mapped into it, /proc/self/maps; 'glibc' where that cannot be read)."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        return "glibc"
+    for name in ALLOCATORS:
+        if f"lib{name}" in maps:
+            return name
+    return "glibc"
 
 
 def malloc_trim() -> Callable[[], int] | None:

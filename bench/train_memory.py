@@ -47,9 +47,11 @@ import time
 from itertools import pairwise
 from pathlib import Path
 
+from aiayn.memory import ALLOCATORS, allocator_env, allocator_library
 from bench import harness
 
-MODES = ("notrim", "trim")
+MODES = ("notrim", "trim", "jemalloc", "tcmalloc")
+DEFAULT_MODES = "notrim,trim"
 
 
 def rss_mib() -> float:
@@ -61,15 +63,19 @@ def worker(mode: str, spec: dict, steps: int) -> dict:
     """Train ``steps`` steps of the trainer ``spec`` describes (``bench.train_throughput``'s
     worker spec) in this process; RSS and wall time of every step."""
 
-    from aiayn.memory import TRIM_EVERY_STEPS, HeapTrimmer
+    from aiayn.memory import TRIM_EVERY_STEPS, HeapTrimmer, loaded_allocator
     from bench.train_throughput import TrainerWorker
 
     runner = TrainerWorker(spec)
-    # the trainer's own trims every TRIM_EVERY_STEPS on CPU
+    # the trainer's own trims every TRIM_EVERY_STEPS on CPU (glibc's heap; the other
+    # allocators, preloaded by run_modes, keep their own)
     runner.heap = HeapTrimmer(every=spec.get("trim_every", TRIM_EVERY_STEPS),
                               enabled=mode == "trim")
     if mode == "trim" and not runner.heap.active:
         raise SystemExit("this C library has no malloc_trim: nothing to compare")
+    allocator = loaded_allocator()
+    if allocator != (mode if mode in ALLOCATORS else "glibc"):
+        raise SystemExit(f"mode {mode} runs on {allocator}: LD_PRELOAD did not take")
     bf16 = runner.trainer.amp_dtype is not None
     rss, secs = [], []
     for _ in range(steps):
@@ -78,7 +84,7 @@ def worker(mode: str, spec: dict, steps: int) -> dict:
         secs.append(time.perf_counter() - t0)
         rss.append(rss_mib())
     return {"mode": mode, "precision": "bf16" if bf16 else "fp32", "rss_mib": rss,
-            "step_s": secs}
+            "step_s": secs, "allocator": allocator}
 
 
 def window_max(rss: list[float], start: int, stop: int) -> float:
@@ -100,8 +106,9 @@ def summarise(run: dict, edges: list[int]) -> dict:
             "s_per_step": statistics.median(secs[warmup:])}
 
 
-def report(runs: list[dict], warmup: int, steps: int) -> tuple[list[dict], float, float]:
-    """Print the tables; return the summaries and the trim/notrim ratios."""
+def report(runs: list[dict], warmup: int, steps: int) -> tuple[list[dict], dict[str, dict]]:
+    """Print the tables; return the summaries and, for every mode after the first, its
+    ratios to the first ({mode: {"peak_last", "s_per_step"}}, medians over the repeats)."""
     # Peaks per window: a trim step's RSS alone would flatter the trimmed run.
     edges = windows(warmup, steps)
     print(f"\n{runs[0].get('precision', '?')}: peak RSS (MiB) over steps")
@@ -119,13 +126,18 @@ def report(runs: list[dict], warmup: int, steps: int) -> tuple[list[dict], float
     for s in summary:
         print(f"{s['mode']:>8} {s['peak_warmup']:12.0f} {s['peak_last']:16.0f} "
               f"{s['growth']:+7.0f} {s['s_per_step']:7.3f}")
-    notrim, trim = summary[0::2], summary[1::2]  # the runs alternate: notrim, trim, ...
-    end = harness.ratio([t["peak_last"] for t in trim], [n["peak_last"] for n in notrim])
-    speed = harness.ratio([t["s_per_step"] for t in trim], [n["s_per_step"] for n in notrim])
-    print(f"\ntrim / notrim: peak RSS of the last window x{end.median:.2f}, seconds per step "
-          f"x{speed.median:.2f} "
-          f"(median over {len(trim)} pair(s))")
-    return summary, end.median, speed.median
+    modes = list(dict.fromkeys(s["mode"] for s in summary))  # the runs cycle through them
+    first = summary[0::len(modes)]
+    ratios = {}
+    print()
+    for i, mode in enumerate(modes[1:], 1):
+        other = summary[i::len(modes)]
+        end = harness.ratio([o["peak_last"] for o in other], [f["peak_last"] for f in first])
+        speed = harness.ratio([o["s_per_step"] for o in other], [f["s_per_step"] for f in first])
+        ratios[mode] = {"peak_last": end.median, "s_per_step": speed.median}
+        print(f"{mode} / {modes[0]}: peak RSS of the last window x{end.median:.2f}, seconds "
+              f"per step x{speed.median:.2f} (median over {len(other)} pair(s))")
+    return summary, ratios
 
 
 def prepare(args: argparse.Namespace) -> dict:
@@ -153,7 +165,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=20,
                     help="steps before the baseline RSS and the timing start (20)")
     ap.add_argument("--repeats", type=int, default=1,
-                    help="how many notrim/trim pairs to run, alternating (1)")
+                    help="how many times to run the modes, one after the other (1)")
+    ap.add_argument("--modes", default=DEFAULT_MODES,
+                    help="comma-separated, the first the baseline of the ratios: notrim "
+                         "(glibc malloc as it is), trim (glibc with the trainer's "
+                         "malloc_trim), jemalloc, tcmalloc (LD_PRELOAD, no trim; e.g. `apt "
+                         f"install libjemalloc2 libtcmalloc-minimal4`); default {DEFAULT_MODES}"),
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="positions per batch side (default: the preset's shard.max_tokens)")
     ap.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
@@ -181,19 +198,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--warmup ({args.warmup}) must be at least 1 and below --steps "
                  f"({args.steps})")
     harness.require_positive(ap, args, "repeats", "trim_every")
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in args.modes if m not in MODES]
+    if unknown or len(set(args.modes)) < 2 or len(set(args.modes)) != len(args.modes):
+        ap.error(f"--modes {','.join(args.modes)}: give two or more of {', '.join(MODES)}, "
+                 f"each once")
+    for m in args.modes:
+        if m in ALLOCATORS and allocator_library(m) is None:
+            ap.error(f"--modes {m}: no {m} library here (e.g. `apt install libjemalloc2` or "
+                     f"`apt install libtcmalloc-minimal4`)")
     return args
 
 
 def run_modes(args: argparse.Namespace, spec: dict) -> list[dict]:
-    """Each mode in a fresh worker process of its own, notrim then trim, --repeats times."""
+    """Each mode in a fresh worker process of its own, in --modes' order, --repeats times;
+    an allocator mode's process starts with the allocator preloaded."""
     runs = []
     for r in range(args.repeats):
-        for mode in MODES:
+        for mode in args.modes:
+            env = harness.child_env()
+            if mode in ALLOCATORS:
+                env = allocator_env(mode, env)
             print(f"[{r + 1}/{args.repeats}] {mode}: {args.steps} steps ...", flush=True)
             res = subprocess.run(
                 harness.module_command("bench.train_memory", "--worker", mode, "--steps",
                                        str(args.steps), "--spec", json.dumps(spec)),
-                capture_output=True, text=True, env=harness.child_env())
+                capture_output=True, text=True, env=env)
             if res.returncode:
                 sys.exit(f"the {mode} worker failed (exit {res.returncode}):\n{res.stderr}")
             runs.append(json.loads(res.stdout.strip().splitlines()[-1]))
@@ -216,10 +246,12 @@ def main(argv: list[str] | None = None) -> dict:
         spec["trim_every"] = args.trim_every
     print(harness.machine_line())
     runs = run_modes(args, spec)
-    summary, end, speed = report(runs, args.warmup, args.steps)
+    summary, ratios = report(runs, args.warmup, args.steps)
+    second = ratios[args.modes[1]]
     out = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
                     if k not in ("json", "worker", "report", "spec")},
-           "summary": summary, "ratio_peak_last": end, "ratio_s_per_step": speed, "runs": runs}
+           "summary": summary, "ratio_peak_last": second["peak_last"],
+           "ratio_s_per_step": second["s_per_step"], "ratios": ratios, "runs": runs}
     return harness.save(out, args.json, argv)
 
 

@@ -65,14 +65,23 @@ def test_summarise_takes_the_warmup_and_last_window_peaks_and_the_median_step():
     assert s["s_per_step"] == pytest.approx(float(np.median(secs[8:])))
 
 
+class Calls(list):
+    """The workers' argv, and in .envs the environment each was started with."""
+
+    def __init__(self):
+        super().__init__()
+        self.envs: list[dict | None] = []
+
+
 @pytest.fixture
 def workers(monkeypatch):
     """subprocess.run standing in for the worker processes: each call's argv is recorded
     and answered with a fake_run of its mode, after a line of chatter on stdout."""
-    calls: list[list[str]] = []
+    calls = Calls()
 
     def run(cmd, **kwargs):
         calls.append(cmd)
+        calls.envs.append(kwargs.get("env"))
         mode = cmd[cmd.index("--worker") + 1]
         steps = int(cmd[cmd.index("--steps") + 1])
         out = "loading ...\n" + json.dumps(fake_run(mode, steps, seed=len(calls))) + "\n"
@@ -103,7 +112,7 @@ def test_a_run_alternates_the_modes_and_writes_the_summaries_and_ratios(workers,
     assert result["args"] == {"steps": 30, "warmup": 5, "repeats": 2, "max_tokens": 512,
                               "precision": "fp32", "seed": 7, "preset": "multi30k", "set": [],
                               "corpus": None, "workdir": asked["workdir"],
-                              "trim_every": None}
+                              "trim_every": None, "modes": ["notrim", "trim"]}
     assert result["runs"] == [fake_run(m, 30, seed=i) for i, m in enumerate(modes, start=1)]
     # by hand: warm-up steps 1-5, then windows of 5 steps; the last is steps 26-30
     for s, run in zip(result["summary"], result["runs"], strict=True):
@@ -214,3 +223,48 @@ def test_a_real_run_trains_the_trainer_in_both_modes_and_records_every_step(tmp_
         assert len(run["rss_mib"]) == 4 and len(run["step_s"]) == 4
         assert min(run["rss_mib"]) > 0 and min(run["step_s"]) > 0
     assert (tmp_path / "work" / "demo" / "data" / "shards" / "train").is_dir()
+
+
+def test_allocator_modes_run_preloaded_in_the_order_given_each_against_the_first(
+        workers, monkeypatch, capsys):
+    """--modes trim,jemalloc,tcmalloc: each repeat runs them in that order; the allocator
+    modes' workers start with their library first in LD_PRELOAD, the trim mode's without
+    one; each later mode's ratios are the medians of its runs over the first mode's."""
+    monkeypatch.setattr("aiayn.memory.allocator_library", lambda name: f"lib{name}.so.test")
+    monkeypatch.setattr(memory, "allocator_library", lambda name: f"lib{name}.so.test")
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    result = memory.main(["--steps", "12", "--warmup", "2", "--repeats", "2",
+                          "--modes", "trim,jemalloc,tcmalloc"])
+    modes = [cmd[cmd.index("--worker") + 1] for cmd in workers]
+    assert modes == ["trim", "jemalloc", "tcmalloc"] * 2
+    preloads = [env.get("LD_PRELOAD") for env in workers.envs]
+    assert preloads == [None, "libjemalloc.so.test", "libtcmalloc.so.test"] * 2
+    summary = result["summary"]
+    for i, mode in ((1, "jemalloc"), (2, "tcmalloc")):
+        ratios = [summary[i + 3 * r]["s_per_step"] / summary[3 * r]["s_per_step"]
+                  for r in range(2)]
+        assert result["ratios"][mode]["s_per_step"] == pytest.approx(sum(ratios) / 2)
+        peaks = [summary[i + 3 * r]["peak_last"] / summary[3 * r]["peak_last"]
+                 for r in range(2)]
+        assert result["ratios"][mode]["peak_last"] == pytest.approx(sum(peaks) / 2)
+    assert result["ratio_s_per_step"] == result["ratios"]["jemalloc"]["s_per_step"]
+    printed = capsys.readouterr().out
+    assert "jemalloc / trim:" in printed and "tcmalloc / trim:" in printed
+
+
+@pytest.mark.parametrize(("modes", "message"), [
+    ("trim", "give two or more of"),
+    ("trim,trim", "each once"),
+    ("trim,mimalloc", "give two or more of"),
+    ("trim,jemalloc", "no jemalloc library here (e.g. `apt install libjemalloc2`"),
+])
+def test_modes_that_cannot_run_are_argument_errors(workers, monkeypatch, capsys, modes,
+                                                   message):
+    """Fewer than two modes, a repeated or unknown one, or an allocator that is not
+    installed exit 2 before any worker starts."""
+    monkeypatch.setattr("aiayn.memory.allocator_library", lambda name: None)
+    monkeypatch.setattr(memory, "allocator_library", lambda name: None)
+    err = usage_error(lambda: memory.main(["--steps", "10", "--warmup", "2", "--modes", modes]),
+                      capsys)
+    assert message in err
+    assert workers == []
