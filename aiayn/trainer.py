@@ -48,7 +48,7 @@ from aiayn.distributed import World
 from aiayn.errors import AiaynError, DataError
 from aiayn.io import write_json
 from aiayn.kernels import projected_label_smoothed_loss
-from aiayn.memory import HeapTrimmer
+from aiayn.memory import HeapTrimmer, loaded_allocator
 from aiayn.model import (
     OutputVocab,
     Packing,
@@ -302,8 +302,10 @@ class Trainer:
                 [self.train_data, self.valid_data], self.cfg.pad_id,
                 int(self.train_data.meta["bos_id"]),
                 splitter.parents if splitter is not None else None)))
-        # Varied batch shapes fragment glibc's heap on CPU; trimming keeps RSS flat.
-        self.heap = HeapTrimmer(enabled=self.device.type == "cpu")
+        # Varied batch shapes fragment glibc's heap on CPU; trimming keeps RSS flat (tcmalloc
+        # and jemalloc, train.allocator, keep their own heaps).
+        self.allocator = loaded_allocator()
+        self.heap = HeapTrimmer(enabled=self.device.type == "cpu" and self.allocator == "glibc")
         self.accum = accumulation_steps(p.train.tokens_per_step, world.size,
                                         int(self.train_data.meta["max_tokens"]))
         if world.is_main and (warning := step_budget_warning(
@@ -716,6 +718,7 @@ class Trainer:
             **({"loss_scale": self.scaler.get_scale()} if self.scaler.is_enabled() else {}),
             **hardware(self.device),
             "kernels": self.p.train.kernels,
+            "allocator": self.allocator,
             "output_vocab": self.cfg.output_vocab,
             "output_vocab_size": (self.cfg.vocab_size if self.output_vocab is None
                                   else int(self.output_vocab.ids.numel())),

@@ -50,6 +50,58 @@ def relaunch_under_torchrun(nproc: int, max_restarts: int) -> None:
     os.execve(args[0], args, {**TORCHRUN_ENV, **os.environ})
 
 
+# Set in the environment of the process `aiayn train` re-launches on another allocator, so
+# that it is tried once.
+ALLOCATOR_RELAUNCHED = "AIAYN_ALLOCATOR_RELAUNCHED"
+
+
+def launched_as_command() -> bool:
+    """True when this process is `aiayn train` or `python -m stages.train` itself, not a
+    test runner, notebook or script that calls the stage function: only then may the stage
+    replace the process."""
+    prog = Path(sys.argv[0])
+    if prog.name == "aiayn":
+        return sys.argv[1:2] == ["train"]
+    return prog.resolve() == Path(__file__).resolve()
+
+
+def relaunch_with_allocator(p) -> None:
+    """Replace this process by the same command on the allocator ``train.allocator`` picks
+    (aiayn.memory.choose_allocator: on a CPU, tcmalloc or jemalloc where installed), when it
+    is not already the one loaded. A named allocator that is not installed is an error."""
+    import torch
+
+    from aiayn.memory import allocator_env, choose_allocator, loaded_allocator
+
+    on_cpu = p.train.device == "cpu" or (p.train.device == "auto"
+                                         and not torch.cuda.is_available())
+    try:
+        wanted = choose_allocator(p.train.allocator, on_cpu)
+    except FileNotFoundError as e:
+        raise AiaynError(str(e)) from None
+    loaded = loaded_allocator()
+    if wanted == "glibc" and loaded == "glibc" and on_cpu and p.train.allocator == "auto":
+        log.info("train: on glibc's malloc; tcmalloc makes CPU steps ~1.2x faster in half "
+                 "the memory (`apt install libtcmalloc-minimal4`; aiayn/memory.py)")
+    if wanted == loaded or wanted == "glibc":  # glibc cannot be unloaded: it stays as it is
+        return
+    relaunched = os.environ.get(ALLOCATOR_RELAUNCHED)
+    if relaunched or not launched_as_command():
+        # Called from Python (tests, notebooks), auto says so quietly; a named allocator, or
+        # a re-launch that did not load it, warns.
+        report = log.warning if relaunched or p.train.allocator != "auto" else log.info
+        report("train: train.allocator %s: running on %s (%s)", p.train.allocator, loaded,
+               "the re-launch did not load it" if relaunched
+               else "the stage was called from Python; preload it with LD_PRELOAD")
+        return
+    env = {**allocator_env(wanted), ALLOCATOR_RELAUNCHED: wanted}
+    log.info("train: re-launching on %s (LD_PRELOAD=%s; train.allocator: %s)", wanted,
+             env["LD_PRELOAD"], p.train.allocator)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
 @stage
 def train(
     params: ParamsPath = Path("params.yaml"),
@@ -91,6 +143,7 @@ def train(
     """
     p = read_params(params)
     world = world_from_env()
+    relaunch_with_allocator(p)
     if p.train.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
         relaunch_under_torchrun(p.train.nproc_per_node, p.train.max_restarts)
     if hasattr(signal, "SIGXFSZ"):
@@ -148,7 +201,8 @@ def start_tracking(tracker: Tracker, trainer: Trainer, p, run_file: Path) -> Non
               # what auto resolved to on this machine, beside the params as written
               "precision": precision_name(trainer.amp_dtype),
               **hardware(trainer.device),  # the CPU or GPU, and any instruction caps
-              "kernels": p.train.kernels, "compile": str(p.train.compile).lower()},
+              "kernels": p.train.kernels, "compile": str(p.train.compile).lower(),
+              "allocator": trainer.allocator},
         run_id=trainer.state.mlflow_run_id or load_run_id(run_file))
     if not world.is_main:
         return
