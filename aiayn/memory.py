@@ -46,17 +46,26 @@ import ctypes.util
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 TRIM_EVERY_STEPS = 10
 
 # Other allocators, loaded with LD_PRELOAD at a process's start: each by the library names
 # the dynamic loader knows it by (ctypes.util.find_library), first found wins.
 ALLOCATORS = {"jemalloc": ("jemalloc",), "tcmalloc": ("tcmalloc", "tcmalloc_minimal")}
+# The Debian/Ubuntu package of each (the one place these names are written).
+PACKAGES = {"jemalloc": "libjemalloc2", "tcmalloc": "libtcmalloc-minimal4"}
 # jemalloc returns freed pages to the kernel after 10 s by default, and a training step that
 # allocates them again pays a page fault per 4 KiB; -1 keeps them for reuse.
 ALLOCATOR_ENV = {"jemalloc": {"MALLOC_CONF": "dirty_decay_ms:-1,muzzy_decay_ms:-1"}}
 # train.allocator: auto takes the first installed (bench/README.md, "train_memory.py").
 AUTO_ORDER = ("tcmalloc", "jemalloc")
+
+
+def install_hint(*names: str) -> str:
+    """How to install allocators ``names`` (default: all), e.g. "`apt install
+    libtcmalloc-minimal4`" (Debian/Ubuntu)."""
+    return f"`apt install {' '.join(PACKAGES[n] for n in names or AUTO_ORDER)}`"
 
 
 def allocator_library(name: str) -> str | None:
@@ -72,16 +81,24 @@ def allocator_library(name: str) -> str | None:
 def allocator_env(name: str, env: dict[str, str] | None = None) -> dict[str, str]:
     """``env`` (default: this process's) for a child process that runs on allocator
     ``name``: its library first in LD_PRELOAD, and its settings (ALLOCATOR_ENV) unless
-    ``env`` sets them. Raises FileNotFoundError where the library is not installed."""
-    lib = allocator_library(name)
-    if lib is None:
-        raise FileNotFoundError(
-            f"no {name} library here ({', '.join('lib' + x for x in ALLOCATORS[name])}): "
-            f"install it, e.g. `apt install libjemalloc2` or `apt install libtcmalloc-minimal4`")
+    ``env`` sets them; for 'glibc', LD_PRELOAD without any library of ALLOCATORS. Raises
+    FileNotFoundError where the library is not installed."""
     out = dict(os.environ if env is None else env)
-    out["LD_PRELOAD"] = " ".join(x for x in (lib, out.get("LD_PRELOAD", "")) if x)
-    for key, value in ALLOCATOR_ENV.get(name, {}).items():
-        out.setdefault(key, value)
+    preload = [x for x in out.get("LD_PRELOAD", "").replace(":", " ").split()
+               if not any(f"lib{a}" in Path(x).name for a in ALLOCATORS)]
+    if name != "glibc":
+        lib = allocator_library(name)
+        if lib is None:
+            raise FileNotFoundError(
+                f"no {name} library here ({', '.join('lib' + x for x in ALLOCATORS[name])}): "
+                f"install it, e.g. {install_hint(name)} (Debian/Ubuntu)")
+        preload.insert(0, lib)
+        for key, value in ALLOCATOR_ENV.get(name, {}).items():
+            out.setdefault(key, value)
+    if preload:
+        out["LD_PRELOAD"] = " ".join(preload)
+    else:
+        out.pop("LD_PRELOAD", None)
     return out
 
 
@@ -98,17 +115,16 @@ def choose_allocator(choice: str, on_cpu: bool) -> str:
     if choice != "glibc" and allocator_library(choice) is None:
         raise FileNotFoundError(
             f"train.allocator is {choice} but no lib{ALLOCATORS[choice][-1]} is installed: "
-            f"install it (Debian/Ubuntu: `apt install "
-            f"{'libtcmalloc-minimal4' if choice == 'tcmalloc' else 'libjemalloc2'}`) or set "
-            f"train.allocator: auto")
+            f"install it (Debian/Ubuntu: {install_hint(choice)}) or set train.allocator: auto")
     return choice
 
 
-def loaded_allocator() -> str:
-    """Which allocator this process runs on: 'jemalloc', 'tcmalloc' or 'glibc' (read from
-    the libraries mapped into it, /proc/self/maps; 'glibc' where that cannot be read)."""
+def loaded_allocator(pid: int | str = "self") -> str:
+    """Which allocator process ``pid`` (default: this one) runs on: 'jemalloc', 'tcmalloc'
+    or 'glibc' (read from the libraries mapped into it, /proc/PID/maps; 'glibc' where that
+    cannot be read)."""
     try:
-        with open("/proc/self/maps") as f:
+        with open(f"/proc/{pid}/maps") as f:
             maps = f.read()
     except OSError:
         return "glibc"

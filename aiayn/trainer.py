@@ -119,11 +119,19 @@ def model_config(p: Params, vocab_size: int) -> TransformerConfig:
         positions=m.positions)
 
 
-def pick_device(choice: str, world: World) -> torch.device:
+def device_kind(choice: str) -> str:
+    """'cuda' or 'cpu': where ``train.device`` ``choice`` trains on this machine (no side
+    effects: the allocator is chosen from it before the process sets a device up)."""
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise AiaynError("train.device is 'cuda' but no GPU is visible; set train.device: "
                              "auto or cpu")
+        return "cuda"
+    return "cpu"
+
+
+def pick_device(choice: str, world: World) -> torch.device:
+    if device_kind(choice) == "cuda":
         torch.cuda.set_device(world.local_rank)
         device = torch.device("cuda", world.local_rank)
         avoid_cudnn_attention(device)

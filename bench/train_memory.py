@@ -47,7 +47,7 @@ import time
 from itertools import pairwise
 from pathlib import Path
 
-from aiayn.memory import ALLOCATORS, allocator_env, allocator_library
+from aiayn.memory import ALLOCATORS, allocator_env, allocator_library, install_hint
 from bench import harness
 
 MODES = ("notrim", "trim", "jemalloc", "tcmalloc")
@@ -169,8 +169,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--modes", default=DEFAULT_MODES,
                     help="comma-separated, the first the baseline of the ratios: notrim "
                          "(glibc malloc as it is), trim (glibc with the trainer's "
-                         "malloc_trim), jemalloc, tcmalloc (LD_PRELOAD, no trim; e.g. `apt "
-                         f"install libjemalloc2 libtcmalloc-minimal4`); default {DEFAULT_MODES}"),
+                         "malloc_trim), jemalloc, tcmalloc (LD_PRELOAD, no trim; e.g. "
+                         f"{install_hint()}); default {DEFAULT_MODES}"),
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="positions per batch side (default: the preset's shard.max_tokens)")
     ap.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
@@ -205,8 +205,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                  f"each once")
     for m in args.modes:
         if m in ALLOCATORS and allocator_library(m) is None:
-            ap.error(f"--modes {m}: no {m} library here (e.g. `apt install libjemalloc2` or "
-                     f"`apt install libtcmalloc-minimal4`)")
+            ap.error(f"--modes {m}: no {m} library here (e.g. {install_hint(m)})")
     return args
 
 

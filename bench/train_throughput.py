@@ -10,6 +10,8 @@ Usage (from the repository root)::
     .venv/bin/python -m bench.train_throughput --contenders fast,fast@2048           # batch size
     .venv/bin/python -m bench.train_throughput --contenders fast,ff512 \
         --arm ff512:model.d_ff=512                                       # model shapes
+    .venv/bin/python -m bench.train_throughput --baseline f86d62d \
+        --contenders fast/tcmalloc,fast/glibc,main/glibc --steps 6 --rounds 40  # C heaps
     .venv/bin/python -m bench.train_throughput --help
 
 What runs
@@ -49,6 +51,16 @@ checkpoints and logs are not timed.
   e.g. ``fast@2048`` against ``fast``: what a batch size costs or buys in tokens/s, side by
   side. Such a contender takes its own batches (the same sampler seed over its own shards),
   so its tokens and FLOPs per round are counted on its own batches;
+* ``NAME/ALLOC`` - any contender above (``main``, ``fast@2048`` included) in a worker on C
+  heap ``ALLOC``: ``glibc``, ``tcmalloc`` or ``jemalloc``, preloaded as ``aiayn train``
+  re-launches itself (``aiayn.memory.allocator_env``; e.g. ``fast/tcmalloc,main/glibc``:
+  today's trainer as ``train.allocator: auto`` runs it where tcmalloc is installed, against
+  a baseline commit on glibc). The worker's heap is read back from its memory map and the
+  run stops if the library did not load. Without a suffix a worker keeps this process's
+  heap (whatever LD_PRELOAD says); the heap each ran on is printed and recorded. Trees
+  whose trainer knows ``train.allocator`` trim glibc's heap only on glibc; older trees
+  always trim, as they did. Short turns do not reach the slowdown a fragmenting heap
+  brings over the first few hundred steps: take longer ones (``--steps 6 --rounds 50``);
 * ``--arm NAME:KEY=VALUE,...`` - a contender ``NAME``: ``fast`` with these ``model.*`` and
   ``train.*`` settings, e.g. ``--arm enc4dec2:model.encoder_layers=4,model.decoder_layers=2``
   (repeatable; list ``NAME`` in ``--contenders``). Same batches as ``fast``; its FLOPs are
@@ -157,7 +169,7 @@ class TrainerWorker:
         if missing := sorted(asked & set(dropped)):
             raise SystemExit(f"{spec['name']}: this tree has no {missing[0]}")
         p = parse_params(known, spec["params"])
-        run = Path(spec["scratch"]) / spec["name"].replace("+", "_")
+        run = Path(spec["scratch"]) / "".join(x if x.isalnum() else "_" for x in spec["name"])
         paths = TrainPaths(shards=Path(spec["shards"]), checkpoints=run / "checkpoints",
                            metrics=run / "train.json", train_log=run / "train_log.tsv",
                            valid_log=run / "valid_log.tsv")
@@ -211,7 +223,7 @@ class TorchNNWorker:
 
         p = parse_params(yaml.safe_load(Path(spec["params"]).read_text()), spec["params"])
         cfg = model_config(p, load_tokenizer(Path(spec["tokenizer"])).get_vocab_size())
-        drop_everywhere = spec["name"] == "nn+drop"
+        drop_everywhere = spec["core"] == "nn+drop"
         if (cfg.key_size, cfg.value_size) != (cfg.d_model // cfg.heads,) * 2 or (
                 cfg.positions != "sinusoidal"):
             raise SystemExit(
@@ -371,13 +383,21 @@ class Worker:
     aiayn from ``tree`` (a baseline commit's, from harness.extract_tree) when given, else
     from this checkout."""
 
-    def __init__(self, spec: dict, tree: Path | None = None):
+    def __init__(self, spec: dict, tree: Path | None = None, heap: str | None = None):
+        from aiayn.memory import allocator_env, loaded_allocator
+
         self.name = spec["name"]
+        env = harness.child_env(*[tree] if tree else [])
         self.proc = subprocess.Popen(
             harness.module_command("bench.train_throughput", "--worker", json.dumps(spec)),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            env=harness.child_env(*[tree] if tree else []), cwd=spec["scratch"])
+            env=allocator_env(heap, env) if heap else env, cwd=spec["scratch"])
         self.info = self._read()
+        # the heap it runs on, read from its memory map (a baseline tree may not know how)
+        self.info["allocator"] = loaded_allocator(self.proc.pid)
+        if heap and self.info["allocator"] != heap:
+            raise SystemExit(f"error: contender {self.name} runs on {self.info['allocator']}, "
+                             f"not {heap}: LD_PRELOAD did not take")
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
@@ -426,6 +446,20 @@ def check_arms(raw: dict, arms: dict[str, dict]) -> dict:
         except ParamsError as e:
             raise SystemExit(f"error: {e}") from None
     return checked
+
+
+HEAPS = ("glibc", "tcmalloc", "jemalloc")
+
+
+def split_allocator(name: str) -> tuple[str, str | None]:
+    """``fast/tcmalloc`` -> ("fast", "tcmalloc"); ``fast`` -> ("fast", None)."""
+    core, slash, heap = name.partition("/")
+    if not slash:
+        return name, None
+    if heap not in HEAPS:
+        raise SystemExit(f"error: contender {name}: NAME/ALLOC needs ALLOC one of "
+                         f"{', '.join(HEAPS)}, e.g. fast/tcmalloc")
+    return core, heap
 
 
 def split_contender(name: str, trainers: dict = TRAINERS) -> tuple[str, int | None]:
@@ -581,7 +615,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 @dataclass
 class Contenders:
     """The contenders of a run: ``names`` in the order given, each one's trainer contender
-    without @N (``base``) and its batch tokens (``variant``; None: the preset's), the
+    without @N and /ALLOC (``base``), its batch tokens (``variant``; None: the preset's),
+    its name without /ALLOC (``core``) and its C heap (``heap``; None: this process's), the
     trainer settings by name (``trainers``: TRAINERS and the arms) and each arm's params."""
 
     names: list[str]
@@ -590,6 +625,8 @@ class Contenders:
     trainers: dict[str, dict]
     arms: dict[str, dict]
     arm_params: dict
+    core: dict[str, str]
+    heap: dict[str, str | None]
 
 
 def choose_contenders(args) -> Contenders:
@@ -605,15 +642,26 @@ def choose_contenders(args) -> Contenders:
                             arms)
     if args.profile and args.profile not in names:
         names.append(args.profile)
-    base = {n: split_contender(n, trainers)[0] for n in names}
-    variant = {n: split_contender(n, trainers)[1] for n in names}
-    unknown = [n for n in names if base[n] not in trainers and n not in OTHERS]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"error: --contenders {','.join(names)}: name each contender once")
+    core = {n: split_allocator(n)[0] for n in names}
+    heap = {n: split_allocator(n)[1] for n in names}
+    base = {n: split_contender(core[n], trainers)[0] for n in names}
+    variant = {n: split_contender(core[n], trainers)[1] for n in names}
+    unknown = [n for n in names if base[n] not in trainers and core[n] not in OTHERS]
     if unknown:
         raise SystemExit(f"error: unknown contender(s) {', '.join(unknown)}; choose from "
                          f"{', '.join([*trainers, *OTHERS])}")
     if "main" in base.values() and not args.baseline:
         raise SystemExit("error: contender main needs --baseline REF")
-    return Contenders(names, base, variant, trainers, arms, arm_params)
+    if any(core[n] == "matmul" != n for n in names):
+        raise SystemExit("error: contender matmul measures the products, not a heap: no /ALLOC")
+    from aiayn.memory import allocator_library, install_hint
+    for n in names:
+        if heap[n] not in (None, "glibc") and allocator_library(heap[n]) is None:
+            raise SystemExit(f"error: contender {n}: no {heap[n]} library here (e.g. "
+                             f"{install_hint(heap[n])})")
+    return Contenders(names, base, variant, trainers, arms, arm_params, core, heap)
 
 
 def prepare_variants(args, c: Contenders) -> dict:
@@ -641,10 +689,10 @@ def start_workers(args, c: Contenders, data: dict, scratch: Path, threads: int,
             if "main" in c.base.values() else None)
     for n in c.names:
         n_params, n_shards, n_tokenizer = data[c.variant[n]]
-        spec = {"name": n, "params": str(n_params), "shards": str(n_shards),
+        spec = {"name": n, "core": c.core[n], "params": str(n_params), "shards": str(n_shards),
                 "tokenizer": str(n_tokenizer), "scratch": str(scratch), "threads": threads,
                 "matmul_dtype": matmul_dtype, "train": c.trainers.get(c.base[n], {})}
-        workers[n] = Worker(spec, tree if c.base[n] == "main" else None)
+        workers[n] = Worker(spec, tree if c.base[n] == "main" else None, c.heap[n])
         if c.base[n] == "main":
             print(f"{n}: {workers[n].info['aiayn']} (git {args.baseline}); params it does "
                   f"not know, dropped: {', '.join(workers[n].info['dropped_params']) or '-'}")
@@ -692,7 +740,8 @@ def run_rounds(args, c: Contenders, workers: dict[str, Worker], data: dict, cfg,
     # each contender's FLOPs per round: an arm's on its own shape, the others' on the preset's
     n_flops = {n: own_flops[n] if n in cfgs else span_flops[c.variant[n], spans[n]]
                for n in c.names if n != "matmul"}
-    return {"runs": runs, "tokens": tokens, "flops": flops, "n_flops": n_flops, "spans": spans}
+    return {"runs": runs, "tokens": tokens, "flops": flops, "n_flops": n_flops, "spans": spans,
+            "heaps": {n: w.info["allocator"] for n, w in workers.items()}}
 
 
 # the pairs whose ratio is printed when both ran
@@ -700,6 +749,20 @@ PAIRS = (("fast", "main"), ("fast", "plain"), ("plain", "main"), ("fast", "nn"),
          ("fast+drop", "nn+drop"), ("fast+compile", "fast"), ("fast+compile", "main"),
          ("fast+drop", "fast"), ("nn+drop", "nn"), ("fast+target", "fast+shared"),
          ("fast+shared", "main"), ("fast+shared", "nn"), ("fast+target", "main"))
+
+
+def ratio_pairs(c: Contenders, measured: list[str]) -> list[tuple[str, str]]:
+    """The (numerator, denominator) pairs whose ratio is printed, of the ``measured``
+    contenders: PAIRS, whatever heap each side ran on; the same contender on two heaps, in
+    the order given; each batch size against the preset's; each arm against fast."""
+    pairs = [(n, m) for a, b in PAIRS for n in measured for m in measured
+             if c.core[n] == a and c.core[m] == b]
+    pairs += [(n, m) for i, n in enumerate(measured) for m in measured[i + 1:]
+              if c.core[n] == c.core[m]]
+    pairs += [(n, c.base[n]) for n in measured  # each batch size against the preset's
+              if c.variant[n] is not None and c.base[n] in measured]
+    pairs += [(n, "fast") for n in measured if c.base[n] in c.arms and "fast" in measured]
+    return list(dict.fromkeys(pairs))
 
 
 def summarise(args, c: Contenders, measured: dict) -> tuple[dict, dict | None, dict, dict]:
@@ -721,6 +784,7 @@ def summarise(args, c: Contenders, measured: dict) -> tuple[dict, dict | None, d
                       "cpu_s_per_step": med(x["cpu"] for x in runs[n]) / args.steps,
                       "page_faults_per_step": med(x["faults"] for x in runs[n]) / args.steps,
                       "tokens_per_s_rounds": tps[n],
+                      "allocator": measured["heaps"][n],
                       **{k: runs[n][-1][k] for k in ("graphs", "graph_breaks")
                          if k in runs[n][-1]}}
     matmul = None
@@ -732,11 +796,8 @@ def summarise(args, c: Contenders, measured: dict) -> tuple[dict, dict | None, d
         for n, res in results.items():
             res["matmul_fraction"] = med(n_flops[n][r] / x["wall"] / 1e9 / per_round[r]
                                          for r, x in enumerate(runs[n]))
-    pairs = [(a, b) for a, b in PAIRS if a in tps and b in tps]
-    pairs += [(n, c.base[n]) for n in tps  # each batch size against the preset's
-              if c.variant[n] is not None and c.base[n] in tps]
-    pairs += [(n, "fast") for n in tps if c.base[n] in c.arms and "fast" in tps]
-    ratios = {f"{a} / {b}": harness.ratio(tps[a], tps[b]).median for a, b in pairs}
+    ratios = {f"{a} / {b}": harness.ratio(tps[a], tps[b]).median
+              for a, b in ratio_pairs(c, list(tps))}
     return results, matmul, ratios, tps
 
 
@@ -755,6 +816,8 @@ def print_report(args, c: Contenders, p, cfg, measured: dict, summary: tuple,
               "FLOPs counted at that width: " + ", ".join(
                   f"{n} {spans[n]}" for n in c.names if spans[n] != cfg.vocab_size)
               + f" of {cfg.vocab_size} tokens")
+    print("C heap of each worker: " + ", ".join(f"{n} {measured['heaps'][n]}"
+                                                for n in c.names if n != "matmul"))
     head = f"{'contender':<{width}}{'target tok/s':>13}{'GFLOP/s':>9}"
     head += f"{'of matmul':>11}" if matmul else ""
     print(head + f"{'wall s/step':>13}{'CPU s/step':>12}{'faults/step':>13}"

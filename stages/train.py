@@ -21,7 +21,7 @@ from aiayn.run_store import RUN_FILE
 from aiayn.subword import merge_parents
 from aiayn.tokenizer import load_tokenizer
 from aiayn.tracking import Tracker, default_run_name, git_commit, load_run_id, save_run_id
-from aiayn.trainer import Trainer, TrainPaths
+from aiayn.trainer import Trainer, TrainPaths, device_kind
 from stages.common import ParamsPath, log, read_params, single_command_app, stage
 from stages.params import nearest_preset
 
@@ -69,12 +69,9 @@ def relaunch_with_allocator(p) -> None:
     """Replace this process by the same command on the allocator ``train.allocator`` picks
     (aiayn.memory.choose_allocator: on a CPU, tcmalloc or jemalloc where installed), when it
     is not already the one loaded. A named allocator that is not installed is an error."""
-    import torch
+    from aiayn.memory import allocator_env, choose_allocator, install_hint, loaded_allocator
 
-    from aiayn.memory import allocator_env, choose_allocator, loaded_allocator
-
-    on_cpu = p.train.device == "cpu" or (p.train.device == "auto"
-                                         and not torch.cuda.is_available())
+    on_cpu = device_kind(p.train.device) == "cpu"
     try:
         wanted = choose_allocator(p.train.allocator, on_cpu)
     except FileNotFoundError as e:
@@ -82,7 +79,7 @@ def relaunch_with_allocator(p) -> None:
     loaded = loaded_allocator()
     if wanted == "glibc" and loaded == "glibc" and on_cpu and p.train.allocator == "auto":
         log.info("train: on glibc's malloc; with tcmalloc, bf16 CPU steps ran ~1.2x faster in "
-                 "half the memory (`apt install libtcmalloc-minimal4`; aiayn/memory.py)")
+                 "half the memory (%s; aiayn/memory.py)", install_hint("tcmalloc"))
     if wanted == loaded or wanted == "glibc":  # glibc cannot be unloaded: it stays as it is
         return
     relaunched = os.environ.get(ALLOCATOR_RELAUNCHED)

@@ -57,6 +57,42 @@ def test_the_child_environment_preloads_the_library_first_and_keeps_what_was_set
         memory.allocator_env("tcmalloc", {})
 
 
+def test_a_child_environment_holds_one_allocator_at_most(monkeypatch):
+    """Switching heaps replaces the preloaded one; glibc preloads none; other preloaded
+    libraries stay, in order."""
+    monkeypatch.setattr(memory, "allocator_library", installed("jemalloc", "tcmalloc"))
+    parent = {"LD_PRELOAD": "/usr/lib/libjemalloc.so.2:libother.so", "PATH": "/bin"}
+    tc = memory.allocator_env("tcmalloc", parent)
+    assert tc["LD_PRELOAD"] == "libtcmalloc.so.test libother.so"
+    glibc = memory.allocator_env("glibc", parent)
+    assert glibc["LD_PRELOAD"] == "libother.so" and "MALLOC_CONF" not in glibc
+    assert "LD_PRELOAD" not in memory.allocator_env("glibc", {"LD_PRELOAD": "libjemalloc.so.2"})
+    assert parent["LD_PRELOAD"] == "/usr/lib/libjemalloc.so.2:libother.so"  # not changed
+
+
+def test_every_allocator_names_its_package_and_the_messages_use_it():
+    assert set(memory.PACKAGES) == set(memory.ALLOCATORS)
+    assert memory.install_hint("jemalloc") == "`apt install libjemalloc2`"
+    assert memory.install_hint() == "`apt install libtcmalloc-minimal4 libjemalloc2`"
+
+
+def test_another_process_s_allocator_is_read_from_its_memory_map(monkeypatch):
+    """loaded_allocator(pid) reads /proc/PID/maps: a child on glibc reads glibc, one on an
+    installed allocator reads that one (where installed), a gone process reads glibc."""
+    wait = [sys.executable, "-c", "import sys; print('up', flush=True); sys.stdin.read()"]
+    children = {"glibc": memory.allocator_env("glibc")}
+    children.update({name: memory.allocator_env(name) for name in INSTALLED if INSTALLED[name]})
+    for name, env in children.items():
+        proc = subprocess.Popen(wait, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                text=True)
+        try:
+            assert proc.stdout.readline() == "up\n"  # running: its libraries are mapped
+            assert memory.loaded_allocator(proc.pid) == name
+        finally:
+            proc.communicate("")
+    assert memory.loaded_allocator(proc.pid) == "glibc"  # reaped: no maps to read
+
+
 @pytest.mark.parametrize("name", sorted(memory.ALLOCATORS))
 def test_a_child_started_with_the_environment_runs_on_that_allocator(name):
     if not INSTALLED[name]:

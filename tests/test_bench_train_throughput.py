@@ -59,3 +59,49 @@ def test_a_bad_arm_stops_the_run_before_any_data_is_made(tmp_path):
                          "fast,typo", "--arm", "typo:model.dff=64"])
     assert not work.exists() or not any(work.iterdir())
     assert "typo" not in throughput.TRAINERS  # an arm lives in its run, not in the module
+
+
+def contenders(names: str) -> throughput.Contenders:
+    import argparse
+
+    args = argparse.Namespace(contenders=names, arm=[], baseline="HEAD", preset="demo", set=[],
+                              profile=None)
+    return throughput.choose_contenders(args)
+
+
+def test_a_heap_suffix_runs_any_contender_on_that_allocator(monkeypatch):
+    monkeypatch.setattr("aiayn.memory.allocator_library", lambda name: f"lib{name}.so")
+    c = contenders("fast/tcmalloc,fast@2048/jemalloc,main/glibc,fast,matmul")
+    assert c.heap == {"fast/tcmalloc": "tcmalloc", "fast@2048/jemalloc": "jemalloc",
+                      "main/glibc": "glibc", "fast": None, "matmul": None}
+    assert c.core["fast@2048/jemalloc"] == "fast@2048"
+    assert c.base["fast@2048/jemalloc"] == "fast" and c.variant["fast@2048/jemalloc"] == 2048
+    assert c.base["main/glibc"] == "main" and c.variant["main/glibc"] is None
+
+
+@pytest.mark.parametrize(("names", "message"), [
+    ("fast/mimalloc", "ALLOC one of glibc, tcmalloc, jemalloc"),
+    ("fast/tcmalloc,matmul/tcmalloc", "matmul measures the products"),
+    ("fast/tcmalloc,fast/tcmalloc", "name each contender once"),
+    ("fast/jemalloc", "no jemalloc library here .*apt install libjemalloc2"),
+])
+def test_a_heap_that_cannot_run_stops_before_any_worker(monkeypatch, names, message):
+    monkeypatch.setattr("aiayn.memory.allocator_library",
+                        lambda name: "libtcmalloc.so" if name == "tcmalloc" else None)
+    with pytest.raises(SystemExit, match=message):
+        contenders(names)
+
+
+def test_ratios_pair_contenders_whatever_their_heap_and_each_heap_with_the_others(monkeypatch):
+    monkeypatch.setattr("aiayn.memory.allocator_library", lambda name: f"lib{name}.so")
+    names = ["fast/tcmalloc", "fast/glibc", "main/glibc", "plain", "fast@2048"]
+    c = contenders(",".join(names))
+    pairs = throughput.ratio_pairs(c, names)
+    assert pairs == [("fast/tcmalloc", "main/glibc"), ("fast/glibc", "main/glibc"),
+                     ("fast/tcmalloc", "plain"), ("fast/glibc", "plain"),
+                     ("plain", "main/glibc"), ("fast/tcmalloc", "fast/glibc")]
+    assert len(set(pairs)) == len(pairs)
+    # without suffixes, as before: PAIRS in their order, then each batch size against fast
+    plain = contenders("fast,main,plain,fast@2048")
+    assert throughput.ratio_pairs(plain, plain.names) == [
+        ("fast", "main"), ("fast", "plain"), ("plain", "main"), ("fast@2048", "fast")]
