@@ -82,7 +82,7 @@ def test_on_multi30k_the_rows_vary_its_model_as_the_paper_varies_its_base():
     assert got["D-ls0.0"].overrides == {"train.label_smoothing": 0.0}
     assert got["E-learned"].overrides == {"model.positions": "learned"}
     assert got["big"].overrides == {"model.d_model": 512, "model.d_ff": 2048, "model.heads": 8,
-                                    "model.dropout": 0.3, "train.steps": 12_000,
+                                    "model.dropout": 0.3, "train.steps": 3 * 8000,  # 300k / 100k
                                     "train.max_minutes": 165}
     # A common budget holds for every row, big included; the rest of big stays.
     budgeted = plans(raw, t3.budget(steps=500))
