@@ -9,7 +9,9 @@ trim,tcmalloc``, the ``multi30k`` model, bf16 on 2 AVX512-BF16 cores, 2026-11-28
 0.82-0.87x the time (three pairs of 200-240 steps) and the peak resident memory 0.52x,
 flat at ~1.6 GiB where glibc's climbs past 3 GiB; jemalloc, whose freed pages are kept
 (ALLOCATOR_ENV), 0.91x and 0.60x; in fp32 with AVX2 caps (as an AVX2-only CPU computes),
-tcmalloc 0.97x and 0.69x. Over 300 steps of ``bench/train_throughput.py`` on glibc a
+tcmalloc 0.97x and 0.69x. On 2 cores with AMX, where the products are cheapest, 0.71x and
+0.53x (one pair of 200 steps; over 240 steps of ``bench/train_throughput.py``, side by side,
+1.57x the target tokens/s). Over 300 steps of ``bench/train_throughput.py`` on glibc a
 step page-faulted ~48,000 times (~12,000 in the first few steps), on jemalloc 151 (4,910
 against 5,881 target tokens/s): glibc's steps slow down over the first few hundred, which
 short benchmarks do not see (the preset's run that day: ~5,800 target tokens/s at first,
