@@ -80,6 +80,15 @@ def allocator_library(name: str) -> str | None:
     return None
 
 
+def library_allocator(text: str) -> str | None:
+    """The allocator of ALLOCATORS whose library ``text`` names (a file name, a path or a
+    memory map's lines; 'libtcmalloc_minimal.so.4' is tcmalloc), else None."""
+    for name in ALLOCATORS:
+        if f"lib{name}" in text:
+            return name
+    return None
+
+
 def allocator_env(name: str, env: dict[str, str] | None = None) -> dict[str, str]:
     """``env`` (default: this process's) for a child process that runs on allocator
     ``name``: its library first in LD_PRELOAD, and its settings (ALLOCATOR_ENV) unless
@@ -87,7 +96,7 @@ def allocator_env(name: str, env: dict[str, str] | None = None) -> dict[str, str
     FileNotFoundError where the library is not installed."""
     out = dict(os.environ if env is None else env)
     preload = [x for x in out.get("LD_PRELOAD", "").replace(":", " ").split()
-               if not any(f"lib{a}" in Path(x).name for a in ALLOCATORS)]
+               if library_allocator(Path(x).name) is None]
     if name != "glibc":
         lib = allocator_library(name)
         if lib is None:
@@ -130,10 +139,7 @@ def loaded_allocator(pid: int | str = "self") -> str:
             maps = f.read()
     except OSError:
         return "glibc"
-    for name in ALLOCATORS:
-        if f"lib{name}" in maps:
-            return name
-    return "glibc"
+    return library_allocator(maps) or "glibc"
 
 
 def malloc_trim() -> Callable[[], int] | None:

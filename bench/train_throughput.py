@@ -448,17 +448,19 @@ def check_arms(raw: dict, arms: dict[str, dict]) -> dict:
     return checked
 
 
-HEAPS = ("glibc", "tcmalloc", "jemalloc")
-
-
 def split_allocator(name: str) -> tuple[str, str | None]:
-    """``fast/tcmalloc`` -> ("fast", "tcmalloc"); ``fast`` -> ("fast", None)."""
+    """``fast/tcmalloc`` -> ("fast", "tcmalloc"); ``fast`` -> ("fast", None). The heaps are
+    glibc and this checkout's aiayn.memory.ALLOCATORS (imported here, not at the top: the
+    module also runs under baseline trees, whose aiayn may have none)."""
+    from aiayn.memory import ALLOCATORS
+
+    heaps = ("glibc", *ALLOCATORS)
     core, slash, heap = name.partition("/")
     if not slash:
         return name, None
-    if heap not in HEAPS:
+    if heap not in heaps:
         raise SystemExit(f"error: contender {name}: NAME/ALLOC needs ALLOC one of "
-                         f"{', '.join(HEAPS)}, e.g. fast/tcmalloc")
+                         f"{', '.join(heaps)}, e.g. fast/tcmalloc")
     return core, heap
 
 

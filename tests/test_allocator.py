@@ -76,6 +76,20 @@ def test_every_allocator_names_its_package_and_the_messages_use_it():
     assert memory.install_hint() == "`apt install libtcmalloc-minimal4 libjemalloc2`"
 
 
+@pytest.mark.parametrize("text,name", [
+    ("libtcmalloc_minimal.so.4", "tcmalloc"),
+    ("/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4", "tcmalloc"),
+    ("libjemalloc.so.2", "jemalloc"),
+    ("7f0-7f1 r-xp 00000000 08:01 42 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2\n", "jemalloc"),
+    ("/usr/lib/x86_64-linux-gnu/libc.so.6", None),
+    ("libmimalloc.so.2", None),
+])
+def test_a_library_name_or_memory_map_names_its_allocator(text, name):
+    """One rule for both uses: LD_PRELOAD's entries (allocator_env) and /proc/PID/maps
+    (loaded_allocator)."""
+    assert memory.library_allocator(text) == name
+
+
 def test_another_process_s_allocator_is_read_from_its_memory_map(monkeypatch):
     """loaded_allocator(pid) reads /proc/PID/maps: a child on glibc reads glibc, one on an
     installed allocator reads that one (where installed), a gone process reads glibc."""

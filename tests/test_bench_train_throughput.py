@@ -80,7 +80,7 @@ def test_a_heap_suffix_runs_any_contender_on_that_allocator(monkeypatch):
 
 
 @pytest.mark.parametrize(("names", "message"), [
-    ("fast/mimalloc", "ALLOC one of glibc, tcmalloc, jemalloc"),
+    ("fast/mimalloc", "ALLOC one of glibc, jemalloc, tcmalloc"),
     ("fast/tcmalloc,matmul/tcmalloc", "matmul measures the products"),
     ("fast/tcmalloc,fast/tcmalloc", "name each contender once"),
     ("fast/jemalloc", "no jemalloc library here .*apt install libjemalloc2"),
