@@ -1,6 +1,6 @@
 """The fast training step's kernels: the plain path's math with fewer passes over memory.
 
-``train.kernels: fast`` (the default) swaps three pieces of the training step; ``plain``
+``train.kernels: fast`` (the default) swaps four pieces of the training step; ``plain``
 keeps torch's own operators, readable against the paper (``aiayn/model.py``,
 ``aiayn/objective.py``). Measured by ``bench/train_throughput.py``.
 
@@ -37,6 +37,23 @@ keeps torch's own operators, readable against the paper (``aiayn/model.py``,
    backward stays with MKL; the FFN's ReLU rides on its first product as oneDNN's post-op
    (:func:`linear_relu`). Elsewhere (a GPU, autocast, a torch without oneDNN) it is
    ``F.linear``.
+
+4. **Products whose shapes repeat, under bf16 autocast on CPU** (:func:`linear`,
+   :func:`padded_rows`). oneDNN builds (JIT-compiles) a primitive for every new shape of a
+   bf16 product and caches it by shape. Token-bucket batches bring a new row count at
+   almost every step (``B x S`` source positions, ``N`` real target positions), so a
+   cache miss for nearly every product of the step: in the ``multi30k`` step on a 2-core
+   CPU with AMX, ~39 misses per step at 1-10 ms each (``ONEDNN_VERBOSE=profile``), where
+   the products themselves take a few ms. Here a linear layer's rows are padded with zeros
+   up to a multiple of :data:`ROW_MULTIPLE` (from :data:`PAD_ROWS_FROM` rows on), so that
+   the step meets a few dozen row counts over a whole run, each built once: the padded
+   copy is the bf16 cast autocast makes anyway, the zero rows add at most
+   ``ROW_MULTIPLE - 1`` rows of work (<2% at 4,000 rows) and nothing to any result. The
+   fused loss's last chunk is likewise a window of a multiple of ``ROW_MULTIPLE`` rows that
+   ends at the last row (its first rows, already done, get no gradient there). The padded
+   layers cast their fp32 weights themselves, once per micro-batch (autocast's cache of
+   one cast per step, ``aiayn.precision.step_casts``, serves its own products only): the
+   same bf16 values, a few per cent of the input casts' bytes.
 """
 
 from __future__ import annotations
@@ -68,6 +85,23 @@ CUDA_CHUNK_BYTES = 1 << 30
 VOCAB_ALIGN = 16
 
 
+# Rows of a bf16 product on CPU are rounded up to a multiple of this (section 4 above), from
+# PAD_ROWS_FROM rows on: below it (decoding, tiny batches) padding would cost more than a
+# new shape.
+ROW_MULTIPLE = 64
+PAD_ROWS_FROM = 1024
+
+
+def padded_rows(rows: int, multiple: int | None = None, start: int | None = None) -> int:
+    """The rows a product of ``rows`` rows runs on: ``rows`` rounded up to a multiple of
+    ``multiple`` (default ROW_MULTIPLE) from ``start`` (PAD_ROWS_FROM) rows on, else
+    ``rows`` as it is."""
+    multiple = ROW_MULTIPLE if multiple is None else multiple
+    if multiple <= 1 or rows < (PAD_ROWS_FROM if start is None else start):
+        return rows
+    return -(-rows // multiple) * multiple
+
+
 def padded_width(vocab: int, align: int = VOCAB_ALIGN) -> int:
     """The columns the fused loss multiplies on: ``vocab`` rounded up to a multiple of
     ``align`` (VOCAB_ALIGN; 1: the width as it is)."""
@@ -85,6 +119,18 @@ def loss_blocks(device: torch.device, vocab: int) -> tuple[int, int]:
 
 
 # --------------------------------------------------------------------------- the loss
+
+
+def tail_window(rows: int, total: int, device: torch.device,
+                multiple: int | None = None) -> int:
+    """The rows the loss multiplies for a chunk of ``rows`` rows that ends at the last of
+    ``total``: on CPU ``rows`` rounded up to a multiple of ``multiple`` (default
+    ROW_MULTIPLE) where ``total`` holds that many (see :func:`padded_rows`), else ``rows``."""
+    multiple = ROW_MULTIPLE if multiple is None else multiple
+    if device.type != "cpu" or multiple <= 1:
+        return rows
+    window = -(-rows // multiple) * multiple
+    return window if window <= total else rows
 
 
 def _compute_dtype(device: torch.device) -> torch.dtype:
@@ -121,7 +167,8 @@ class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
             grad_rows = torch.empty_like(rows) if need_grad else None
             grad_weight = torch.zeros(width, weight.shape[1], dtype=torch.float32,
                                       device=weight.device) if need_grad else None
-            buf = torch.empty(min(chunk_rows, n), width, dtype=dtype, device=rows.device)
+            buf_rows = min(n, max(chunk_rows, tail_window(n % chunk_rows, n, rows.device)))
+            buf = torch.empty(buf_rows, width, dtype=dtype, device=rows.device)
             # Under autocast the chunk's logits are bf16; the softmax runs in fp32 on blocks of
             # softmax_rows rows in one reused buffer that stays in cache, and the gradient
             # goes back into ``buf`` in place, ready for the two products.
@@ -132,13 +179,20 @@ class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
             off = torch.tensor(-epsilon / vocab, dtype=torch.float32, device=rows.device)
             for start in range(0, n, chunk_rows):
                 end = min(start + chunk_rows, n)
-                a_c = a[start:end]
-                g = torch.mm(a_c, w.t(), out=buf[:end - start])  # (c, width) logits
+                # The products run on rows [first, end): the chunk itself, or on CPU for a
+                # short last chunk a window of a multiple of ROW_MULTIPLE rows ending at the
+                # last row, whose shape recurs (section 4); its rows before ``start`` were
+                # done by the previous chunk and get no gradient here.
+                first = end - tail_window(end - start, n, rows.device) if end == n else start
+                a_c = a[first:end]
+                g = torch.mm(a_c, w.t(), out=buf[:end - first])  # (c, width) logits
                 if width != vocab:
                     g[:, vocab:] = float("-inf")
+                if start > first:
+                    g[:start - first] = 0.0
                 for lo in range(start, end, softmax_rows):
                     hi = min(lo + softmax_rows, end)
-                    z_c, y = g[lo - start:hi - start], labels[lo:hi, None]
+                    z_c, y = g[lo - first:hi - first], labels[lo:hi, None]
                     z = z_c if wide is None else wide[:hi - lo].copy_(z_c)
                     target = z.gather(1, y).squeeze(1)
                     top = z.amax(dim=1, keepdim=True)
@@ -155,7 +209,7 @@ class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
                         if wide is not None:
                             z_c.copy_(z)
                 if need_grad:
-                    grad_rows[start:end] = torch.mm(g, w)
+                    grad_rows[start:end] = torch.mm(g, w)[start - first:]
                     if dtype == torch.float32:
                         grad_weight.addmm_(g.t(), a_c)
                     else:
@@ -300,15 +354,88 @@ def _use_onednn(x: Tensor, weight: Tensor) -> bool:
             and not torch.compiler.is_compiling())
 
 
+def _pad_rows_into(x: Tensor, rows: int, dtype: torch.dtype) -> Tensor:
+    """(m, k) ``x`` as a new (rows, k) tensor of ``dtype``: x cast into the first m rows,
+    zeros after."""
+    m = x.shape[0]
+    out = x.new_empty(rows, x.shape[1], dtype=dtype)
+    out[:m].copy_(x)
+    out[m:].zero_()
+    return out
+
+
+class _RowPaddedLinear(torch.autograd.Function):
+    """y = x W^T + b [then ReLU] in ``dtype`` on rows padded to ``rows`` (section 4): what
+    autocast computes (input, weight and bias cast to ``dtype``, the gradients cast back),
+    on products whose row count recurs."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, relu: bool,
+                dtype: torch.dtype, rows: int) -> Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        xp = _pad_rows_into(x2, rows, dtype)
+        w = weight.to(dtype)
+        y = torch.mm(xp, w.t()) if bias is None else torch.addmm(bias.to(dtype), xp, w.t())
+        if relu:
+            y.relu_()
+        ctx.save_for_backward(xp, w, y if relu else None)
+        ctx.m, ctx.x_dtype, ctx.w_dtype = x2.shape[0], x.dtype, weight.dtype
+        ctx.b_dtype = None if bias is None else bias.dtype
+        return y[:ctx.m].view(*shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        xp, w, y = ctx.saved_tensors
+        m = ctx.m
+        g = grad.reshape(-1, grad.shape[-1])
+        gp = xp.new_empty(xp.shape[0], g.shape[1])
+        if y is not None:  # ReLU: no gradient where the output was clipped to 0
+            torch.ops.aten.threshold_backward.grad_input(g.to(gp.dtype), y[:m], 0,
+                                                         grad_input=gp[:m])
+        else:
+            gp[:m].copy_(g)
+        gp[m:].zero_()
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.mm(gp, w)[:m].to(ctx.x_dtype).view(*grad.shape[:-1], w.shape[1])
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.mm(gp.t(), xp).to(ctx.w_dtype)
+        if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
+            grad_b = gp[:m].sum(dim=0).to(ctx.b_dtype)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+def _padded_product(x: Tensor, weight: Tensor) -> tuple[torch.dtype, int] | None:
+    """(autocast dtype, padded rows) where a linear layer on ``x`` takes
+    :class:`_RowPaddedLinear` (CPU autocast to a 16-bit type, fp32 weights, rows to pad);
+    else None."""
+    if (x.device.type != "cpu" or not torch.is_autocast_enabled("cpu")
+            or weight.dtype != torch.float32 or torch.compiler.is_compiling()):
+        return None
+    dtype = torch.get_autocast_dtype("cpu")
+    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    rows = padded_rows(m)
+    if dtype not in (torch.bfloat16, torch.float16) or rows == m:
+        return None
+    return dtype, rows
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.linear``, with the forward product by oneDNN for fp32 on CPU (see above)."""
+    """``F.linear``, with the forward product by oneDNN for fp32 on CPU, and under CPU
+    autocast on rows padded to a recurring count (see above)."""
     if _use_onednn(x, weight):
         return _Linear.apply(x, weight, bias, False)
+    if padded := _padded_product(x, weight):
+        return _RowPaddedLinear.apply(x, weight, bias, False, *padded)
     return F.linear(x, weight, bias)
 
 
 def linear_relu(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.relu(F.linear(x, weight, bias))``, fused for fp32 on CPU (see above)."""
+    """``F.relu(F.linear(x, weight, bias))``, fused for fp32 on CPU, on padded rows under
+    CPU autocast (see above)."""
     if _use_onednn(x, weight):
         return _Linear.apply(x, weight, bias, True)
+    if padded := _padded_product(x, weight):
+        return _RowPaddedLinear.apply(x, weight, bias, True, *padded)
     return F.relu(F.linear(x, weight, bias))

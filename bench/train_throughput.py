@@ -368,6 +368,9 @@ def worker_main(spec: dict) -> None:
                                               max_name_column_width=55)
             print(json.dumps({"profile": table}), file=out, flush=True)
             continue
+        if cmd == "onednn":
+            print(json.dumps(onednn_census(worker.step, n, out)), file=out, flush=True)
+            continue
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         cpu, wall = time.process_time(), time.perf_counter()
         for _ in range(n):
@@ -376,6 +379,49 @@ def worker_main(spec: dict) -> None:
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
         print(json.dumps({"wall": wall, "cpu": cpu, "faults": faults, **worker.extra()}),
               file=out, flush=True)
+
+
+def onednn_census(step, n: int, out) -> dict:
+    """Run ``step`` ``n`` times with oneDNN's verbose log of primitive creation on, and
+    count per step the primitives it built (cache misses: a shape met for the first time,
+    JIT-compiled), reused (cache hits) and ran, and the distinct problems it ran in all
+    ``n`` steps (kind, implementation, layouts and shapes). The log is oneDNN's own printf to fd 1, the
+    protocol stream here, so fd 1 points at a scratch file meanwhile; ``out`` (the stream on
+    fd 1) is flushed before."""
+    import ctypes
+    import tempfile
+
+    import torch
+
+    out.flush()
+    libc = ctypes.CDLL(None)
+    saved = os.dup(1)
+    with tempfile.TemporaryFile(mode="w+") as log:
+        os.dup2(log.fileno(), 1)
+        try:
+            with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON_CREATION):
+                for _ in range(n):
+                    step()
+        finally:
+            libc.fflush(None)  # oneDNN's lines still in C's stdout buffer
+            os.dup2(saved, 1)
+            os.close(saved)
+        log.seek(0)
+        built = reused = ran = 0
+        problems = set()
+        for line in log:
+            f = line.rstrip("\n").split(",")
+            if len(f) < 12 or f[0] != "onednn_verbose" or f[2] != "primitive":
+                continue
+            if f[3] == "create:cache_miss":
+                built += 1
+            elif f[3] == "create:cache_hit":
+                reused += 1
+            elif f[3] == "exec":
+                ran += 1
+                problems.add(tuple(f[5:12]))
+    return {"built": built / n, "reused": reused / n, "ran": ran / n,
+            "distinct": len(problems), "steps": n}
 
 
 class Worker:
@@ -607,6 +653,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="torch.set_num_threads in every worker (default: torch's default)")
     ap.add_argument("--profile", default=None, metavar="CONTENDER",
                     help="also print a torch.profiler table of 3 steps of this contender")
+    ap.add_argument("--primitives", type=int, default=0, metavar="STEPS",
+                    help="after the rounds, run STEPS more steps of every trainer contender "
+                         "with oneDNN's creation log on and print, per step, the primitives "
+                         "oneDNN built (new shapes, JIT-compiled), reused and ran: the "
+                         "CPU's count of shapes met anew (default 0: off)")
     ap.add_argument("--json", type=Path, default=None, help="write all results here")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -787,6 +838,7 @@ def summarise(args, c: Contenders, measured: dict) -> tuple[dict, dict | None, d
                       "page_faults_per_step": med(x["faults"] for x in runs[n]) / args.steps,
                       "tokens_per_s_rounds": tps[n],
                       "allocator": measured["heaps"][n],
+                      **({"onednn": measured["onednn"][n]} if "onednn" in measured else {}),
                       **{k: runs[n][-1][k] for k in ("graphs", "graph_breaks")
                          if k in runs[n][-1]}}
     matmul = None
@@ -838,6 +890,14 @@ def print_report(args, c: Contenders, p, cfg, measured: dict, summary: tuple,
         kind = "bf16" if matmul_dtype == "bfloat16" else "fp32"
         print(f"{'matmul':<{width}}{'':>13}{matmul['gflop_per_s']:>9.1f}   ({kind} products: "
               f"{shapes} GFLOP/s)")
+    if "onednn" in measured:
+        steps = next(iter(measured["onednn"].values()))["steps"]
+        print(f"\noneDNN primitives per step ({steps} steps after the rounds, creation log on):")
+        print(f"{'contender':<{width}}{'built':>8}{'reused':>8}{'ran':>8}"
+              f"{f'distinct in {steps} steps':>22}")
+        for n, x in measured["onednn"].items():
+            print(f"{n:<{width}}{x['built']:>8.1f}{x['reused']:>8.1f}{x['ran']:>8.1f}"
+                  f"{x['distinct']:>22}")
     if ratios:
         print("\nratios of target tokens/s (median over rounds of the per-round ratio):")
         for k, v in ratios.items():
@@ -897,6 +957,9 @@ def main(argv: list[str] | None = None) -> dict:
         if args.profile:  # after the timed rounds, so that every contender saw the same batches
             print(f"\n=== profile: {args.profile}, 3 steps ===")
             print(workers[args.profile].ask("profile 3")["profile"])
+        if args.primitives:  # after the timed rounds, as the profile
+            measured["onednn"] = {n: w.ask(f"onednn {args.primitives}")
+                                  for n, w in workers.items() if n != "matmul"}
     finally:
         for w in workers.values():
             w.close()

@@ -105,3 +105,30 @@ def test_ratios_pair_contenders_whatever_their_heap_and_each_heap_with_the_other
     plain = contenders("fast,main,plain,fast@2048")
     assert throughput.ratio_pairs(plain, plain.names) == [
         ("fast", "main"), ("fast", "plain"), ("plain", "main"), ("fast@2048", "fast")]
+
+
+@pytest.mark.skipif(not __import__("aiayn.kernels", fromlist=["x"]).ONEDNN_LINEAR,
+                    reason="this torch has no oneDNN linear")
+def test_the_onednn_census_counts_primitives_built_only_for_new_shapes(capfd):
+    """Steps that multiply row counts met before build nothing; steps that multiply a new
+    row count each build at least one primitive and run as many as the others (through
+    oneDNN's fp32 linear, which any x86 CPU runs; how many primitives one product takes,
+    reorders included, is the CPU's business). Counted from oneDNN's own log, which never
+    reaches the stream the coordinator reads."""
+    import io
+
+    import torch
+
+    w = torch.randn(16, 8)
+    rows = iter(range(40, 50))
+
+    def product(m):
+        torch.ops.mkldnn._linear_pointwise(torch.randn(m, 8), w, None, "none", [], "")
+
+    product(32)  # met before counting
+    met = throughput.onednn_census(lambda: product(32), 2, io.StringIO())
+    new = throughput.onednn_census(lambda: product(next(rows)), 2, io.StringIO())
+    assert met["built"] == 0 and met["ran"] > 0 and met["reused"] > 0
+    assert new["built"] >= 1 and new["ran"] == met["ran"] and new["steps"] == 2
+    assert new["distinct"] > met["distinct"]  # two row counts' problems against one's
+    assert "onednn_verbose" not in capfd.readouterr().out

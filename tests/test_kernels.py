@@ -211,6 +211,112 @@ def test_fast_linear_equals_f_linear_with_gradients(fn, ref):
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-4)
 
 
+# ------------------------------------------------- products on recurring row counts (CPU)
+
+
+class ProductRows(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the shapes of the matrix products torch runs (mm, addmm, and their
+    operands), to see which row counts oneDNN would have to build primitives for."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            a, b = args[-2], args[-1]
+            self.shapes.append((tuple(a.shape), tuple(b.shape)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("rows", [1, 63, 1000, 1023, 1024, 1025, 1087, 1088, 1089, 4000])
+def test_padded_rows_is_the_smallest_multiple_from_the_threshold_on(rows):
+    expected = (rows if rows < kernels.PAD_ROWS_FROM
+                else next(r for r in range(rows, rows + kernels.ROW_MULTIPLE)
+                          if r % kernels.ROW_MULTIPLE == 0))
+    assert kernels.padded_rows(rows) == expected
+    assert kernels.padded_rows(rows, multiple=1) == rows
+
+
+def test_tail_window_is_a_multiple_that_fits_on_cpu_only():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert kernels.tail_window(207, 3313, cpu) == 256      # fits: a multiple of 64
+    assert kernels.tail_window(256, 3313, cpu) == 256
+    assert kernels.tail_window(50, 60, cpu) == 50          # 64 rows are more than there are
+    assert kernels.tail_window(207, 3313, cuda) == 207     # GPUs have no primitive cache
+
+
+@pytest.mark.parametrize("fn,ref", [
+    (kernels.linear, F.linear),
+    (kernels.linear_relu, lambda x, w, b: F.relu(F.linear(x, w, b))),
+])
+@pytest.mark.parametrize("shape", [(2, 515, 24), (1030, 24), (1088, 24), (700, 24)])
+def test_linear_under_cpu_bf16_autocast_equals_autocast_f_linear(fn, ref, shape):
+    """Padded to a recurring row count or not, the layer computes what autocast's F.linear
+    computes: the same dtypes, outputs and gradients (fp32 for the fp32 leaves)."""
+    torch.manual_seed(7)
+    x = torch.randn(*shape, requires_grad=True)
+    w = torch.randn(40, 24, requires_grad=True)
+    b = torch.randn(40, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, y_ref = fn(x, w, b), ref(x, w, b)
+    assert y.dtype == y_ref.dtype == torch.bfloat16 and y.shape == y_ref.shape
+    torch.testing.assert_close(y, y_ref, rtol=1e-2, atol=1e-2)
+    g = torch.randn_like(y)
+    got = torch.autograd.grad(y, (x, w, b), g)
+    want = torch.autograd.grad(y_ref, (x, w, b), g)
+    for a, r in zip(got, want, strict=True):
+        assert a.dtype == r.dtype == torch.float32
+        torch.testing.assert_close(a, r, rtol=2e-2, atol=5e-2)
+
+
+def test_linear_products_under_cpu_bf16_autocast_meet_few_row_counts():
+    """Forward and backward of a linear layer on 1,024-1,279 rows run their products on
+    multiples of 64 rows: 1,024 itself, then 1,088 for 1,025-1,088 and so on up to 1,280,
+    5 row counts for 256 batch sizes (oneDNN builds 5 primitives per product, not 256);
+    below the threshold the rows are left as they are."""
+    torch.manual_seed(8)
+    w = torch.randn(16, 8, requires_grad=True)
+    b = torch.randn(16, requires_grad=True)
+    seen = set()
+    for rows in (*range(1024, 1280), 700):
+        x = torch.randn(rows, 8, requires_grad=True)
+        with ProductRows() as mode:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = kernels.linear_relu(x, w, b)
+            y.sum().backward()
+        # forward x @ w.T, grad_x = g @ w, grad_w = g.T @ x: each holds the padded row count
+        for a, bb in mode.shapes:
+            seen.add(a[0] if a[0] != 16 else bb[0])
+    assert seen == {700, 1024, 1088, 1152, 1216, 1280}
+
+
+def test_the_loss_tail_window_gives_the_plain_loss_and_recurring_products():
+    """A last chunk of fewer rows runs on a window of a multiple of 64 rows ending at the last
+    row: the loss and gradients stay the plain path's, and every product has chunk_rows or
+    a multiple of 64 rows."""
+    torch.manual_seed(9)
+    hidden = torch.randn(12, 30, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
+    labels = padded_labels(12, 30, 37)
+    n = int((labels != PAD).sum())
+    chunk = 100
+    assert (n % chunk) % 64 and n > 64  # a last chunk of other than 64k rows, and room
+    ref_loss, ref_nll, _ = label_smoothed_loss(hidden @ weight.t(), labels, 0.1, PAD)
+    ref_grads = torch.autograd.grad(ref_loss, (hidden, weight))
+    with ProductRows() as mode:
+        loss, nll, _ = kernels.projected_label_smoothed_loss(hidden, weight, labels, 0.1, PAD,
+                                                             chunk_rows=chunk)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-4)
+    torch.testing.assert_close(nll, ref_nll, rtol=1e-6, atol=1e-4)
+    for g, r in zip(torch.autograd.grad(loss, (hidden, weight)), ref_grads, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+    # every dimension but d (16) and the vocabulary the products run on (37 -> 48) is a row
+    rows = {d for a, b in mode.shapes for d in (*a, *b)} - {16, kernels.padded_width(37)}
+    assert rows and all(r == chunk or r % 64 == 0 for r in rows)
+    assert -(-(n % chunk) // 64) * 64 in rows
+
+
 # --------------------------------------------------------------------------- the model
 
 
@@ -245,6 +351,31 @@ def test_fast_and_plain_models_share_parameters_and_outputs():
     src, tgt = padded_labels(4, 8, 60, seed=10), padded_labels(4, 9, 60, seed=11)
     torch.testing.assert_close(fast(src, tgt), plain(src, tgt), rtol=1e-4, atol=1e-4)
     fast.load_state_dict(plain.state_dict())  # the same checkpoint format either way
+
+
+def test_the_fast_model_under_cpu_bf16_autocast_learns_the_same_on_padded_rows(monkeypatch):
+    """A batch of 1,200 source and ~1,000+ target positions: the fast model's linear layers
+    run on padded rows (kernels.padded_rows), and its output and every parameter's gradient
+    are those of the same model with padding switched off."""
+    model = tiny_model(fast=True)
+    src, tgt = padded_labels(40, 30, 60, seed=12), padded_labels(40, 31, 60, seed=13)
+    assert src.numel() >= kernels.PAD_ROWS_FROM and kernels.padded_rows(src.numel()) > 1200
+
+    def run():
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(src, tgt)
+        out.float().square().mean().backward()
+        return out, {k: q.grad.clone() for k, q in model.named_parameters()}
+
+    with ProductRows() as mode:
+        out, grads = run()
+    assert {a[0] for a, _ in mode.shapes} & {1216}  # 1,200 rows multiplied as 1,216
+    monkeypatch.setattr(kernels, "PAD_ROWS_FROM", 10 ** 9)
+    ref_out, ref_grads = run()
+    torch.testing.assert_close(out, ref_out, rtol=1e-2, atol=1e-2)
+    for k, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[k], rtol=2e-2, atol=2e-2, msg=k)
 
 
 def test_the_loss_is_the_same_at_any_alignment_of_the_vocabulary():
