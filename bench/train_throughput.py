@@ -385,9 +385,9 @@ def onednn_census(step, n: int, out) -> dict:
     """Run ``step`` ``n`` times with oneDNN's verbose log of primitive creation on, and
     count per step the primitives it built (cache misses: a shape met for the first time,
     JIT-compiled), reused (cache hits) and ran, and the distinct problems it ran in all
-    ``n`` steps (kind, implementation, layouts and shapes). The log is oneDNN's own printf to fd 1, the
-    protocol stream here, so fd 1 points at a scratch file meanwhile; ``out`` (the stream on
-    fd 1) is flushed before."""
+    ``n`` steps (kind, implementation, layouts and shapes). The log is oneDNN's own printf
+    to fd 1, the protocol stream here, so fd 1 points at a scratch file meanwhile; ``out``
+    (the stream on fd 1) is flushed before."""
     import ctypes
     import tempfile
 
