@@ -52,12 +52,12 @@ keeps torch's own operators, readable against the paper (``aiayn/model.py``,
    fused loss's last chunk is likewise a window of a multiple of ``ROW_MULTIPLE`` rows that
    ends at the last row (its first rows, already done, get no gradient there). On that
    CPU the ``multi30k`` step builds 6 primitives instead of 31 and runs 1.15x faster,
-   the demo's 1.50x, side by side (bench/README.md, "products on recurring row counts"). In fp32 only the forward
-   products of section 3 go through oneDNN; they are left unpadded (a copy of each input,
-   for builds that are a smaller share of a slower step). The padded layers cast their
-   fp32 weights themselves, once per micro-batch (autocast's cache of one cast per step,
-   ``aiayn.precision.step_casts``, serves its own products only): the same bf16 values,
-   a few per cent of the input casts' bytes.
+   the demo's 1.50x, side by side (bench/README.md, "products on recurring row counts").
+   In fp32 only the forward products of section 3 go through oneDNN; they are left
+   unpadded (a copy of each input, for builds that are a smaller share of a slower step).
+   The padded layers cast their fp32 weights themselves, once per micro-batch (autocast's
+   cache of one cast per step, ``aiayn.precision.step_casts``, serves its own products
+   only): the same bf16 values, a few per cent of the input casts' bytes.
 """
 
 from __future__ import annotations
