@@ -130,10 +130,9 @@ def tail_window(rows: int, total: int, device: torch.device,
     """The rows the loss multiplies for a chunk of ``rows`` rows that ends at the last of
     ``total``: on CPU ``rows`` rounded up to a multiple of ``multiple`` (default
     ROW_MULTIPLE) where ``total`` holds that many (see :func:`padded_rows`), else ``rows``."""
-    multiple = ROW_MULTIPLE if multiple is None else multiple
-    if device.type != "cpu" or multiple <= 1:
+    if device.type != "cpu":
         return rows
-    window = -(-rows // multiple) * multiple
+    window = padded_rows(rows, multiple, start=0)
     return window if window <= total else rows
 
 
@@ -425,21 +424,23 @@ def _padded_product(x: Tensor, weight: Tensor) -> tuple[torch.dtype, int] | None
     return dtype, rows
 
 
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, relu: bool) -> Tensor:
+    """The one choice of path behind :func:`linear` and :func:`linear_relu`."""
+    if _use_onednn(x, weight):
+        return _Linear.apply(x, weight, bias, relu)
+    if padded := _padded_product(x, weight):
+        return _RowPaddedLinear.apply(x, weight, bias, relu, *padded)
+    y = F.linear(x, weight, bias)
+    return F.relu(y) if relu else y
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear``, with the forward product by oneDNN for fp32 on CPU, and under CPU
     autocast on rows padded to a recurring count (see above)."""
-    if _use_onednn(x, weight):
-        return _Linear.apply(x, weight, bias, False)
-    if padded := _padded_product(x, weight):
-        return _RowPaddedLinear.apply(x, weight, bias, False, *padded)
-    return F.linear(x, weight, bias)
+    return _linear(x, weight, bias, False)
 
 
 def linear_relu(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.relu(F.linear(x, weight, bias))``, fused for fp32 on CPU, on padded rows under
     CPU autocast (see above)."""
-    if _use_onednn(x, weight):
-        return _Linear.apply(x, weight, bias, True)
-    if padded := _padded_product(x, weight):
-        return _RowPaddedLinear.apply(x, weight, bias, True, *padded)
-    return F.relu(F.linear(x, weight, bias))
+    return _linear(x, weight, bias, True)
