@@ -54,7 +54,9 @@ keeps torch's own operators, readable against the paper (``aiayn/model.py``,
    CPU the ``multi30k`` step builds 6 primitives instead of 31 and runs 1.15x faster,
    the demo's 1.50x, side by side (bench/README.md, "products on recurring row counts").
    In fp32 only the forward products of section 3 go through oneDNN; they are left
-   unpadded (a copy of each input, for builds that are a smaller share of a slower step).
+   unpadded: padded too, they built no primitive instead of ~3 a step, and the step ran at
+   1.02x and 0.99x in two runs (AVX2 emulated), the input's copy costing what the builds
+   did.
    The padded layers cast their fp32 weights themselves, once per micro-batch (autocast's
    cache of one cast per step, ``aiayn.precision.step_casts``, serves its own products
    only): the same bf16 values, a few per cent of the input casts' bytes.
