@@ -191,6 +191,18 @@ def test_dropout_keeps_the_right_fraction_scaled_and_is_reproducible(p):
     assert kernels.dropout(x, p, training=False) is x and kernels.dropout(x, 0.0) is x
 
 
+def test_bf16_dropout_scales_kept_values_by_the_scale_rounded_to_bf16():
+    x = torch.ones(100_000, dtype=torch.bfloat16, requires_grad=True)
+    torch.manual_seed(3)
+    y = kernels.dropout(x, 0.2)
+    assert y.dtype == torch.bfloat16
+    _, scale = kernels.keep_threshold(0.2)
+    kept = y[y != 0]
+    assert kept.numel() > 0 and torch.all(kept == torch.tensor(scale).bfloat16())
+    (grad,) = torch.autograd.grad(y.float().sum(), x)
+    assert torch.equal(grad, y.detach())  # the same mask scales the gradient
+
+
 # --------------------------------------------------------------------------- linear
 
 
