@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import os
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -88,10 +89,24 @@ class LocalPairs:
     languages: tuple[str, str]
     root: Path = Path(".")
 
+    def _candidates(self) -> list[Path]:
+        """Where data.local.dir may be: as given when absolute; else relative to the params
+        file's folder, then to ``$DVC_ROOT`` (the user's repository, which DVC names when a
+        queued experiment runs in a temporary copy under ``.dvc/tmp/exps/``, where a path
+        such as ``../shared/data`` would point inside the repository)."""
+        given = Path(self.cfg.dir)
+        if given.is_absolute():
+            return [given]
+        found = [self.root / given]
+        dvc_root = os.environ.get("DVC_ROOT")
+        if dvc_root and Path(dvc_root).resolve() != self.root.resolve():
+            found.append(Path(dvc_root) / given)
+        return found
+
     @property
     def folder(self) -> Path:
-        # A relative data.local.dir is relative to the params file's folder.
-        return Path(self.cfg.dir) if Path(self.cfg.dir).is_absolute() else self.root / self.cfg.dir
+        candidates = self._candidates()
+        return next((c for c in candidates if c.is_dir()), candidates[0])
 
     def path(self, split: str, lang: str) -> Path:
         name = self.cfg.pattern.format(split=getattr(self.cfg.splits, split), lang=lang)
@@ -103,8 +118,9 @@ class LocalPairs:
     def check(self) -> None:
         folder = self.folder
         if not folder.is_dir():
+            tried = " nor ".join(str(c) for c in self._candidates())
             raise DataError(
-                f"data.local.dir: folder {folder} does not exist; set data.local.dir in "
+                f"data.local.dir: folder {tried} does not exist; set data.local.dir in "
                 "params.yaml to the folder holding the parallel text files"
             )
         missing = [str(self.path(s, lang)) for s in SPLITS for lang in self.languages

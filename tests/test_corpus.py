@@ -129,6 +129,41 @@ def test_missing_file_and_folder(tmp_path, local_corpus):
         local(tmp_path / "nowhere").check()
 
 
+def test_relative_local_dir_in_a_queued_experiments_copy(tmp_path, monkeypatch):
+    """A queued `dvc exp run` works in a copy under .dvc/tmp/exps/ and names the user's
+    repository in $DVC_ROOT: a relative data.local.dir that is not in the copy is found
+    beside the repository, as `dvc repro` there would find it."""
+    repo, data = tmp_path / "work" / "repo", tmp_path / "work" / "shared" / "corpus"
+    copy = repo / ".dvc" / "tmp" / "exps" / "tmpabc"
+    copy.mkdir(parents=True)
+    write_parallel(data, "train", SENTENCES_EN, SENTENCES_DE)
+    write_parallel(data, "valid", SENTENCES_EN[:2], SENTENCES_DE[:2])
+    write_parallel(data, "test", SENTENCES_EN[2:], SENTENCES_DE[2:])
+
+    def source(root: Path) -> LocalPairs:
+        return LocalPairs(LocalSource(dir="../shared/corpus", splits=SPLITS_PLAIN), LANGS, root)
+
+    monkeypatch.delenv("DVC_ROOT", raising=False)
+    with pytest.raises(DataError, match=r"folder .*tmpabc/\.\./shared/corpus does not exist"):
+        source(copy).check()
+    monkeypatch.setenv("DVC_ROOT", str(repo))
+    source(copy).check()
+    assert source(copy).folder.resolve() == data.resolve()
+    out = tmp_path / "raw"
+    write_raw_splits(source(copy), LANGS, Cleaning(), out)
+    assert read_split(out, "train")["de"] == SENTENCES_DE
+    # The copy's own folder wins where it has one (a corpus committed in the repository).
+    inside = copy / ".." / "shared" / "corpus"
+    write_parallel(inside, "train", SENTENCES_EN[:1], SENTENCES_DE[:1])
+    assert source(copy).folder == copy / "../shared/corpus"
+    # Neither: the error names both places it looked.
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path / "elsewhere"))
+    other = tmp_path / "other"
+    other.mkdir()
+    with pytest.raises(DataError, match=r"other/\.\./shared/corpus nor .*elsewhere/\.\./shared"):
+        source(other).check()
+
+
 def test_hub_schema_loads_through_the_hub_code_path(fake_hub, tmp_path):
     """A local copy of the hub's wmt/wmt14 layout goes through datasets.load_dataset."""
     source = HubPairs(HubSource(path=str(fake_hub), name="de-en"), LANGS)
