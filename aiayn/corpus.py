@@ -118,9 +118,11 @@ class LocalPairs:
     def check(self) -> None:
         folder = self.folder
         if not folder.is_dir():
-            tried = " nor ".join(str(c) for c in self._candidates())
+            tried = [str(c) for c in self._candidates()]
+            where = (f"folder {tried[0]} does not exist" if len(tried) == 1
+                     else f"neither folder {' nor '.join(tried)} exists")
             raise DataError(
-                f"data.local.dir: folder {tried} does not exist; set data.local.dir in "
+                f"data.local.dir: {where}; set data.local.dir in "
                 "params.yaml to the folder holding the parallel text files"
             )
         missing = [str(self.path(s, lang)) for s in SPLITS for lang in self.languages
