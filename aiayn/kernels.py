@@ -1,6 +1,6 @@
 """The fast training step's kernels: the plain path's math with fewer passes over memory.
 
-``train.kernels: fast`` (the default) swaps four pieces of the training step; ``plain``
+``train.kernels: fast`` (the default) swaps five pieces of the training step; ``plain``
 keeps torch's own operators, readable against the paper (``aiayn/model.py``,
 ``aiayn/objective.py``). Measured by ``bench/train_throughput.py``.
 
@@ -60,9 +60,29 @@ keeps torch's own operators, readable against the paper (``aiayn/model.py``,
    The padded layers cast their fp32 weights themselves, once per micro-batch (autocast's
    cache of one cast per step, ``aiayn.precision.step_casts``, serves its own products
    only): the same bf16 values, a few per cent of the input casts' bytes.
+
+5. **The post-LN residual block in one C++ pass each way, on CPU in training**
+   (:func:`residual_norm`, ``csrc/residual_norm.cpp``). ``LayerNorm(x + Dropout(out))``
+   takes eight eager kernels forward (dropout's random bits, compare, cast, scale, multiply,
+   the sum, layer norm) and as many backward, each a pass over a (rows x d_model) tensor and
+   an autograd node. The kernel draws the mask from a counter-based generator seeded from
+   torch's (so masks depend on the seed, not on the threads; a run restored with its RNG
+   state repeats), keeps section 2's rule, sums, normalises, and saves the normalised rows
+   and a byte mask; backward forms layer norm's gradient and dropout's in the same loop.
+   On the ``multi30k`` block (3,881 rows x 256, bf16 ``out``) on 2 AMX cores: forward and
+   backward 2.0 ms against 3.7 ms eager (a scratch measurement; the step's figures are in
+   bench/README.md). It is built with torch's own extension builder at first use (about 20 s,
+   cached per machine); where it cannot be (no compiler), a warning says so and the block
+   takes torch's ops. Pre-LN blocks, GPUs and ``torch.compile`` keep torch's ops.
 """
 
 from __future__ import annotations
+
+import os
+import shutil
+import sys
+import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -446,3 +466,130 @@ def linear_relu(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor
     """``F.relu(F.linear(x, weight, bias))``, fused for fp32 on CPU, on padded rows under
     CPU autocast (see above)."""
     return _linear(x, weight, bias, True)
+
+
+# --------------------------------------------------------------------------- residual block
+
+# Set to 0 to keep PyTorch's own ops for the residual block (section 5) and build nothing.
+EXTENSION_ENV = "AIAYN_CPU_EXTENSION"
+_SOURCE = Path(__file__).with_name("csrc") / "residual_norm.cpp"
+# What the compiler may target, by the instruction set torch's own kernels dispatch to
+# (torch.backends.cpu.get_cpu_capability(), which ATEN_CPU_CAPABILITY caps): one build each,
+# so a cache shared by machines of different kinds never runs an instruction one lacks.
+_ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx2", "-mfma",
+               "-mf16c"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+}
+# -fassociative-math (and what gcc needs beside it) lets the compiler vectorize the rows'
+# sums; -ffast-math's finite-math assumptions are left out, so NaN and inf propagate.
+_CFLAGS = ["-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+           "-fno-trapping-math"]
+_extension: object | None = None
+_extension_tried = False
+
+
+def residual_extension():
+    """The compiled module of ``csrc/residual_norm.cpp``, built on first use (about 20 s,
+    once per machine and instruction set, cached by torch under ``TORCH_EXTENSIONS_DIR``,
+    default ``~/.cache/torch_extensions``); None where it cannot be built (no C++ compiler or
+    Python headers; a warning says so, once) or where ``AIAYN_CPU_EXTENSION=0``."""
+    global _extension, _extension_tried
+    if _extension_tried:
+        return _extension
+    _extension_tried = True
+    if os.environ.get(EXTENSION_ENV, "1") == "0":
+        return None
+    isa = torch.backends.cpu.get_cpu_capability()
+    name = f"aiayn_residual_norm_{isa.lower().replace(' ', '_')}"
+    try:
+        from torch.utils import cpp_extension
+
+        _put_ninja_on_path()
+        _say_if_building(cpp_extension, name, isa)
+        with warnings.catch_warnings():  # torch's note that the compiler differs from its own
+            warnings.simplefilter("ignore")
+            _extension = cpp_extension.load(name, [str(_SOURCE)],
+                                            extra_cflags=_CFLAGS + _ISA_FLAGS.get(isa, []))
+    except Exception as e:  # noqa: BLE001 - any build failure means the eager path
+        warnings.warn(
+            f"aiayn: could not build the CPU kernel {_SOURCE.name} ({type(e).__name__}: "
+            f"{str(e).strip().splitlines()[-1] if str(e).strip() else e!r}); the residual "
+            f"blocks run on PyTorch's own ops instead, about 10% slower on CPU. It needs a C++ "
+            f"compiler and Python's headers (Debian/Ubuntu: apt install g++ python3-dev); set "
+            f"{EXTENSION_ENV}=0 to skip the build and this warning.", RuntimeWarning,
+            stacklevel=2)
+        _extension = None
+    return _extension
+
+
+def _put_ninja_on_path() -> None:
+    """torch builds with the ``ninja`` on PATH; the ``ninja`` package (a dependency) installs
+    one beside the interpreter, on PATH only where its environment is activated."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def _say_if_building(cpp_extension, name: str, isa: str) -> None:
+    """One line on stderr before a build (not before a load from torch's cache), so that
+    the first training step's pause is explained."""
+    try:
+        built = Path(cpp_extension._get_build_directory(name, False)) / f"{name}.so"
+    except Exception:  # noqa: BLE001 - a private helper; without it, say nothing
+        return
+    if not built.exists():
+        print(f"aiayn: building the CPU kernel {_SOURCE.name} for {isa} (once per machine, "
+              f"~20 s; cached in {built.parent})", file=sys.stderr, flush=True)
+
+
+def dropout_seed() -> Tensor:
+    """A seed for one fused dropout mask, drawn from torch's CPU generator as a one-element
+    int64 tensor (the kernel reads it; Python never does), so that a run restored with its
+    RNG state draws the same masks."""
+    return torch.randint(0, 2 ** 62, (), dtype=torch.int64)
+
+
+class _ResidualNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, out: Tensor, weight: Tensor, bias: Tensor, p: float,
+                eps: float, seed: Tensor) -> Tensor:
+        y, xhat, mask, rstd = residual_extension().forward(x, out, weight, bias, p, eps, seed)
+        ctx.save_for_backward(xhat, mask, rstd, weight)
+        ctx.p, ctx.out_dtype = p, out.dtype
+        ctx.mark_non_differentiable(mask)
+        return y, mask
+
+    @staticmethod
+    def backward(ctx, grad: Tensor, _mask_grad):
+        xhat, mask, rstd, weight = ctx.saved_tensors
+        dx, dout, dw, db = residual_extension().backward(grad, xhat, mask, rstd, weight, ctx.p,
+                                                         ctx.out_dtype)
+        return dx, dout, dw, db, None, None, None
+
+
+def residual_norm_applies(x: Tensor, out: Tensor, weight: Tensor) -> bool:
+    """Whether :func:`residual_norm` takes these tensors: CPU, fp32 ``x`` and weights,
+    ``out`` fp32 or bf16 of ``x``'s shape, not under ``torch.compile``, and the kernel
+    built."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32
+            and out.dtype in (torch.float32, torch.bfloat16) and out.shape == x.shape
+            and weight.dtype == torch.float32 and x.numel() > 0
+            and not torch.compiler.is_compiling() and residual_extension() is not None)
+
+
+def residual_norm(x: Tensor, out: Tensor, weight: Tensor, bias: Tensor, p: float,
+                  eps: float = 1e-5, seed: int | None = None,
+                  return_mask: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """``F.layer_norm(x + dropout(out, p), weight, bias, eps)`` in one pass each way
+    (``csrc/residual_norm.cpp``), the post-LN residual block of Section 3.1: fp32 output,
+    ``out``'s gradient in ``out``'s dtype. Masks follow :func:`dropout`'s keep rule; their
+    bits come from ``seed`` (default: drawn from torch's generator). ``return_mask``: also
+    the uint8 mask (1 = kept), for tests. Check :func:`residual_norm_applies` first."""
+    seed = dropout_seed() if seed is None else torch.tensor(seed, dtype=torch.int64)
+    y, mask = _ResidualNorm.apply(x.contiguous(), out.contiguous(), weight, bias, float(p),
+                                  float(eps), seed)
+    return (y, mask) if return_mask else y

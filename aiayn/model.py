@@ -25,7 +25,8 @@ grow by one position per step; cross-attention keys/values are computed once).
 
 ``Transformer(cfg, fast=True)`` (chosen at construction, passed down to every layer) draws
 dropout masks with ``aiayn.kernels.dropout`` (the same distribution, cheaper) and multiplies
-fp32 linear layers on CPU with ``aiayn.kernels.linear``;
+fp32 linear layers on CPU with ``aiayn.kernels.linear``; in training on a CPU, its post-LN
+residual blocks run dropout, the sum and LayerNorm as one kernel (``aiayn.kernels.residual_norm``);
 ``forward(..., packed=positions)`` runs the decoder's position-wise layers on the real
 (non-pad) target positions only (:class:`Packing`) and stops before the tied projection, for
 losses that apply it themselves (``aiayn.kernels``). These serve the fast training step
@@ -374,11 +375,17 @@ class Residual(nn.Module):
 
     def __init__(self, d_model: int, dropout: float, pre_norm: bool, fast: bool = False):
         super().__init__()
-        self.norm, self.pre_norm = nn.LayerNorm(d_model), pre_norm
+        self.norm, self.pre_norm, self.fast = nn.LayerNorm(d_model), pre_norm, fast
         self.dropout = Dropout(dropout, fast)
 
     def forward(self, x: Tensor, sublayer) -> tuple[Tensor, Tensor | None]:
         out, weights = sublayer(self.norm(x) if self.pre_norm else x)
+        if (self.fast and not self.pre_norm and self.training
+                and kernels.residual_norm_applies(x, out, self.norm.weight)):
+            # Post-LN in training on a CPU: dropout, sum and LayerNorm in one C++ pass each
+            # way (aiayn.kernels, section 5), the same math and keep rule.
+            return kernels.residual_norm(x, out, self.norm.weight, self.norm.bias,
+                                         self.dropout.p, self.norm.eps), weights
         x = x + self.dropout(out)
         return (x if self.pre_norm else self.norm(x)), weights
 

@@ -408,3 +408,141 @@ def test_the_loss_is_the_same_at_any_alignment_of_the_vocabulary():
     for other in results[1:]:
         for a, b in zip(results[0], other, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- residual block
+
+
+@pytest.fixture
+def extension():
+    ext = kernels.residual_extension()
+    if ext is None:
+        pytest.skip("the CPU kernel csrc/residual_norm.cpp could not be built here (see the "
+                    "warning): no C++ compiler or Python headers")
+    return ext
+
+
+def reference_residual_norm(x, out, weight, bias, mask, p, eps=1e-5):
+    """LayerNorm(x + out * mask * scale) in float64 with torch's own ops."""
+    _, scale = kernels.keep_threshold(p)
+    return F.layer_norm(x + out * mask.double() * scale, (x.shape[-1],), weight, bias, eps)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape,p", [((37, 3, 24), 0.3), ((50, 6), 0.1), ((9, 37), 0.0),
+                                     ((4, 256), 0.2)])
+def test_residual_norm_equals_layer_norm_of_the_sum_with_its_mask(extension, out_dtype, shape,
+                                                                   p):
+    """Forward and all four gradients against torch's float64 layer norm of
+    ``x + dropout(out)`` with the mask the kernel reports."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(shape, generator=g, requires_grad=True)
+    out = torch.randn(shape, generator=g).to(out_dtype).requires_grad_()
+    weight = (1 + 0.5 * torch.randn(shape[-1], generator=g)).requires_grad_()
+    bias = torch.randn(shape[-1], generator=g, requires_grad=True)
+    y, mask = kernels.residual_norm(x, out, weight, bias, p, seed=11, return_mask=True)
+    assert y.dtype == torch.float32 and mask.dtype == torch.uint8 and mask.shape == x.shape
+    leaves = [t.detach().double().requires_grad_() for t in (x, out, weight, bias)]
+    ref = reference_residual_norm(*leaves, mask, p)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+    grad = torch.randn(shape, generator=g)
+    y.backward(grad)
+    ref.backward(grad.double())
+    for name, ours, theirs in zip(("x", "out", "weight", "bias"), (x, out, weight, bias), leaves,
+                                  strict=True):
+        assert ours.grad.dtype == ours.dtype, name
+        # bf16's gradient is rounded to 8 bits of mantissa: 2^-8 of its size.
+        tol = 1e-2 if ours.dtype == torch.bfloat16 else 1e-4
+        torch.testing.assert_close(ours.grad.double(), theirs.grad, rtol=tol, atol=tol, msg=name)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.3])
+def test_residual_norm_keeps_the_dropout_fraction_in_every_column(extension, p):
+    rows, d = 4000, 64
+    x, out = torch.zeros(rows, d), torch.ones(rows, d)
+    _, mask = kernels.residual_norm(x, out, torch.ones(d), torch.zeros(d), p, seed=3,
+                                    return_mask=True)
+    n = mask.numel()
+    kept = mask.double().mean().item()
+    threshold, _ = kernels.keep_threshold(p)
+    expected = (32768 - threshold) / 65536  # int16 values >= threshold
+    assert abs(kept - expected) < 5 * math.sqrt(p * (1 - p) / n)
+    # Every column (each of the four int16 lanes of a random word, and more) alike.
+    per_column = mask.double().mean(0)
+    assert torch.all((per_column - expected).abs() < 5 * math.sqrt(p * (1 - p) / rows))
+    # Neighbouring rows and columns are not the same draws.
+    assert not torch.equal(mask[0], mask[1]) and not torch.equal(mask[:, 0], mask[:, 1])
+
+
+def test_residual_norm_masks_follow_the_seed_not_the_threads(extension):
+    g = torch.Generator().manual_seed(2)
+    x, out = torch.randn(300, 40, generator=g), torch.randn(300, 40, generator=g)
+    w, b = torch.ones(40), torch.zeros(40)
+    y1, m1 = kernels.residual_norm(x, out, w, b, 0.3, seed=5, return_mask=True)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        y2, m2 = kernels.residual_norm(x, out, w, b, 0.3, seed=5, return_mask=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(m1, m2) and torch.equal(y1, y2)
+    _, m3 = kernels.residual_norm(x, out, w, b, 0.3, seed=6, return_mask=True)
+    assert not torch.equal(m1, m3)
+    # Without a seed, torch's generator draws it: a run restored with its RNG state repeats.
+    torch.manual_seed(9)
+    y4 = kernels.residual_norm(x, out, w, b, 0.3)
+    torch.manual_seed(9)
+    assert torch.equal(kernels.residual_norm(x, out, w, b, 0.3), y4)
+
+
+def test_residual_norm_rejects_what_it_cannot_compute(extension):
+    x, w, b = torch.randn(4, 8), torch.ones(8), torch.zeros(8)
+    with pytest.raises(RuntimeError, match="dropout probability"):
+        kernels.residual_norm(x, torch.randn(4, 8), w, b, 1.0)
+    with pytest.raises(RuntimeError, match="differ in shape"):
+        kernels.residual_norm(x, torch.randn(4, 7), w, b, 0.1)
+    with pytest.raises(RuntimeError, match="out must be float32 or bfloat16"):
+        kernels.residual_norm(x, torch.randn(4, 8).half(), w, b, 0.1)
+    assert not kernels.residual_norm_applies(x.double(), x.double(), w)
+    assert not kernels.residual_norm_applies(x, x.half(), w)
+
+
+def test_the_fast_model_trains_through_the_fused_block_as_through_torch_ops(extension,
+                                                                              monkeypatch):
+    """Without dropout the post-LN model in training mode computes the same outputs and
+    gradients whether its residual blocks take the C++ kernel or torch's ops (with dropout
+    they draw other masks, as fast and plain do)."""
+    calls = []
+    real = kernels.residual_norm
+    monkeypatch.setattr(kernels, "residual_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    src, tgt = padded_labels(6, 9, 60, seed=14), padded_labels(6, 10, 60, seed=15)
+
+    def run():
+        model = tiny_model(fast=True).train()
+        out = model(src, tgt)
+        out.square().mean().backward()
+        return out, {k: q.grad for k, q in model.named_parameters()}
+
+    out, grads = run()
+    assert len(calls) == 2 * 2 + 3 * 2  # every residual block of 2 + 2 layers
+    monkeypatch.setattr(kernels, "_extension", None)  # as where it cannot be built
+    calls.clear()
+    ref_out, ref_grads = run()
+    assert not calls
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    for k, gr in grads.items():
+        torch.testing.assert_close(gr, ref_grads[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_a_failed_build_warns_once_and_leaves_torch_ops(monkeypatch, tmp_path):
+    monkeypatch.setattr(kernels, "_extension_tried", False)
+    monkeypatch.setattr(kernels, "_extension", None)
+    monkeypatch.setattr(kernels, "_SOURCE", tmp_path / "missing.cpp")
+    with pytest.warns(RuntimeWarning, match=r"missing\.cpp.*AIAYN_CPU_EXTENSION=0"):
+        assert kernels.residual_extension() is None
+    assert kernels.residual_extension() is None  # tried once; no second warning or build
+    assert not kernels.residual_norm_applies(torch.randn(2, 4), torch.randn(2, 4),
+                                             torch.ones(4))
+    monkeypatch.setattr(kernels, "_extension_tried", False)
+    monkeypatch.setenv(kernels.EXTENSION_ENV, "0")
+    assert kernels.residual_extension() is None  # switched off: nothing built, no warning

@@ -1,0 +1,217 @@
+// The post-LN residual block's elementwise work in one pass over memory, on CPU:
+//
+//     y = LayerNorm(x + Dropout(out))      (Section 3.1 / 5.4 of the paper)
+//
+// forward and backward, for x in float32 and out in float32 or bfloat16 (bf16 autocast gives
+// a bf16 sub-layer output and an fp32 residual stream). PyTorch's eager ops take eight passes
+// for this (the mask's random bits, compare, cast, scale, multiply, add, layer norm, and as
+// many again in backward) plus an autograd node each; here one pass each way, row by row.
+//
+// Dropout's keep rule is aiayn.kernels.dropout's: 16 random bits per element read as an
+// int16, kept when >= threshold (probability 1 - k / 65536 for k = round(p * 65536)),
+// scaled by 65536 / (65536 - k). The bits come from a counter-based generator (splitmix64
+// over (seed, row, word)), so a mask depends on the seed alone, not on the thread count or
+// on how rows are split among threads; the seed, a one-element int64 tensor, is drawn from
+// torch's generator (Python side), and read here without a trip through Python.
+//
+// Built at first use by torch.utils.cpp_extension (aiayn/kernels.py, section 5), compiled for
+// the instruction set torch itself dispatches to, and vectorized by the compiler: the
+// reductions need -fassociative-math (the sums' order is the compiler's, not the loop's).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ULL;
+
+inline uint64_t mix64(uint64_t z) {  // splitmix64's finalizer
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+inline float load(float v) { return v; }
+inline float load(c10::BFloat16 v) {
+  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline void store(float* p, float v) { *p = v; }
+inline void store(c10::BFloat16* p, float v) {  // round to nearest even, NaN kept NaN
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  p->x = static_cast<uint16_t>(std::isnan(v) ? 0x7FC0u : rounded);
+}
+
+struct Keep {
+  int16_t threshold;
+  float scale;
+};
+
+Keep keep_rule(double p) {
+  TORCH_CHECK(p >= 0.0 && p < 1.0, "dropout probability ", p, " must lie in [0, 1)");
+  const int64_t k = std::llround(p * 65536.0);
+  TORCH_CHECK(k < 65536, "dropout probability ", p, " rounds to 1");
+  return {static_cast<int16_t>(k - 32768), static_cast<float>(65536.0 / (65536.0 - k))};
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+template <typename out_t>
+void forward_rows(const float* x, const out_t* out, const float* gamma, const float* beta,
+                  float* y, float* xhat, uint8_t* mask, float* rstd, int64_t rows, int64_t d,
+                  Keep keep, float eps, uint64_t seed) {
+  const int64_t words = (d + 3) / 4;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<uint64_t> bits(words);
+    std::vector<float> z(d);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = x + r * d;
+      const out_t* outr = out + r * d;
+      uint8_t* mr = mask + r * d;
+      uint64_t* b = bits.data();
+      const uint64_t base = seed + static_cast<uint64_t>(r * words) * kGolden;
+      for (int64_t w = 0; w < words; ++w) b[w] = mix64(base + static_cast<uint64_t>(w) * kGolden);
+      const int16_t* v = reinterpret_cast<const int16_t*>(b);
+      float* zr = z.data();
+      float sum = 0.f;
+      for (int64_t j = 0; j < d; ++j) {
+        const uint8_t kept = v[j] >= keep.threshold;
+        mr[j] = kept;
+        const float s = kept ? keep.scale : 0.f;
+        zr[j] = xr[j] + load(outr[j]) * s;
+        sum += zr[j];
+      }
+      const float mean = sum / static_cast<float>(d);
+      float var = 0.f;
+      for (int64_t j = 0; j < d; ++j) {
+        const float c = zr[j] - mean;
+        var += c * c;
+      }
+      const float rs = 1.f / std::sqrt(var / static_cast<float>(d) + eps);
+      rstd[r] = rs;
+      float* yr = y + r * d;
+      float* hr = xhat + r * d;
+      for (int64_t j = 0; j < d; ++j) {
+        const float h = (zr[j] - mean) * rs;
+        hr[j] = h;
+        yr[j] = h * gamma[j] + beta[j];
+      }
+    }
+  });
+}
+
+template <typename out_t>
+void backward_rows(const float* dy, const float* xhat, const uint8_t* mask, const float* rstd,
+                   const float* gamma, float* dx, out_t* dout, float* partial, int64_t rows,
+                   int64_t d, float scale) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    float* dgamma = partial + static_cast<int64_t>(at::get_thread_num()) * 2 * d;
+    float* dbeta = dgamma + d;
+    for (int64_t r = begin; r < end; ++r) {
+      const float* dyr = dy + r * d;
+      const float* hr = xhat + r * d;
+      const uint8_t* mr = mask + r * d;
+      float c1 = 0.f, c2 = 0.f;
+      for (int64_t j = 0; j < d; ++j) {
+        const float g = dyr[j] * gamma[j];
+        c1 += g * hr[j];
+        c2 += g;
+        dgamma[j] += dyr[j] * hr[j];
+        dbeta[j] += dyr[j];
+      }
+      c1 /= static_cast<float>(d);
+      c2 /= static_cast<float>(d);
+      const float rs = rstd[r];
+      float* dxr = dx + r * d;
+      out_t* doutr = dout + r * d;
+      for (int64_t j = 0; j < d; ++j) {
+        const float dz = rs * (dyr[j] * gamma[j] - c2 - hr[j] * c1);
+        dxr[j] = dz;
+        store(doutr + j, mr[j] ? dz * scale : 0.f);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// (y, xhat, mask, rstd): y = LayerNorm(x + Dropout(out)); the rest is what backward needs.
+std::vector<at::Tensor> residual_norm_forward(const at::Tensor& x, const at::Tensor& out,
+                                              const at::Tensor& gamma, const at::Tensor& beta,
+                                              double p, double eps, const at::Tensor& seed) {
+  for (auto [t, name] : {std::pair{&x, "x"}, {&out, "out"}, {&gamma, "weight"}, {&beta, "bias"}})
+    check_rows(*t, name);
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32, got ", x.scalar_type());
+  TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16,
+              "out must be float32 or bfloat16, got ", out.scalar_type());
+  TORCH_CHECK(x.sizes() == out.sizes(), "x and out differ in shape: ", x.sizes(), " and ",
+              out.sizes());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, "x needs a last dimension to normalize");
+  const int64_t d = x.size(-1), rows = x.numel() / d;
+  TORCH_CHECK(gamma.scalar_type() == at::kFloat && beta.scalar_type() == at::kFloat &&
+                  gamma.numel() == d && beta.numel() == d,
+              "weight and bias must be float32 vectors of ", d);
+  const Keep keep = keep_rule(p);
+  auto y = at::empty_like(x), xhat = at::empty_like(x);
+  auto mask = at::empty(x.sizes(), x.options().dtype(at::kByte));
+  auto rstd = at::empty({rows}, x.options());
+  TORCH_CHECK(seed.device().is_cpu() && seed.scalar_type() == at::kLong && seed.numel() == 1,
+              "seed must be one int64 on the CPU");
+  const auto s = static_cast<uint64_t>(*seed.data_ptr<int64_t>());
+  if (out.scalar_type() == at::kBFloat16)
+    forward_rows(x.data_ptr<float>(), out.data_ptr<c10::BFloat16>(), gamma.data_ptr<float>(),
+                 beta.data_ptr<float>(), y.data_ptr<float>(), xhat.data_ptr<float>(),
+                 mask.data_ptr<uint8_t>(), rstd.data_ptr<float>(), rows, d, keep,
+                 static_cast<float>(eps), s);
+  else
+    forward_rows(x.data_ptr<float>(), out.data_ptr<float>(), gamma.data_ptr<float>(),
+                 beta.data_ptr<float>(), y.data_ptr<float>(), xhat.data_ptr<float>(),
+                 mask.data_ptr<uint8_t>(), rstd.data_ptr<float>(), rows, d, keep,
+                 static_cast<float>(eps), s);
+  return {y, xhat, mask, rstd};
+}
+
+// (dx, dout, dweight, dbias) for the incoming gradient dy of y; dout in out_dtype.
+std::vector<at::Tensor> residual_norm_backward(const at::Tensor& dy_in, const at::Tensor& xhat,
+                                               const at::Tensor& mask, const at::Tensor& rstd,
+                                               const at::Tensor& gamma, double p,
+                                               at::ScalarType out_dtype) {
+  const at::Tensor dy = dy_in.contiguous().to(at::kFloat);
+  TORCH_CHECK(dy.sizes() == xhat.sizes(), "the gradient's shape ", dy.sizes(),
+              " is not the output's ", xhat.sizes());
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16,
+              "out must be float32 or bfloat16");
+  const int64_t d = dy.size(-1), rows = dy.numel() / d;
+  const float scale = keep_rule(p).scale;
+  auto dx = at::empty_like(dy);
+  auto dout = at::empty(dy.sizes(), dy.options().dtype(out_dtype));
+  auto partial = at::zeros({at::get_num_threads(), 2, d}, dy.options());
+  if (out_dtype == at::kBFloat16)
+    backward_rows(dy.data_ptr<float>(), xhat.data_ptr<float>(), mask.data_ptr<uint8_t>(),
+                  rstd.data_ptr<float>(), gamma.data_ptr<float>(), dx.data_ptr<float>(),
+                  dout.data_ptr<c10::BFloat16>(), partial.data_ptr<float>(), rows, d, scale);
+  else
+    backward_rows(dy.data_ptr<float>(), xhat.data_ptr<float>(), mask.data_ptr<uint8_t>(),
+                  rstd.data_ptr<float>(), gamma.data_ptr<float>(), dx.data_ptr<float>(),
+                  dout.data_ptr<float>(), partial.data_ptr<float>(), rows, d, scale);
+  auto sums = partial.sum(0);
+  return {dx, dout, sums[0], sums[1]};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &residual_norm_forward, "y, xhat, mask, rstd = LayerNorm(x + Dropout(out))");
+  m.def("backward", &residual_norm_backward, "dx, dout, dweight, dbias");
+}
