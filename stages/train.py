@@ -129,7 +129,9 @@ def train(
     so that the later stages log into the same run. Any error ends that run FAILED.
 
     An existing run in CHECKPOINTS resumes where it stopped (a killed run ends bitwise where
-    an uninterrupted one would, on CPU); Ctrl-C or SIGTERM writes a checkpoint first.
+    an uninterrupted one would, on CPU); Ctrl-C or SIGTERM writes a checkpoint first, then
+    the stage exits 130 or 143 (not 0), so that DVC stops there instead of scoring a partial
+    run; run it again to resume.
     Several processes: set `train.nproc_per_node` (this command re-launches itself under
     torchrun; `train.max_restarts` restarts the group after a lost process, and the run
     resumes from its last checkpoint), or call torchrun yourself, e.g. on each of two
@@ -150,12 +152,12 @@ def train(
     tok = load_tokenizer(tokenizer)
     paths = TrainPaths(shards=shards, checkpoints=checkpoints, metrics=metrics,
                        train_log=train_log, valid_log=valid_log)
-    stop = {"requested": False}
+    stop = {"requested": False, "signal": None}
 
     def request_stop(signum, frame):
         if stop["requested"]:  # a second Ctrl-C: stop at once
             raise KeyboardInterrupt
-        stop["requested"] = True
+        stop["requested"], stop["signal"] = True, signum
         log.info("train: %s received, stopping after this step", signal.Signals(signum).name)
 
     # The stage owns the MLflow run from start to end: whatever exception ends the stage
@@ -186,6 +188,16 @@ def train(
                         unchanged=summary["steps"] == resumed_at)
     finally:
         distributed.shutdown()
+    if summary["stopped_by"] == "interrupted" and stop["signal"] is not None:
+        # Exit as a process ended by the signal does (128 + its number), not 0: else
+        # `dvc repro` or a killed `dvc exp run` would take the partial run as the stage's
+        # result, lock it and go on to average, decode and score it.
+        code = 128 + stop["signal"]
+        log.warning("train: stopped by %s at step %d; its checkpoint is written. Exiting with "
+                    "%d so that no later stage runs on a partial model: run the stage again "
+                    "(or `dvc repro`) to resume.", signal.Signals(stop["signal"]).name,
+                    summary["steps"], code)
+        raise typer.Exit(code)
 
 
 def start_tracking(tracker: Tracker, trainer: Trainer, p, run_file: Path) -> None:

@@ -497,6 +497,44 @@ def test_any_error_ends_the_train_stages_mlflow_run_failed(toy_workspace, tmp_pa
     assert commit == (git_commit() or "")[:7]
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_train_stage_checkpoints_then_exits_nonzero(toy_workspace, tmp_path,
+                                                                  monkeypatch, sig):
+    """Ctrl-C (what `dvc queue kill` sends) or SIGTERM mid-run: the step ends, a checkpoint is
+    written, and the stage exits as a process ended by that signal does (128 + its number),
+    so that DVC runs no later stage on the partial run; running it again resumes."""
+    import typer
+
+    import stages.train as train_stage
+
+    real_fit = train_stage.Trainer.fit
+
+    def fit_then_signalled(self, should_stop):
+        os.kill(os.getpid(), sig)  # the stage's handler asks the loop to stop after a step
+        return real_fit(self, should_stop)
+
+    monkeypatch.setattr(train_stage.Trainer, "fit", fit_then_signalled)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    run = tmp_path / "run"
+    kwargs = dict(params=write_params(tmp_path / "p.yaml", {"train": {"steps": 50}}),
+                  shards=toy_workspace / "data/shards",
+                  tokenizer=toy_workspace / "data/vocab/tokenizer.json",
+                  raw=toy_workspace / "data/raw", checkpoints=run / "checkpoints",
+                  metrics=run / "train.json", train_log=run / "train_log.tsv",
+                  valid_log=run / "valid_log.tsv", curves=run / "curves.png",
+                  progress=False, mlflow=False)
+    try:
+        with pytest.raises(typer.Exit) as stopped:
+            train_stage.train(**kwargs)
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    assert stopped.value.exit_code == 128 + sig
+    summary = json.loads((run / "train.json").read_text())
+    assert summary["stopped_by"] == "interrupted" and 0 < summary["steps"] < 50
+    assert checkpoint_step(list_checkpoints(run / "checkpoints")[-1]) == summary["steps"]
+
+
 def test_a_run_is_named_after_the_preset_its_params_equal(monkeypatch):
     from stages.params import compose
     from stages.train import preset_of
