@@ -69,17 +69,19 @@ keeps torch's own operators, readable against the paper (``aiayn/model.py``,
    torch's (so masks depend on the seed, not on the threads; a run restored with its RNG
    state repeats), keeps section 2's rule, sums, normalises, and saves the normalised rows
    and a byte mask; backward forms layer norm's gradient and dropout's in the same loop.
-   On the ``multi30k`` block (3,881 rows x 256, bf16 ``out``) on 2 AMX cores: forward and
-   backward 2.0 ms against 3.7 ms eager (a scratch measurement; the step's figures are in
-   bench/README.md). It is built with torch's own extension builder at first use (about 20 s,
-   cached per machine); where it cannot be (no compiler), a warning says so and the block
-   takes torch's ops. Pre-LN blocks, GPUs and ``torch.compile`` keep torch's ops.
+   On 2 AMX cores a ``multi30k`` block (3,600 rows x 256) takes 2.4-2.9 ms forward and
+   backward against 5.0-5.7 ms eager, and the step runs 1.08x faster (bench/README.md,
+   "the residual block in one C++ pass"); in fp32 on AVX2 and for the demo's small model
+   the step does not measurably change. It is built with torch's own extension builder at
+   first use (~30 s, cached per machine); where it cannot be (no compiler), a warning says
+   so and the block takes torch's ops. Pre-LN blocks, GPUs and ``torch.compile`` keep
+   torch's ops.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -490,7 +492,7 @@ _extension_tried = False
 
 
 def residual_extension():
-    """The compiled module of ``csrc/residual_norm.cpp``, built on first use (about 20 s,
+    """The compiled module of ``csrc/residual_norm.cpp``, built on first use (about 30 s,
     once per machine and instruction set, cached by torch under ``TORCH_EXTENSIONS_DIR``,
     default ``~/.cache/torch_extensions``); None where it cannot be built (no C++ compiler or
     Python headers; a warning says so, once) or where ``AIAYN_CPU_EXTENSION=0``."""
@@ -505,9 +507,9 @@ def residual_extension():
     try:
         from torch.utils import cpp_extension
 
-        _put_ninja_on_path()
         _say_if_building(cpp_extension, name, isa)
-        with warnings.catch_warnings():  # torch's note that the compiler differs from its own
+        # warnings: torch's note that the compiler differs from the one it was built with
+        with _project_ninja(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             _extension = cpp_extension.load(name, [str(_SOURCE)],
                                             extra_cflags=_CFLAGS + _ISA_FLAGS.get(isa, []))
@@ -515,23 +517,33 @@ def residual_extension():
         warnings.warn(
             f"aiayn: could not build the CPU kernel {_SOURCE.name} ({type(e).__name__}: "
             f"{str(e).strip().splitlines()[-1] if str(e).strip() else e!r}); the residual "
-            f"blocks run on PyTorch's own ops instead, about 10% slower on CPU. It needs a C++ "
-            f"compiler and Python's headers (Debian/Ubuntu: apt install g++ python3-dev); set "
-            f"{EXTENSION_ENV}=0 to skip the build and this warning.", RuntimeWarning,
+            f"blocks run on PyTorch's own ops instead (up to ~8% slower steps on CPU). It "
+            f"needs a C++ compiler and Python's headers (Debian/Ubuntu: apt install g++ "
+            f"python3-dev); set {EXTENSION_ENV}=0 to skip the build and this warning.",
+            RuntimeWarning,
             stacklevel=2)
         _extension = None
     return _extension
 
 
-def _put_ninja_on_path() -> None:
-    """torch builds with the ``ninja`` on PATH; the ``ninja`` package (a dependency) installs
-    one beside the interpreter, on PATH only where its environment is activated."""
-    if shutil.which("ninja") is None:
-        try:
-            import ninja
-        except ImportError:
-            return
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+@contextlib.contextmanager
+def _project_ninja():
+    """The ``ninja`` package's binary (a dependency, installed beside the interpreter) first
+    on PATH while torch builds, whether or not the environment is activated: ninja versions
+    hash a build's command differently, so a system ninja (1.11) and the package's (1.13)
+    taking turns rebuilt the kernel (~30 s) at every switch between an activated and a bare
+    ``.venv/bin/python``. Where the package is missing, the ninja on PATH builds."""
+    old = os.environ.get("PATH", "")
+    try:
+        import ninja
+    except ImportError:
+        yield
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + old
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old
 
 
 def _say_if_building(cpp_extension, name: str, isa: str) -> None:
@@ -543,7 +555,7 @@ def _say_if_building(cpp_extension, name: str, isa: str) -> None:
         return
     if not built.exists():
         print(f"aiayn: building the CPU kernel {_SOURCE.name} for {isa} (once per machine, "
-              f"~20 s; cached in {built.parent})", file=sys.stderr, flush=True)
+              f"~30 s; cached in {built.parent})", file=sys.stderr, flush=True)
 
 
 def dropout_seed() -> Tensor:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -546,3 +548,16 @@ def test_a_failed_build_warns_once_and_leaves_torch_ops(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "_extension_tried", False)
     monkeypatch.setenv(kernels.EXTENSION_ENV, "0")
     assert kernels.residual_extension() is None  # switched off: nothing built, no warning
+
+
+def test_the_build_uses_the_ninja_package_whether_or_not_the_venv_is_activated(monkeypatch):
+    """Two ninja versions hash a build's command differently; taking turns, they rebuilt the
+    kernel at every switch. While torch builds, the package's ninja comes first on PATH,
+    and PATH is as it was afterwards."""
+    import shutil
+
+    ninja = pytest.importorskip("ninja")
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    with kernels._project_ninja():
+        assert shutil.which("ninja") == str(Path(ninja.BIN_DIR) / "ninja")
+    assert os.environ["PATH"] == "/usr/bin:/bin"
