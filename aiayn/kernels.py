@@ -568,7 +568,7 @@ def dropout_seed() -> Tensor:
 class _ResidualNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, out: Tensor, weight: Tensor, bias: Tensor, p: float,
-                eps: float, seed: Tensor) -> Tensor:
+                eps: float, seed: Tensor) -> tuple[Tensor, Tensor]:
         y, xhat, mask, rstd = residual_extension().forward(x, out, weight, bias, p, eps, seed)
         ctx.save_for_backward(xhat, mask, rstd, weight)
         ctx.p, ctx.out_dtype = p, out.dtype
