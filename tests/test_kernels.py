@@ -561,3 +561,12 @@ def test_the_build_uses_the_ninja_package_whether_or_not_the_venv_is_activated(m
     with kernels._project_ninja():
         assert shutil.which("ninja") == str(Path(ninja.BIN_DIR) / "ninja")
     assert os.environ["PATH"] == "/usr/bin:/bin"
+
+
+def test_the_train_stage_depends_on_the_kernels_source():
+    """A change to the C++ kernel changes what training computes: DVC must re-run it."""
+    import yaml
+
+    repo = Path(__file__).resolve().parents[1]
+    deps = yaml.safe_load((repo / "dvc.yaml").read_text())["stages"]["train"]["deps"]
+    assert str(kernels._SOURCE.relative_to(repo)) in deps
