@@ -81,6 +81,7 @@ keeps torch's own operators, readable against the paper (``aiayn/model.py``,
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import sys
 import warnings
@@ -503,16 +504,19 @@ def residual_extension():
     if os.environ.get(EXTENSION_ENV, "1") == "0":
         return None
     isa = torch.backends.cpu.get_cpu_capability()
-    name = f"aiayn_residual_norm_{isa.lower().replace(' ', '_')}"
+    flags = _CFLAGS + _ISA_FLAGS.get(isa, [])
     try:
         from torch.utils import cpp_extension
 
+        source = _SOURCE.read_text()
+        name = _build_name(source, isa, flags)
         _say_if_building(cpp_extension, name, isa)
         # warnings: torch's note that the compiler differs from the one it was built with
         with _project_ninja(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            _extension = cpp_extension.load(name, [str(_SOURCE)],
-                                            extra_cflags=_CFLAGS + _ISA_FLAGS.get(isa, []))
+            # load_inline copies the source into the build folder, so that checkouts in other
+            # places (a `dvc exp run --queue` runs in a temporary copy) build nothing again.
+            _extension = cpp_extension.load_inline(name, [source], extra_cflags=flags)
     except Exception as e:  # noqa: BLE001 - any build failure means the eager path
         warnings.warn(
             f"aiayn: could not build the CPU kernel {_SOURCE.name} ({type(e).__name__}: "
@@ -524,6 +528,19 @@ def residual_extension():
             stacklevel=2)
         _extension = None
     return _extension
+
+
+def _build_name(source: str, isa: str, flags: list[str]) -> str:
+    """The build's name, hence its folder under torch's cache: the instruction set, and a
+    digest of what the compiled module depends on (the source, the flags, and the torch
+    and Python whose headers and libraries it is built against). One build per version of
+    each; never one folder that two environments take turns rebuilding."""
+    import sysconfig
+
+    digest = hashlib.sha256("\0".join([
+        source, " ".join(flags), torch.__version__, str(Path(torch.__file__).parent),
+        sysconfig.get_paths()["include"]]).encode()).hexdigest()[:12]
+    return f"aiayn_residual_norm_{isa.lower().replace(' ', '_')}_{digest}"
 
 
 @contextlib.contextmanager

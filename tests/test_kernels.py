@@ -570,3 +570,13 @@ def test_the_train_stage_depends_on_the_kernels_source():
     repo = Path(__file__).resolve().parents[1]
     deps = yaml.safe_load((repo / "dvc.yaml").read_text())["stages"]["train"]["deps"]
     assert str(kernels._SOURCE.relative_to(repo)) in deps
+
+
+def test_a_build_is_named_by_what_it_is_built_from():
+    """One cache folder per source, flags and environment: a checkout elsewhere (a queued
+    DVC experiment's temporary copy) finds the same build; an edited source gets a new one."""
+    a = kernels._build_name("int x;", "AVX2", ["-O3"])
+    assert a == kernels._build_name("int x;", "AVX2", ["-O3"])
+    assert a.startswith("aiayn_residual_norm_avx2_")
+    assert a != kernels._build_name("int y;", "AVX2", ["-O3"])
+    assert a != kernels._build_name("int x;", "AVX2", ["-O2"])
