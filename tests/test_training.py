@@ -452,6 +452,28 @@ def test_two_processes_equal_one_process_with_two_accumulation_steps(toy_workspa
     assert not torch.equal(a1, a2)
 
 
+def call_train_stage(toy_workspace: Path, tmp_path: Path, steps: int, mlflow: bool) -> None:
+    """``aiayn train`` in this process on the toy workspace's shards, for ``steps`` steps,
+    writing under TMP_PATH/run; the SIGINT and SIGTERM handlers the stage installs are
+    replaced by the test process's own afterwards."""
+    import stages.train as train_stage
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    run = tmp_path / "run"
+    try:
+        train_stage.train(
+            params=write_params(tmp_path / "p.yaml", {"train": {"steps": steps}}),
+            shards=toy_workspace / "data/shards",
+            tokenizer=toy_workspace / "data/vocab/tokenizer.json",
+            raw=toy_workspace / "data/raw", checkpoints=run / "checkpoints",
+            metrics=run / "train.json", train_log=run / "train_log.tsv",
+            valid_log=run / "valid_log.tsv", curves=run / "curves.png",
+            progress=False, mlflow=mlflow)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
 def test_any_error_ends_the_train_stages_mlflow_run_failed(toy_workspace, tmp_path,
                                                          monkeypatch):
     """Not only the project's own errors: a kernel's RuntimeError or a CUDA out-of-memory
@@ -471,21 +493,8 @@ def test_any_error_ends_the_train_stages_mlflow_run_failed(toy_workspace, tmp_pa
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     monkeypatch.setattr(train_stage.Trainer, "fit", broken)
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    run = tmp_path / "run"
-    try:
-        with pytest.raises(RuntimeError, match="illegal memory access"):
-            train_stage.train(
-                params=write_params(tmp_path / "p.yaml", {"train": {"steps": 2}}),
-                shards=toy_workspace / "data/shards",
-                tokenizer=toy_workspace / "data/vocab/tokenizer.json",
-                raw=toy_workspace / "data/raw", checkpoints=run / "checkpoints",
-                metrics=run / "train.json", train_log=run / "train_log.tsv",
-                valid_log=run / "valid_log.tsv", curves=run / "curves.png",
-                progress=False, mlflow=True)
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        call_train_stage(toy_workspace, tmp_path, steps=2, mlflow=True)
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name("aiayn")
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
@@ -514,21 +523,9 @@ def test_an_interrupted_train_stage_checkpoints_then_exits_nonzero(toy_workspace
         return real_fit(self, should_stop)
 
     monkeypatch.setattr(train_stage.Trainer, "fit", fit_then_signalled)
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    with pytest.raises(typer.Exit) as stopped:
+        call_train_stage(toy_workspace, tmp_path, steps=50, mlflow=False)
     run = tmp_path / "run"
-    kwargs = dict(params=write_params(tmp_path / "p.yaml", {"train": {"steps": 50}}),
-                  shards=toy_workspace / "data/shards",
-                  tokenizer=toy_workspace / "data/vocab/tokenizer.json",
-                  raw=toy_workspace / "data/raw", checkpoints=run / "checkpoints",
-                  metrics=run / "train.json", train_log=run / "train_log.tsv",
-                  valid_log=run / "valid_log.tsv", curves=run / "curves.png",
-                  progress=False, mlflow=False)
-    try:
-        with pytest.raises(typer.Exit) as stopped:
-            train_stage.train(**kwargs)
-    finally:
-        for s, handler in handlers.items():
-            signal.signal(s, handler)
     assert stopped.value.exit_code == 128 + sig
     summary = json.loads((run / "train.json").read_text())
     assert summary["stopped_by"] == "interrupted" and 0 < summary["steps"] < 50
