@@ -97,7 +97,8 @@ def plot_training_curves(train_log: Path, valid_log: Path, path: Path) -> None:
         loss_ax.plot(valid["step"], valid["valid_nll"], "o--", label="valid NLL",
                      color="tab:orange")
     loss_ax.set(title="loss per target token", xlabel="step", ylabel="nats")
-    loss_ax.legend(fontsize=8)
+    if len(train) or len(valid):  # a run stopped before its first log row has no curves yet
+        loss_ax.legend(fontsize=8)
     lr_ax.set(title="learning rate", xlabel="step")
     speed_ax.set(title="target tokens / s", xlabel="step")
     for ax in (loss_ax, lr_ax, speed_ax):

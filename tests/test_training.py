@@ -506,6 +506,7 @@ def test_any_error_ends_the_train_stages_mlflow_run_failed(toy_workspace, tmp_pa
     assert commit == (git_commit() or "")[:7]
 
 
+@pytest.mark.filterwarnings("error::UserWarning")  # e.g. matplotlib's on a curve with no rows
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupted_train_stage_checkpoints_then_exits_nonzero(toy_workspace, tmp_path,
                                                                   monkeypatch, sig):
