@@ -586,17 +586,19 @@ class _ResidualNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, out: Tensor, weight: Tensor, bias: Tensor, p: float,
                 eps: float, seed: Tensor) -> tuple[Tensor, Tensor]:
-        y, xhat, mask, rstd = residual_extension().forward(x, out, weight, bias, p, eps, seed)
+        threshold, scale = keep_threshold(p)
+        y, xhat, mask, rstd = residual_extension().forward(x, out, weight, bias, threshold,
+                                                           scale, eps, seed)
         ctx.save_for_backward(xhat, mask, rstd, weight)
-        ctx.p, ctx.out_dtype = p, out.dtype
+        ctx.scale, ctx.out_dtype = scale, out.dtype
         ctx.mark_non_differentiable(mask)
         return y, mask
 
     @staticmethod
     def backward(ctx, grad: Tensor, _mask_grad):
         xhat, mask, rstd, weight = ctx.saved_tensors
-        dx, dout, dw, db = residual_extension().backward(grad, xhat, mask, rstd, weight, ctx.p,
-                                                         ctx.out_dtype)
+        dx, dout, dw, db = residual_extension().backward(grad, xhat, mask, rstd, weight,
+                                                         ctx.scale, ctx.out_dtype)
         return dx, dout, dw, db, None, None, None
 
 

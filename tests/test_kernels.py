@@ -499,7 +499,7 @@ def test_residual_norm_masks_follow_the_seed_not_the_threads(extension):
 
 def test_residual_norm_rejects_what_it_cannot_compute(extension):
     x, w, b = torch.randn(4, 8), torch.ones(8), torch.zeros(8)
-    with pytest.raises(RuntimeError, match="dropout probability"):
+    with pytest.raises(ValueError, match="dropout probability"):  # kernels.keep_threshold's
         kernels.residual_norm(x, torch.randn(4, 8), w, b, 1.0)
     with pytest.raises(RuntimeError, match="differ in shape"):
         kernels.residual_norm(x, torch.randn(4, 7), w, b, 0.1)

@@ -57,11 +57,12 @@ struct Keep {
   float scale;
 };
 
-Keep keep_rule(double p) {
-  TORCH_CHECK(p >= 0.0 && p < 1.0, "dropout probability ", p, " must lie in [0, 1)");
-  const int64_t k = std::llround(p * 65536.0);
-  TORCH_CHECK(k < 65536, "dropout probability ", p, " rounds to 1");
-  return {static_cast<int16_t>(k - 32768), static_cast<float>(65536.0 / (65536.0 - k))};
+// The keep rule (threshold, scale) comes from aiayn.kernels.keep_threshold, written once.
+Keep keep_rule(int64_t threshold, double scale) {
+  TORCH_CHECK(threshold >= -32768 && threshold <= 32767 && scale >= 1.0,
+              "keep threshold ", threshold, " and scale ", scale,
+              " are not aiayn.kernels.keep_threshold's");
+  return {static_cast<int16_t>(threshold), static_cast<float>(scale)};
 }
 
 void check_rows(const at::Tensor& t, const char* name) {
@@ -151,7 +152,8 @@ void backward_rows(const float* dy, const float* xhat, const uint8_t* mask, cons
 // (y, xhat, mask, rstd): y = LayerNorm(x + Dropout(out)); the rest is what backward needs.
 std::vector<at::Tensor> residual_norm_forward(const at::Tensor& x, const at::Tensor& out,
                                               const at::Tensor& gamma, const at::Tensor& beta,
-                                              double p, double eps, const at::Tensor& seed) {
+                                              int64_t threshold, double scale, double eps,
+                                              const at::Tensor& seed) {
   for (auto [t, name] : {std::pair{&x, "x"}, {&out, "out"}, {&gamma, "weight"}, {&beta, "bias"}})
     check_rows(*t, name);
   TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32, got ", x.scalar_type());
@@ -164,7 +166,7 @@ std::vector<at::Tensor> residual_norm_forward(const at::Tensor& x, const at::Ten
   TORCH_CHECK(gamma.scalar_type() == at::kFloat && beta.scalar_type() == at::kFloat &&
                   gamma.numel() == d && beta.numel() == d,
               "weight and bias must be float32 vectors of ", d);
-  const Keep keep = keep_rule(p);
+  const Keep keep = keep_rule(threshold, scale);
   auto y = at::empty_like(x), xhat = at::empty_like(x);
   auto mask = at::empty(x.sizes(), x.options().dtype(at::kByte));
   auto rstd = at::empty({rows}, x.options());
@@ -187,7 +189,7 @@ std::vector<at::Tensor> residual_norm_forward(const at::Tensor& x, const at::Ten
 // (dx, dout, dweight, dbias) for the incoming gradient dy of y; dout in out_dtype.
 std::vector<at::Tensor> residual_norm_backward(const at::Tensor& dy_in, const at::Tensor& xhat,
                                                const at::Tensor& mask, const at::Tensor& rstd,
-                                               const at::Tensor& gamma, double p,
+                                               const at::Tensor& gamma, double keep_scale,
                                                at::ScalarType out_dtype) {
   const at::Tensor dy = dy_in.contiguous().to(at::kFloat);
   TORCH_CHECK(dy.sizes() == xhat.sizes(), "the gradient's shape ", dy.sizes(),
@@ -195,7 +197,7 @@ std::vector<at::Tensor> residual_norm_backward(const at::Tensor& dy_in, const at
   TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16,
               "out must be float32 or bfloat16");
   const int64_t d = dy.size(-1), rows = dy.numel() / d;
-  const float scale = keep_rule(p).scale;
+  const float scale = keep_rule(0, keep_scale).scale;
   auto dx = at::empty_like(dy);
   auto dout = at::empty(dy.sizes(), dy.options().dtype(out_dtype));
   auto partial = at::zeros({at::get_num_threads(), 2, d}, dy.options());
