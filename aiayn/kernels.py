@@ -62,7 +62,7 @@ keeps torch's own operators, readable against the paper (``aiayn/model.py``,
    only): the same bf16 values, a few per cent of the input casts' bytes.
 
 5. **The post-LN residual block in one C++ pass each way, on CPU in training**
-   (:func:`residual_norm`, ``csrc/residual_norm.cpp``). ``LayerNorm(x + Dropout(out))``
+   (:func:`residual_norm`, ``csrc/cpu_kernels.cpp``). ``LayerNorm(x + Dropout(out))``
    takes eight eager kernels forward (dropout's random bits, compare, cast, scale, multiply,
    the sum, layer norm) and as many backward, each a pass over a (rows x d_model) tensor and
    an autograd node. The kernel draws the mask from a counter-based generator seeded from
@@ -72,15 +72,16 @@ keeps torch's own operators, readable against the paper (``aiayn/model.py``,
    On 2 AMX cores a ``multi30k`` block (3,600 rows x 256) takes 2.4-2.9 ms forward and
    backward against 5.0-5.7 ms eager, and the step runs 1.08x faster (bench/README.md,
    "the residual block in one C++ pass"); in fp32 on AVX2 and for the demo's small model
-   the step does not measurably change. It is built with torch's own extension builder at
-   first use (~30 s, cached per machine); where it cannot be (no compiler), a warning says
-   so and the block takes torch's ops. Pre-LN blocks, GPUs and ``torch.compile`` keep
-   torch's ops.
+   the step does not measurably change. It is built with torch's own extension builder when
+   the trainer sets up (~30 s, cached per machine); where it cannot be (no compiler), a
+   warning says so and the block takes torch's ops. Pre-LN blocks, GPUs and
+   ``torch.compile`` keep torch's ops.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import sys
@@ -197,14 +198,20 @@ class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
                                       device=weight.device) if need_grad else None
             buf_rows = min(n, max(chunk_rows, tail_window(n % chunk_rows, n, rows.device)))
             buf = torch.empty(buf_rows, width, dtype=dtype, device=rows.device)
-            # Under autocast the chunk's logits are bf16; the softmax runs in fp32 on blocks of
-            # softmax_rows rows in one reused buffer that stays in cache, and the gradient
-            # goes back into ``buf`` in place, ready for the two products.
-            wide = None if dtype == torch.float32 else torch.empty(
-                min(softmax_rows, chunk_rows, n), width, dtype=torch.float32, device=rows.device)
             # The mean logit of a row is its dot product with the mean embedding row.
             mean_all = rows.float() @ weight.float().mean(dim=0)  # (N,)
-            off = torch.tensor(-epsilon / vocab, dtype=torch.float32, device=rows.device)
+            # Each chunk's softmax, loss and gradient (in place in ``buf``, ready for the two
+            # products): on CPU one C++ pass per row; elsewhere eager ops on blocks of
+            # softmax_rows rows, under autocast in fp32 in one reused buffer that stays in cache.
+            if (fused := _softmax_extension(rows.device, dtype)) is not None:
+                softmax = fused.label_smoothed_softmax_
+            else:
+                wide = None if dtype == torch.float32 else torch.empty(
+                    min(softmax_rows, chunk_rows, n), width, dtype=torch.float32,
+                    device=rows.device)
+                off = torch.tensor(-epsilon / vocab, dtype=torch.float32, device=rows.device)
+                softmax = functools.partial(_softmax_blocks, softmax_rows=softmax_rows,
+                                            wide=wide, off=off)
             for start in range(0, n, chunk_rows):
                 end = min(start + chunk_rows, n)
                 # The products run on rows [first, end): the chunk itself, or on CPU for a
@@ -214,28 +221,10 @@ class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
                 first = end - tail_window(end - start, n, rows.device) if end == n else start
                 a_c = a[first:end]
                 g = torch.mm(a_c, w.t(), out=buf[:end - first])  # (c, width) logits
-                if width != vocab:
-                    g[:, vocab:] = float("-inf")
                 if start > first:
                     g[:start - first] = 0.0
-                for lo in range(start, end, softmax_rows):
-                    hi = min(lo + softmax_rows, end)
-                    z_c, y = g[lo - first:hi - first], labels[lo:hi, None]
-                    z = z_c if wide is None else wide[:hi - lo].copy_(z_c)
-                    target = z.gather(1, y).squeeze(1)
-                    top = z.amax(dim=1, keepdim=True)
-                    z.sub_(top).exp_()
-                    total = z.sum(dim=1)
-                    lse = top.squeeze(1) + total.log()
-                    nll[lo:hi] = lse - target
-                    # -sum_v q_v log p_v with q = (1 - eps) onehot + eps / V
-                    loss[lo:hi] = lse - (1.0 - epsilon) * target - epsilon * mean_all[lo:hi]
-                    if need_grad:
-                        # d loss / d logits = softmax - (1 - eps) onehot - eps / V, in place.
-                        torch.addcmul(off, z, total.reciprocal().unsqueeze(1), out=z)
-                        z.scatter_add_(1, y, torch.full_like(y, -(1.0 - epsilon), dtype=z.dtype))
-                        if wide is not None:
-                            z_c.copy_(z)
+                softmax(g[start - first:], labels[start:end], mean_all[start:end],
+                        loss[start:end], nll[start:end], vocab, epsilon, need_grad)
                 if need_grad:
                     grad_rows[start:end] = torch.mm(g, w)[start - first:]
                     if dtype == torch.float32:
@@ -258,6 +247,44 @@ class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
         return (grad_rows * grad_loss.to(grad_rows.dtype),
                 (grad_weight * grad_loss).to(ctx.weight_dtype), None, None, None, None, None,
                 None, None)
+
+
+def _softmax_blocks(g: Tensor, labels: Tensor, mean_all: Tensor, loss: Tensor, nll: Tensor,
+                    vocab: int, epsilon: float, need_grad: bool, *, softmax_rows: int,
+                    wide: Tensor | None, off: Tensor) -> None:
+    """The eager twin of the C++ ``label_smoothed_softmax_``: writes each row's loss and NLL
+    of the logits ``g`` (rows, width) into ``loss`` and ``nll``; with ``need_grad``, turns
+    ``g`` into their gradient in place. Runs in fp32 blocks of ``softmax_rows`` rows
+    (through ``wide`` when ``g`` is 16-bit); columns past ``vocab`` add nothing."""
+    if g.shape[1] != vocab:
+        g[:, vocab:] = float("-inf")
+    for lo in range(0, g.shape[0], softmax_rows):
+        hi = min(lo + softmax_rows, g.shape[0])
+        z_c, y = g[lo:hi], labels[lo:hi, None]
+        z = z_c if wide is None else wide[:hi - lo].copy_(z_c)
+        target = z.gather(1, y).squeeze(1)
+        top = z.amax(dim=1, keepdim=True)
+        z.sub_(top).exp_()
+        total = z.sum(dim=1)
+        lse = top.squeeze(1) + total.log()
+        nll[lo:hi] = lse - target
+        # -sum_v q_v log p_v with q = (1 - eps) onehot + eps / V
+        loss[lo:hi] = lse - (1.0 - epsilon) * target - epsilon * mean_all[lo:hi]
+        if need_grad:
+            # d loss / d logits = softmax - (1 - eps) onehot - eps / V, in place.
+            torch.addcmul(off, z, total.reciprocal().unsqueeze(1), out=z)
+            z.scatter_add_(1, y, torch.full_like(y, -(1.0 - epsilon), dtype=z.dtype))
+            if wide is not None:
+                z_c.copy_(z)
+
+
+def _softmax_extension(device: torch.device, dtype: torch.dtype):
+    """The compiled module whose ``label_smoothed_softmax_`` the loss takes for logits of
+    ``dtype`` on ``device`` (CPU, fp32 or bf16, not under ``torch.compile``), else None."""
+    if (device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16)
+            or torch.compiler.is_compiling()):
+        return None
+    return cpu_extension()
 
 
 def projected_label_smoothed_loss(hidden: Tensor, weight: Tensor, labels: Tensor,
@@ -475,7 +502,7 @@ def linear_relu(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor
 
 # Set to 0 to keep PyTorch's own ops for the residual block (section 5) and build nothing.
 EXTENSION_ENV = "AIAYN_CPU_EXTENSION"
-_SOURCE = Path(__file__).with_name("csrc") / "residual_norm.cpp"
+_SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 # What the compiler may target, by the instruction set torch's own kernels dispatch to
 # (torch.backends.cpu.get_cpu_capability(), which ATEN_CPU_CAPABILITY caps): one build each,
 # so a cache shared by machines of different kinds never runs an instruction one lacks.
@@ -492,8 +519,8 @@ _extension: object | None = None
 _extension_tried = False
 
 
-def residual_extension():
-    """The compiled module of ``csrc/residual_norm.cpp``, built on first use (about 30 s,
+def cpu_extension():
+    """The compiled module of ``csrc/cpu_kernels.cpp``, built on first call (about 30 s,
     once per machine and instruction set, cached by torch under ``TORCH_EXTENSIONS_DIR``,
     default ``~/.cache/torch_extensions``); None where it cannot be built (no C++ compiler or
     Python headers; a warning says so, once) or where ``AIAYN_CPU_EXTENSION=0``."""
@@ -519,15 +546,22 @@ def residual_extension():
             _extension = cpp_extension.load_inline(name, [source], extra_cflags=flags)
     except Exception as e:  # noqa: BLE001 - any build failure means the eager path
         warnings.warn(
-            f"aiayn: could not build the CPU kernel {_SOURCE.name} ({type(e).__name__}: "
-            f"{str(e).strip().splitlines()[-1] if str(e).strip() else e!r}); the residual "
-            f"blocks run on PyTorch's own ops instead (up to ~8% slower steps on CPU). It "
+            f"aiayn: could not build the CPU kernels {_SOURCE.name} ({type(e).__name__}: "
+            f"{_build_error(str(e))}); the loss's softmax and the residual blocks run on "
+            f"PyTorch's own ops instead (slower steps on CPU). It "
             f"needs a C++ compiler and Python's headers (Debian/Ubuntu: apt install g++ "
             f"python3-dev); set {EXTENSION_ENV}=0 to skip the build and this warning.",
             RuntimeWarning,
             stacklevel=2)
         _extension = None
     return _extension
+
+
+def _build_error(message: str) -> str:
+    """The line of a failed build's output that says why: the compiler's first error, else
+    the last line."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    return next((line for line in lines if "error:" in line), lines[-1] if lines else "?")
 
 
 def _build_name(source: str, isa: str, flags: list[str]) -> str:
@@ -540,7 +574,7 @@ def _build_name(source: str, isa: str, flags: list[str]) -> str:
     digest = hashlib.sha256("\0".join([
         source, " ".join(flags), torch.__version__, str(Path(torch.__file__).parent),
         sysconfig.get_paths()["include"]]).encode()).hexdigest()[:12]
-    return f"aiayn_residual_norm_{isa.lower().replace(' ', '_')}_{digest}"
+    return f"aiayn_cpu_kernels_{isa.lower().replace(' ', '_')}_{digest}"
 
 
 @contextlib.contextmanager
@@ -565,13 +599,13 @@ def _project_ninja():
 
 def _say_if_building(cpp_extension, name: str, isa: str) -> None:
     """One line on stderr before a build (not before a load from torch's cache), so that
-    the first training step's pause is explained."""
+    the pause is explained."""
     try:
         built = Path(cpp_extension._get_build_directory(name, False)) / f"{name}.so"
     except Exception:  # noqa: BLE001 - a private helper; without it, say nothing
         return
     if not built.exists():
-        print(f"aiayn: building the CPU kernel {_SOURCE.name} for {isa} (once per machine, "
+        print(f"aiayn: building the CPU kernels {_SOURCE.name} for {isa} (once per machine, "
               f"~30 s; cached in {built.parent})", file=sys.stderr, flush=True)
 
 
@@ -587,7 +621,7 @@ class _ResidualNorm(torch.autograd.Function):
     def forward(ctx, x: Tensor, out: Tensor, weight: Tensor, bias: Tensor, p: float,
                 eps: float, seed: Tensor) -> tuple[Tensor, Tensor]:
         threshold, scale = keep_threshold(p)
-        y, xhat, mask, rstd = residual_extension().forward(x, out, weight, bias, threshold,
+        y, xhat, mask, rstd = cpu_extension().forward(x, out, weight, bias, threshold,
                                                            scale, eps, seed)
         ctx.save_for_backward(xhat, mask, rstd, weight)
         ctx.scale, ctx.out_dtype = scale, out.dtype
@@ -597,7 +631,7 @@ class _ResidualNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor, _mask_grad):
         xhat, mask, rstd, weight = ctx.saved_tensors
-        dx, dout, dw, db = residual_extension().backward(grad, xhat, mask, rstd, weight,
+        dx, dout, dw, db = cpu_extension().backward(grad, xhat, mask, rstd, weight,
                                                          ctx.scale, ctx.out_dtype)
         return dx, dout, dw, db, None, None, None
 
@@ -609,14 +643,14 @@ def residual_norm_applies(x: Tensor, out: Tensor, weight: Tensor) -> bool:
     return (x.device.type == "cpu" and x.dtype == torch.float32
             and out.dtype in (torch.float32, torch.bfloat16) and out.shape == x.shape
             and weight.dtype == torch.float32 and x.numel() > 0
-            and not torch.compiler.is_compiling() and residual_extension() is not None)
+            and not torch.compiler.is_compiling() and cpu_extension() is not None)
 
 
 def residual_norm(x: Tensor, out: Tensor, weight: Tensor, bias: Tensor, p: float,
                   eps: float = 1e-5, seed: int | None = None,
                   return_mask: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """``F.layer_norm(x + dropout(out, p), weight, bias, eps)`` in one pass each way
-    (``csrc/residual_norm.cpp``), the post-LN residual block of Section 3.1: fp32 output,
+    (``csrc/cpu_kernels.cpp``), the post-LN residual block of Section 3.1: fp32 output,
     ``out``'s gradient in ``out``'s dtype. Masks follow :func:`dropout`'s keep rule; their
     bits come from ``seed`` (default: drawn from torch's generator). ``return_mask``: also
     the uint8 mask (1 = kept), for tests. Check :func:`residual_norm_applies` first."""

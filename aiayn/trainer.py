@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from aiayn import distributed
+from aiayn import distributed, kernels
 from aiayn.config import Params, TrainConfig
 from aiayn.distributed import World
 from aiayn.errors import AiaynError, DataError
@@ -278,6 +278,11 @@ class Trainer:
         self.fast = p.train.kernels == "fast"
         torch.manual_seed(p.seed)  # identical initial weights on every rank
         self.model = Transformer(self.cfg, fast=self.fast).to(self.device)
+        if self.fast and self.device.type == "cpu":
+            # The C++ kernels of the loss and the residual blocks (aiayn.kernels, sections 1
+            # and 5) are built here, once per machine (~30 s), before the training clock
+            # starts, not in the first step.
+            kernels.cpu_extension()
         self.optimizer, self.scheduler = make_optimizer(
             self.model, p.train.adam_betas, p.train.adam_eps, p.model.d_model,
             p.train.warmup_steps, p.train.lr_scale, fused=self.fast)

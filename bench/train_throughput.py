@@ -366,6 +366,10 @@ def worker_main(spec: dict) -> None:
                     worker.step()
             table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30,
                                               max_name_column_width=55)
+            # The same time by operator and input shapes: which copy or product it is.
+            table += "\n" + prof.key_averages(group_by_input_shape=True).table(
+                sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=30,
+                max_shapes_column_width=70)
             print(json.dumps({"profile": table}), file=out, flush=True)
             continue
         if cmd == "onednn":
@@ -652,7 +656,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch.set_num_threads in every worker (default: torch's default)")
     ap.add_argument("--profile", default=None, metavar="CONTENDER",
-                    help="also print a torch.profiler table of 3 steps of this contender")
+                    help="also print torch.profiler tables of 3 steps of this contender (by "
+                         "operator, then by operator and input shapes)")
     ap.add_argument("--primitives", type=int, default=0, metavar="STEPS",
                     help="after the rounds, run STEPS more steps of every trainer contender "
                          "with oneDNN's creation log on and print, per step, the primitives "

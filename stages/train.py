@@ -152,12 +152,12 @@ def train(
     tok = load_tokenizer(tokenizer)
     paths = TrainPaths(shards=shards, checkpoints=checkpoints, metrics=metrics,
                        train_log=train_log, valid_log=valid_log)
-    stop = {"requested": False, "signal": None}
+    stop = {"signal": None}  # the first SIGINT or SIGTERM received
 
     def request_stop(signum, frame):
-        if stop["requested"]:  # a second Ctrl-C: stop at once
+        if stop["signal"] is not None:  # a second Ctrl-C: stop at once
             raise KeyboardInterrupt
-        stop["requested"], stop["signal"] = True, signum
+        stop["signal"] = signum
         log.info("train: %s received, stopping after this step", signal.Signals(signum).name)
 
     # The stage owns the MLflow run from start to end: whatever exception ends the stage
@@ -174,7 +174,7 @@ def train(
             signal.signal(signal.SIGTERM, request_stop)
             signal.signal(signal.SIGINT, request_stop)
             resumed_at = trainer.state.step
-            summary = trainer.fit(should_stop=lambda: stop["requested"])
+            summary = trainer.fit(should_stop=lambda: stop["signal"] is not None)
             trainer.write_logs()
             trainer.write_summary(summary)
             if world.is_main:

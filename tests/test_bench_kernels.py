@@ -63,6 +63,19 @@ def test_loss_kernel_compares_both_widths(capsys):
     assert "rounded / as is" in capsys.readouterr().out
 
 
+def test_loss_kernel_compares_the_cpp_softmax_with_eager_blocks(capsys):
+    if kernels.cpu_extension() is None:
+        pytest.skip("the C++ kernels could not be built here")
+    result = loss_kernel.main(["--rows", "64", "--d-model", "16", "--vocab", "101",
+                               "--rounds", "2", "--compare", "softmax"])
+    assert set(result["times"]) == {"C++ softmax pass",
+                                    f"eager blocks of {kernels.SOFTMAX_ROWS} rows"}
+    assert [len(t) for t in result["times"].values()] == [2, 2] and result["ratio"] > 0
+    assert "C++ / eager" in capsys.readouterr().out
+    # the module's switch is put back: the loss takes the C++ pass again
+    assert kernels._softmax_extension(torch.device("cpu"), torch.float32) is not None
+
+
 def test_loss_kernel_stops_when_the_widths_disagree(monkeypatch):
     def disagree(*_args, **_kwargs):
         raise AssertionError("the two widths' losses differ")

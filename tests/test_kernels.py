@@ -37,13 +37,23 @@ def test_padded_width_is_the_smallest_multiple_of_vocab_align_that_holds_the_voc
     assert kernels.padded_width(vocab) == smallest
 
 
+def eager_softmax(monkeypatch) -> None:
+    """The loss's softmax in eager blocks (as where the C++ extension cannot be built)."""
+    monkeypatch.setattr(kernels, "_softmax_extension", lambda device, dtype: None)
+
+
 @pytest.mark.parametrize("epsilon", [0.0, 0.1, 0.3])
 @pytest.mark.parametrize("chunk_rows,softmax_rows", [(3, 256), (7, 256), (1000, 256),
                                                       (7, 2), (1000, 4)])
 # 37 and 40 tokens are multiplied as 48 (kernels.padded_width), 48 as they are.
 @pytest.mark.parametrize("vocab", [37, 40, 48])
+@pytest.mark.parametrize("softmax", ["c++", "eager"])
 def test_projected_loss_equals_the_plain_loss_of_the_logits(epsilon, chunk_rows, softmax_rows,
-                                                            vocab, monkeypatch):
+                                                            vocab, softmax, monkeypatch):
+    if softmax == "eager":
+        eager_softmax(monkeypatch)
+    elif kernels.cpu_extension() is None:
+        pytest.skip("the C++ extension could not be built here")
     monkeypatch.setattr(kernels, "SOFTMAX_ROWS", softmax_rows)
     torch.manual_seed(0)
     hidden = torch.randn(5, 9, 16, dtype=torch.float64, requires_grad=True)
@@ -138,6 +148,7 @@ def test_projected_loss_under_bf16_autocast_stays_close_to_fp32():
 def test_projected_loss_under_bf16_is_the_same_whatever_the_softmax_blocks(softmax_rows,
                                                                             monkeypatch):
     """Rows are independent: blocks of any size give the same bits as one block per chunk."""
+    eager_softmax(monkeypatch)
     torch.manual_seed(4)
     hidden = torch.randn(4, 7, 32, requires_grad=True)
     weight = (0.2 * torch.randn(50, 32)).requires_grad_()
@@ -152,6 +163,89 @@ def test_projected_loss_under_bf16_is_the_same_whatever_the_softmax_blocks(softm
 
     for got, want in zip(run(softmax_rows), run(1000), strict=True):
         assert torch.equal(got, want)
+
+
+def reference_softmax(logits: torch.Tensor, labels: torch.Tensor, vocab: int, eps: float):
+    """Per-row label-smoothed loss, NLL and gradient of ``logits[:, :vocab]`` in float64 by
+    torch's log_softmax; the gradient is zero past ``vocab``."""
+    z = logits[:, :vocab].double()
+    lp = z.log_softmax(dim=1)
+    nll = -lp.gather(1, labels[:, None]).squeeze(1)
+    loss = (1 - eps) * nll - eps * lp.mean(dim=1)
+    grad = torch.zeros(logits.shape, dtype=torch.float64)
+    grad[:, :vocab] = lp.exp() - eps / vocab
+    grad[torch.arange(len(labels)), labels] -= 1 - eps
+    return loss, nll, grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,width,vocab,scale", [(37, 48, 37, 1.0), (5, 5408, 5399, 3.0),
+                                                    (64, 16, 16, 40.0), (3, 1000, 1, 1.0)])
+@pytest.mark.parametrize("eps", [0.0, 0.3])
+def test_the_cpp_softmax_gives_the_float64_loss_and_gradient(extension, dtype, rows, width,
+                                                             vocab, scale, eps):
+    """``label_smoothed_softmax_`` against log_softmax in float64: large logits (scale 40:
+    terms down to e^-200, under fp32's range) and a one-token vocabulary included."""
+    g = torch.Generator().manual_seed(rows)
+    logits = (scale * torch.randn(rows, width, generator=g)).to(dtype)
+    labels = torch.randint(0, vocab, (rows,), generator=g)
+    mean = logits[:, :vocab].double().mean(dim=1).float()
+    ref_loss, ref_nll, ref_grad = reference_softmax(logits, labels, vocab, eps)
+    for grad in (False, True):
+        z, loss, nll = logits.clone(), torch.empty(rows), torch.empty(rows)
+        extension.label_smoothed_softmax_(z, labels, mean, loss, nll, vocab, eps, grad)
+        torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(nll.double(), ref_nll, rtol=1e-5, atol=1e-5)
+        if not grad:
+            assert torch.equal(z, logits)  # the logits are left as they were
+            continue
+        assert z.dtype == dtype
+        # bf16 rounds the gradient once: 2^-8 of its size; fp32 to its polynomial's ~1e-7.
+        tol = 4e-3 if dtype == torch.bfloat16 else 1e-6
+        torch.testing.assert_close(z.double(), ref_grad, rtol=tol, atol=tol)
+        assert (z[:, vocab:] == 0).all()
+
+
+def test_the_cpp_softmax_passes_nan_on_and_rejects_bad_input(extension):
+    logits = torch.randn(3, 16)
+    logits[1, 5] = float("nan")
+    labels, mean = torch.tensor([0, 1, 2]), torch.zeros(3)
+    loss, nll = torch.empty(3), torch.empty(3)
+    extension.label_smoothed_softmax_(logits, labels, mean, loss, nll, 16, 0.1, True)
+    assert loss.isnan().tolist() == [False, True, False]  # the trainer's NaN check sees it
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        extension.label_smoothed_softmax_(torch.randn(3, 16), torch.tensor([0, 16, 1]), mean,
+                                          loss, nll, 16, 0.1, True)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        extension.label_smoothed_softmax_(torch.randn(3, 16).double(), labels, mean, loss, nll,
+                                          16, 0.1, True)
+    with pytest.raises(RuntimeError, match="vocab"):
+        extension.label_smoothed_softmax_(torch.randn(3, 16), labels, mean, loss, nll, 17, 0.1,
+                                          True)
+
+
+def test_the_projected_loss_under_bf16_is_the_same_through_cpp_and_eager(extension,
+                                                                         monkeypatch):
+    """The C++ pass and the eager fp32 blocks compute one function: under bf16 autocast the
+    same loss and NLL to fp32 rounding, gradients to the bf16 rounding of the logits'."""
+    torch.manual_seed(5)
+    hidden = torch.randn(6, 11, 32, requires_grad=True)
+    weight = (0.3 * torch.randn(77, 32)).requires_grad_()
+    labels = padded_labels(6, 11, 77)
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, nll, _ = kernels.projected_label_smoothed_loss(hidden, weight, labels, 0.1,
+                                                                 PAD, chunk_rows=13)
+        return loss, nll, *torch.autograd.grad(loss, (hidden, weight))
+
+    fused = run()
+    eager_softmax(monkeypatch)
+    eager = run()
+    torch.testing.assert_close(fused[0], eager[0], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(fused[1], eager[1], rtol=1e-5, atol=1e-4)
+    for a, b in zip(fused[2:], eager[2:], strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
 
 
 # --------------------------------------------------------------------------- dropout
@@ -417,9 +511,9 @@ def test_the_loss_is_the_same_at_any_alignment_of_the_vocabulary():
 
 @pytest.fixture
 def extension():
-    ext = kernels.residual_extension()
+    ext = kernels.cpu_extension()
     if ext is None:
-        pytest.skip("the CPU kernel csrc/residual_norm.cpp could not be built here (see the "
+        pytest.skip("the CPU kernel csrc/cpu_kernels.cpp could not be built here (see the "
                     "warning): no C++ compiler or Python headers")
     return ext
 
@@ -541,13 +635,21 @@ def test_a_failed_build_warns_once_and_leaves_torch_ops(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "_extension", None)
     monkeypatch.setattr(kernels, "_SOURCE", tmp_path / "missing.cpp")
     with pytest.warns(RuntimeWarning, match=r"missing\.cpp.*AIAYN_CPU_EXTENSION=0"):
-        assert kernels.residual_extension() is None
-    assert kernels.residual_extension() is None  # tried once; no second warning or build
+        assert kernels.cpu_extension() is None
+    assert kernels.cpu_extension() is None  # tried once; no second warning or build
     assert not kernels.residual_norm_applies(torch.randn(2, 4), torch.randn(2, 4),
                                              torch.ones(4))
     monkeypatch.setattr(kernels, "_extension_tried", False)
     monkeypatch.setenv(kernels.EXTENSION_ENV, "0")
-    assert kernels.residual_extension() is None  # switched off: nothing built, no warning
+    assert kernels.cpu_extension() is None  # switched off: nothing built, no warning
+
+
+def test_a_failed_build_is_explained_by_the_compilers_first_error():
+    out = ("Error building extension 'x':\n[1/2] c++ -c main.cpp\nFAILED: main.o\n"
+           "main.cpp:3:1: error: 'foo' was not declared\nmain.cpp:9:1: error: later\n"
+           "ninja: build stopped: subcommand failed.\n")
+    assert kernels._build_error(out) == "main.cpp:3:1: error: 'foo' was not declared"
+    assert kernels._build_error("no such file\n") == "no such file"
 
 
 def test_the_build_uses_the_ninja_package_whether_or_not_the_venv_is_activated(monkeypatch):
@@ -577,6 +679,6 @@ def test_a_build_is_named_by_what_it_is_built_from():
     DVC experiment's temporary copy) finds the same build; an edited source gets a new one."""
     a = kernels._build_name("int x;", "AVX2", ["-O3"])
     assert a == kernels._build_name("int x;", "AVX2", ["-O3"])
-    assert a.startswith("aiayn_residual_norm_avx2_")
+    assert a.startswith("aiayn_cpu_kernels_avx2_")
     assert a != kernels._build_name("int y;", "AVX2", ["-O3"])
     assert a != kernels._build_name("int x;", "AVX2", ["-O2"])

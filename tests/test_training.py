@@ -17,6 +17,7 @@ import pytest
 import torch
 import yaml
 
+from aiayn import kernels
 from aiayn.checkpoint import checkpoint_step, list_checkpoints, load_checkpoint
 from aiayn.config import load_params, parse_params
 from aiayn.distributed import World
@@ -647,10 +648,10 @@ def fast_and_plain_without_dropout(ws: Path, tmp_path: Path, precision: str, rel
     ``precision``; check both logged the same steps and tokens, and losses (per logged step
     and on valid) within ``rel``. Returns (trainer, summary) of fast, then of plain."""
     runs = []
-    for kernels in ("fast", "plain"):
-        trainer = make_trainer(ws, tmp_path / kernels,
+    for path in ("fast", "plain"):
+        trainer = make_trainer(ws, tmp_path / path,
                                {"model": {"dropout": 0.0},
-                                "train": {"kernels": kernels, "precision": precision}})
+                                "train": {"kernels": path, "precision": precision}})
         runs.append((trainer, trainer.fit()))
     (fast, a), (plain, b) = runs
     assert a["kernels"] == "fast" and b["kernels"] == "plain"
@@ -703,6 +704,22 @@ def test_switching_kernels_starts_a_new_run(toy_workspace, tmp_path, caplog):
     make_trainer(toy_workspace, tmp_path, {"train": {"steps": 3, "kernels": "plain"}}).fit()
     fresh = make_trainer(toy_workspace, tmp_path, {"train": {"steps": 3, "kernels": "fast"}})
     assert fresh.state.step == 0 and "train.kernels: 'plain' -> 'fast'" in caplog.text
+
+
+@pytest.mark.parametrize("changes, builds", [
+    ({}, True),                                   # fast kernels on a CPU
+    ({"model": {"norm": "pre"}}, True),           # the loss's kernel still applies
+    ({"train": {"kernels": "plain"}}, False),     # torch's ops only
+])
+def test_the_cpu_kernels_are_built_before_the_clock_starts_where_training_takes_them(
+        toy_workspace, tmp_path, monkeypatch, changes, builds):
+    """The C++ kernels' one-time build (~30 s) happens while the trainer is set up, not
+    inside the first step, whose time the step log and the minutes budget count."""
+    calls = []
+    monkeypatch.setattr(kernels, "cpu_extension", lambda: calls.append(1))
+    trainer = make_trainer(toy_workspace, tmp_path, changes)
+    assert len(calls) == int(builds)
+    trainer.loader.close()
 
 
 def test_a_train_step_never_reads_a_tensor_back(toy_workspace, tmp_path, monkeypatch):

@@ -1,4 +1,8 @@
-// The post-LN residual block's elementwise work in one pass over memory, on CPU:
+// The training step's elementwise work that eager PyTorch spreads over many passes over
+// memory, written as one pass each, on CPU (aiayn/kernels.py):
+//
+// 1. the label-smoothed loss's softmax and its gradient, row by row (at the end of the file);
+// 2. the post-LN residual block (next):
 //
 //     y = LayerNorm(x + Dropout(out))      (Section 3.1 / 5.4 of the paper)
 //
@@ -14,7 +18,7 @@
 // on how rows are split among threads; the seed, a one-element int64 tensor, is drawn from
 // torch's generator (Python side), and read here without a trip through Python.
 //
-// Built at first use by torch.utils.cpp_extension (aiayn/kernels.py, section 5), compiled for
+// Built when training starts by torch.utils.cpp_extension (aiayn/kernels.py), compiled for
 // the instruction set torch itself dispatches to, and vectorized by the compiler: the
 // reductions need -fassociative-math (the sums' order is the compiler's, not the loop's).
 
@@ -24,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -213,7 +218,126 @@ std::vector<at::Tensor> residual_norm_backward(const at::Tensor& dy_in, const at
   return {dx, dout, sums[0], sums[1]};
 }
 
+// ------------------------------------------------------------------------------------------
+// The label-smoothed loss's softmax over one chunk of logits, and its gradient in place
+// (aiayn.kernels, section 1): per row, in one thread's cache,
+//
+//     lse  = log sum_v exp(z_v)        nll = lse - z_y
+//     loss = lse - (1 - eps) z_y - eps * mean_v z_v
+//     dz_v = softmax(z)_v - (1 - eps) [v = y] - eps / V      (v < V; columns past V: 0)
+//
+// where eager PyTorch takes about ten passes over a (rows x V) block (the fp32 copy, max,
+// subtract, exp, sum, gather, the gradient, the label's scatter, the copy back) and as many
+// small ops per block. The mean logit comes in (the dot product with the mean embedding row,
+// as the eager path computes it), so both give the same loss.
+
+namespace {
+
+// exp(x) for x <= 0 (a logit minus its row's max), in a form the compiler vectorizes:
+// 2^n * p(r) with r = x - n ln 2, |r| <= ln 2 / 2, and Cephes' degree-6 polynomial
+// (relative error ~1e-7). Below -87, exp is under fp32's smallest normal; it is taken as
+// exp(-87) (~1.6e-38), nothing beside a row's sum of at least 1. NaN stays NaN.
+inline float exp_nonpositive(float x) {
+  x = x < -87.f ? -87.f : x;
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+constexpr int kLanes = 16;  // partial maxima, so that the row's max vectorizes
+
+template <typename scalar_t>
+void softmax_rows(scalar_t* logits, const int64_t* labels, const float* mean_logit, float* loss,
+                  float* nll, int64_t rows, int64_t width, int64_t vocab, float eps,
+                  bool grad) {
+  const float off = eps / static_cast<float>(vocab);
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(vocab + kLanes);
+    float* e = buf.data();
+    for (int64_t r = begin; r < end; ++r) {
+      scalar_t* z = logits + r * width;
+      const int64_t y = labels[r];
+      TORCH_CHECK(y >= 0 && y < vocab, "label ", y, " is outside the vocabulary of ", vocab);
+      float part[kLanes];
+      for (int k = 0; k < kLanes; ++k) part[k] = -std::numeric_limits<float>::infinity();
+      int64_t j = 0;
+      for (; j + kLanes <= vocab; j += kLanes)
+        for (int k = 0; k < kLanes; ++k) {
+          const float v = load(z[j + k]);
+          e[j + k] = v;
+          part[k] = v > part[k] ? v : part[k];
+        }
+      float top = -std::numeric_limits<float>::infinity();
+      for (; j < vocab; ++j) {
+        e[j] = load(z[j]);
+        top = e[j] > top ? e[j] : top;
+      }
+      for (int k = 0; k < kLanes; ++k) top = part[k] > top ? part[k] : top;
+      const float target = e[y];
+      float sum = 0.f;
+      for (j = 0; j < vocab; ++j) {
+        e[j] = exp_nonpositive(e[j] - top);
+        sum += e[j];
+      }
+      const float lse = top + std::log(sum);
+      nll[r] = lse - target;
+      loss[r] = lse - (1.f - eps) * target - eps * mean_logit[r];
+      if (!grad) continue;
+      const float inv = 1.f / sum;
+      for (j = 0; j < vocab; ++j) store(z + j, e[j] * inv - off);
+      for (j = vocab; j < width; ++j) store(z + j, 0.f);
+      store(z + y, e[y] * inv - off - (1.f - eps));
+    }
+  });
+}
+
+}  // namespace
+
+// Writes loss and nll (fp32, one per row); with grad, overwrites the logits with the loss's
+// gradient with respect to them (in their dtype, rounded once).
+void label_smoothed_softmax_(at::Tensor& logits, const at::Tensor& labels,
+                             const at::Tensor& mean_logit, at::Tensor& loss, at::Tensor& nll,
+                             int64_t vocab, double eps, bool grad) {
+  for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&logits, "logits"},
+                         {&labels, "labels"},
+                         {&mean_logit, "mean_logit"}, {&loss, "loss"}, {&nll, "nll"}})
+    check_rows(*t, name);
+  TORCH_CHECK(logits.dim() == 2, "logits must be (rows, width), got ", logits.sizes());
+  const int64_t rows = logits.size(0), width = logits.size(1);
+  TORCH_CHECK(vocab >= 1 && vocab <= width, "vocab ", vocab, " must be in [1, ", width, "]");
+  TORCH_CHECK(labels.scalar_type() == at::kLong && labels.numel() == rows,
+              "labels must be ", rows, " int64 values");
+  for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&mean_logit, "mean_logit"},
+                         {&loss, "loss"}, {&nll, "nll"}})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == rows, name, " must be ", rows,
+                " float32 values");
+  const auto e = static_cast<float>(eps);
+  if (logits.scalar_type() == at::kBFloat16)
+    softmax_rows(logits.data_ptr<c10::BFloat16>(), labels.data_ptr<int64_t>(),
+                 mean_logit.data_ptr<float>(), loss.data_ptr<float>(), nll.data_ptr<float>(),
+                 rows, width, vocab, e, grad);
+  else if (logits.scalar_type() == at::kFloat)
+    softmax_rows(logits.data_ptr<float>(), labels.data_ptr<int64_t>(),
+                 mean_logit.data_ptr<float>(), loss.data_ptr<float>(), nll.data_ptr<float>(),
+                 rows, width, vocab, e, grad);
+  else
+    TORCH_CHECK(false, "logits must be float32 or bfloat16, got ", logits.scalar_type());
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &residual_norm_forward, "y, xhat, mask, rstd = LayerNorm(x + Dropout(out))");
   m.def("backward", &residual_norm_backward, "dx, dout, dweight, dbias");
+  m.def("label_smoothed_softmax_", &label_smoothed_softmax_,
+        "loss and nll per row; with grad, the logits become their gradient");
 }
