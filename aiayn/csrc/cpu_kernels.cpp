@@ -255,7 +255,26 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-constexpr int kLanes = 16;  // partial maxima, so that the row's max vectorizes
+// 16 floats as one value (GCC's vector extension; two AVX2 or four SSE registers where the
+// target has no 512-bit ones): the row's max as a lane-wise blend, which the compiler does not
+// vectorize from a scalar loop unless it may assume that no value is NaN.
+constexpr int kLanes = 16;
+typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
+
+// The largest of e[0..n), NaNs passed over (they reach the loss through the exp and sum).
+inline float row_max(const float* e, int64_t n) {
+  float top = -std::numeric_limits<float>::infinity();
+  Lanes m = top - Lanes{};  // every lane -inf
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    Lanes v;
+    std::memcpy(&v, e + j, sizeof v);
+    m = v > m ? v : m;
+  }
+  for (int k = 0; k < kLanes; ++k) top = m[k] > top ? m[k] : top;
+  for (; j < n; ++j) top = e[j] > top ? e[j] : top;
+  return top;
+}
 
 template <typename scalar_t>
 void softmax_rows(scalar_t* logits, const int64_t* labels, const float* mean_logit, float* loss,
@@ -263,27 +282,15 @@ void softmax_rows(scalar_t* logits, const int64_t* labels, const float* mean_log
                   bool grad) {
   const float off = eps / static_cast<float>(vocab);
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(vocab + kLanes);
+    std::vector<float> buf(vocab);
     float* e = buf.data();
     for (int64_t r = begin; r < end; ++r) {
       scalar_t* z = logits + r * width;
       const int64_t y = labels[r];
       TORCH_CHECK(y >= 0 && y < vocab, "label ", y, " is outside the vocabulary of ", vocab);
-      float part[kLanes];
-      for (int k = 0; k < kLanes; ++k) part[k] = -std::numeric_limits<float>::infinity();
-      int64_t j = 0;
-      for (; j + kLanes <= vocab; j += kLanes)
-        for (int k = 0; k < kLanes; ++k) {
-          const float v = load(z[j + k]);
-          e[j + k] = v;
-          part[k] = v > part[k] ? v : part[k];
-        }
-      float top = -std::numeric_limits<float>::infinity();
-      for (; j < vocab; ++j) {
-        e[j] = load(z[j]);
-        top = e[j] > top ? e[j] : top;
-      }
-      for (int k = 0; k < kLanes; ++k) top = part[k] > top ? part[k] : top;
+      int64_t j;
+      for (j = 0; j < vocab; ++j) e[j] = load(z[j]);
+      const float top = row_max(e, vocab);
       const float target = e[y];
       float sum = 0.f;
       for (j = 0; j < vocab; ++j) {
