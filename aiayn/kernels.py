@@ -15,7 +15,13 @@ keeps torch's own operators, readable against the paper (``aiayn/model.py``,
    ``softmax - (1 - eps) onehot - eps / V``, is formed in place and multiplied straight
    into the gradients of the hidden states and of the embedding matrix. The logits never
    exist whole; the loss is the same sum (up to float rounding), as tested against the plain
-   path.
+   path. Under bf16 autocast on CPU each chunk's softmax, loss and gradient take one C++
+   pass per row (``label_smoothed_softmax_`` in ``csrc/cpu_kernels.cpp``, built as section 5
+   says) where eager PyTorch takes about ten ops per block of :data:`SOFTMAX_ROWS` rows and
+   two fp32 copies: 11 against 28 ms for the ``multi30k`` step's 3,600 x 5,408 bf16 logits
+   on 2 AMX cores, the loss forward + backward 1.45-1.49x, the step 1.05x
+   (bench/README.md, "the loss's softmax in one C++ pass"). fp32 logits keep the eager
+   blocks, which work in place and were as fast (:data:`SOFTMAX_KERNEL_DTYPES`).
 
 2. **Dropout masks from 16 random bits per element** (:func:`dropout`). ``F.dropout`` on CPU
    draws a float per element (``bernoulli_``): about 10 ms per million elements here, a
@@ -278,10 +284,18 @@ def _softmax_blocks(g: Tensor, labels: Tensor, mean_all: Tensor, loss: Tensor, n
                 z_c.copy_(z)
 
 
+# Logits whose softmax the C++ pass computes on CPU. bf16 only: in fp32 eager PyTorch works
+# in place on the logits without copies and is as fast or faster (the C++ pass's loss 1.09x on
+# AMX but 0.91x on AVX2, and the AVX2 fp32 step 0.95-0.96x with it; bench/README.md). The
+# kernel itself takes fp32 too (tests and bench/loss_kernel.py set this to both).
+SOFTMAX_KERNEL_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16,)
+
+
 def _softmax_extension(device: torch.device, dtype: torch.dtype):
     """The compiled module whose ``label_smoothed_softmax_`` the loss takes for logits of
-    ``dtype`` on ``device`` (CPU, fp32 or bf16, not under ``torch.compile``), else None."""
-    if (device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16)
+    ``dtype`` on ``device`` (CPU, a dtype of :data:`SOFTMAX_KERNEL_DTYPES`, not under
+    ``torch.compile``), else None."""
+    if (device.type != "cpu" or dtype not in SOFTMAX_KERNEL_DTYPES
             or torch.compiler.is_compiling()):
         return None
     return cpu_extension()

@@ -72,8 +72,9 @@ def test_loss_kernel_compares_the_cpp_softmax_with_eager_blocks(capsys):
                                     f"eager blocks of {kernels.SOFTMAX_ROWS} rows"}
     assert [len(t) for t in result["times"].values()] == [2, 2] and result["ratio"] > 0
     assert "C++ / eager" in capsys.readouterr().out
-    # the module's switch is put back: the loss takes the C++ pass again
-    assert kernels._softmax_extension(torch.device("cpu"), torch.float32) is not None
+    # the module's switches are put back: the loss takes the C++ pass for bf16 only again
+    assert kernels._softmax_extension(torch.device("cpu"), torch.bfloat16) is not None
+    assert kernels._softmax_extension(torch.device("cpu"), torch.float32) is None
 
 
 def test_loss_kernel_stops_when_the_widths_disagree(monkeypatch):
