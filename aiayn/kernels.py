@@ -512,9 +512,10 @@ def linear_relu(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor
     return _linear(x, weight, bias, True)
 
 
-# --------------------------------------------------------------------------- residual block
+# ------------------------------------- the C++ extension (sections 1 and 5), the residual block
 
-# Set to 0 to keep PyTorch's own ops for the residual block (section 5) and build nothing.
+# Set to 0 to keep PyTorch's own ops for the residual block and the loss's softmax (sections 5
+# and 1) and build nothing.
 EXTENSION_ENV = "AIAYN_CPU_EXTENSION"
 _SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 # What the compiler may target, by the instruction set torch's own kernels dispatch to
