@@ -572,6 +572,16 @@ def cpu_extension():
     return _extension
 
 
+def prepare_cpu_extension(device: torch.device, post_norm: bool,
+                          amp_dtype: torch.dtype | None) -> None:
+    """Build (or load) the extension now if a fast training step with these settings will
+    take one of its kernels: on CPU, the post-LN residual blocks (section 5) or the loss's
+    softmax for :data:`SOFTMAX_KERNEL_DTYPES` logits (section 1). The trainer calls this
+    while it sets up, so that the one-time build is not paid inside the first step."""
+    if device.type == "cpu" and (post_norm or amp_dtype in SOFTMAX_KERNEL_DTYPES):
+        cpu_extension()
+
+
 def _build_error(message: str) -> str:
     """The line of a failed build's output that says why: the compiler's first error, else
     the last line."""

@@ -278,12 +278,8 @@ class Trainer:
         self.fast = p.train.kernels == "fast"
         torch.manual_seed(p.seed)  # identical initial weights on every rank
         self.model = Transformer(self.cfg, fast=self.fast).to(self.device)
-        if self.fast and self.device.type == "cpu" and (
-                self.cfg.norm == "post" or self.amp_dtype in kernels.SOFTMAX_KERNEL_DTYPES):
-            # The C++ kernels this training takes (aiayn.kernels: the post-LN residual
-            # blocks, the loss's softmax under bf16) are built here, once per machine
-            # (~30 s), before the training clock starts, not in the first step.
-            kernels.cpu_extension()
+        if self.fast:  # built here (~30 s once per machine) before the clock, not in step 1
+            kernels.prepare_cpu_extension(self.device, self.cfg.norm == "post", self.amp_dtype)
         self.optimizer, self.scheduler = make_optimizer(
             self.model, p.train.adam_betas, p.train.adam_eps, p.model.d_model,
             p.train.warmup_steps, p.train.lr_scale, fused=self.fast)
