@@ -528,7 +528,7 @@ _ISA_FLAGS = {
 }
 # -fassociative-math (and what gcc needs beside it) lets the compiler vectorize the rows'
 # sums; -ffast-math's finite-math assumptions are left out, so NaN and inf propagate.
-_CFLAGS = ["-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+_CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
            "-fno-trapping-math"]
 _extension: object | None = None
 _extension_tried = False

@@ -632,6 +632,19 @@ def test_the_fast_model_trains_through_the_fused_block_as_through_torch_ops(exte
         torch.testing.assert_close(gr, ref_grads[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
+def test_the_kernels_run_on_torchs_threads(extension):
+    """The kernels split rows with at::parallel_for, OpenMP in torch's builds: compiled
+    without -fopenmp its pragmas vanish and every kernel runs on one thread."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert extension.parallel_threads(1000) == 2
+        torch.set_num_threads(1)
+        assert extension.parallel_threads(1000) == 1
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_failed_build_warns_once_and_leaves_torch_ops(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "_extension_tried", False)
     monkeypatch.setattr(kernels, "_extension", None)

@@ -27,6 +27,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -342,9 +343,18 @@ void label_smoothed_softmax_(at::Tensor& logits, const at::Tensor& labels,
     TORCH_CHECK(false, "logits must be float32 or bfloat16, got ", logits.scalar_type());
 }
 
+// How many of torch's threads at::parallel_for hands work to here (tests): 1 when the module
+// was compiled without OpenMP, whose pragmas at::parallel_for's inline code is made of.
+int64_t parallel_threads(int64_t items) {
+  std::vector<uint8_t> seen(at::get_num_threads(), 0);
+  at::parallel_for(0, items, 1, [&](int64_t, int64_t) { seen[at::get_thread_num()] = 1; });
+  return std::count(seen.begin(), seen.end(), 1);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &residual_norm_forward, "y, xhat, mask, rstd = LayerNorm(x + Dropout(out))");
   m.def("backward", &residual_norm_backward, "dx, dout, dweight, dbias");
   m.def("label_smoothed_softmax_", &label_smoothed_softmax_,
         "loss and nll per row; with grad, the logits become their gradient");
+  m.def("parallel_threads", &parallel_threads, "threads that at::parallel_for used (tests)");
 }
