@@ -683,3 +683,89 @@ def residual_norm(x: Tensor, out: Tensor, weight: Tensor, bias: Tensor, p: float
     y, mask = _ResidualNorm.apply(x.contiguous(), out.contiguous(), weight, bias, float(p),
                                   float(eps), seed)
     return (y, mask) if return_mask else y
+
+
+# --------------------------------------------------------------------------- attention
+
+# Inputs whose attention the C++ pass computes (section 6). bf16 only for now: fp32 CPU
+# attention keeps PyTorch's kernels (aiayn.model.attend).
+ATTENTION_KERNEL_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16,)
+
+
+class _Attention(torch.autograd.Function):
+    """Attention of ``heads`` heads whose queries, keys and values are column ranges of the
+    projections' outputs: self-attention reads all three from ``qkv`` (``kv`` None),
+    cross-attention queries from ``qkv`` and keys and values from ``kv``. The gradient of each
+    input is one tensor, written by the kernel in place (no split, no concatenation)."""
+
+    @staticmethod
+    def forward(ctx, qkv: Tensor, kv: Tensor | None, hk: int, hv: int, heads: int,
+                mask: Tensor, causal: bool, p: float, seed: Tensor) -> Tensor:
+        q, k, v = _attention_operands(qkv, kv, hk, hv)
+        threshold, scale = keep_threshold(p)
+        out, probs = cpu_extension().attention_forward(q, k, v, mask, heads, causal, p > 0.0,
+                                                       threshold, scale, seed)
+        ctx.save_for_backward(qkv, kv, mask, probs, seed)
+        ctx.args = hk, hv, heads, causal, p
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        qkv, kv, mask, probs, seed = ctx.saved_tensors
+        hk, hv, heads, causal, p = ctx.args
+        q, k, v = _attention_operands(qkv, kv, hk, hv)
+        grad_qkv = torch.empty_like(qkv)
+        grad_kv = None if kv is None else torch.empty_like(kv)
+        dq, dk, dv = _attention_operands(grad_qkv, grad_kv, hk, hv)
+        threshold, scale = keep_threshold(p)
+        cpu_extension().attention_backward(grad, q, k, v, mask, probs, heads, causal, p > 0.0,
+                                           threshold, scale, seed, dq, dk, dv)
+        return grad_qkv, grad_kv, None, None, None, None, None, None, None
+
+
+def _attention_operands(qkv: Tensor, kv: Tensor | None, hk: int,
+                        hv: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(q, k, v) as column views: of ``qkv`` (queries, keys, values), or queries from ``qkv``
+    and (keys, values) from ``kv``."""
+    if kv is None:
+        return tuple(qkv.split([hk, hk, hv], dim=-1))
+    return (qkv, *kv.split([hk, hv], dim=-1))
+
+
+def attention_applies(device: torch.device, dtype: torch.dtype, keys: int, max_keys: int,
+                      mask: Tensor | None, causal: bool) -> bool:
+    """Whether :func:`attention` takes operands of ``dtype`` on ``device`` with ``keys`` keys:
+    CPU, a dtype of :data:`ATTENTION_KERNEL_DTYPES`, at most ``max_keys`` keys
+    (``aiayn.model``'s limit of its explicit path), no mask beyond key padding
+    ((B, 1, 1, Tk)), not causal and masked at once, not under ``torch.compile``, and the
+    kernel built."""
+    return (device.type == "cpu" and dtype in ATTENTION_KERNEL_DTYPES and 0 < keys <= max_keys
+            and (mask is None or (not causal and mask.dim() == 4 and mask.shape[1:3] == (1, 1)))
+            and not torch.compiler.is_compiling() and cpu_extension() is not None)
+
+
+def attention(qkv: Tensor, kv: Tensor | None, heads: int, d_k: int, d_v: int,
+              mask: Tensor | None, causal: bool, p: float = 0.0,
+              seed: int | None = None) -> Tensor:
+    """Scaled dot-product attention in one C++ pass per (sequence, head) each way
+    (``csrc/cpu_kernels.cpp``), reading queries, keys and values where the projections wrote
+    them and writing (B, Tq, heads * d_v), the output projection's input: ``qkv`` (B, T,
+    heads * (2 d_k + d_v)) for self-attention (``kv`` None), else queries ``qkv`` (B, Tq,
+    heads * d_k) and ``kv`` (B, Tk, heads * (d_k + d_v)). ``mask``: bool (B, 1, 1, Tk), True
+    where a key is allowed; ``causal``: query i sees keys up to i. Attention dropout ``p``
+    follows :func:`dropout`'s keep rule with bits from ``seed`` (default: drawn from torch's
+    generator). Check :func:`attention_applies` first."""
+    hk, hv = heads * d_k, heads * d_v
+    widths = ((qkv, 2 * hk + hv, "qkv"),) if kv is None else ((qkv, hk, "q"),
+                                                             (kv, hk + hv, "kv"))
+    for t, width, name in widths:
+        if t.dim() != 3 or t.shape[-1] != width:
+            raise ValueError(f"attention: {name} must be (B, T, {width}) for {heads} heads of "
+                             f"d_k={d_k}, d_v={d_v}; got {tuple(t.shape)}")
+    flat = (qkv.new_empty(0, dtype=torch.bool) if mask is None
+            else mask.reshape(mask.shape[0], mask.shape[-1]).contiguous())
+    if seed is None:  # no draw without dropout: the generator's stream stays the eager path's
+        seed = dropout_seed() if p > 0.0 else torch.zeros((), dtype=torch.int64)
+    else:
+        seed = torch.tensor(seed, dtype=torch.int64)
+    return _Attention.apply(qkv, kv, hk, hv, heads, flat, bool(causal), float(p), seed)

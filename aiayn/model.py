@@ -306,6 +306,17 @@ class MultiHeadAttention(nn.Module):
         def padded(t: Tensor) -> Tensor:  # (B, Tq, k), also from packed rows
             return packing.pad(t) if packing is not None else t
 
+        if self._takes_kernel(x, memory, mask, causal, kv, cache, need_weights, group,
+                              packing):
+            if self.cross:
+                q, kv_all = padded(self.q_proj(x)), self.kv_proj(memory)
+            else:
+                q, kv_all = padded(self.qkv_proj(x)), None
+            out = kernels.attention(q, kv_all, self.heads, self.d_k, self.d_v, mask, causal,
+                                    self.dropout if self.training else 0.0)
+            if packing is not None:
+                out = packing.unpad(out)
+            return self.out_proj(out), None
         if self.cross:
             q = self.split_heads(padded(self.q_proj(x)))
             k, v = kv if kv is not None else self.project_kv(memory)
@@ -352,6 +363,23 @@ class MultiHeadAttention(nn.Module):
         if packing is not None:
             out = packing.unpad(out)
         return self.out_proj(out), weights
+
+
+    def _takes_kernel(self, x: Tensor, memory: Tensor | None, mask: Tensor | None,
+                      causal: bool, kv, cache, need_weights: bool, group: int,
+                      packing: Packing | None) -> bool:
+        """Whether the fast CPU step's attention kernel computes this call
+        (:func:`aiayn.kernels.attention`: bf16 autocast on CPU, no cache, no weights asked
+        for, at most ``explicit_keys`` keys, as the explicit path of :func:`attend`)."""
+        if (not self.fast or kv is not None or cache is not None or need_weights or group != 1
+                or not torch.is_autocast_enabled("cpu")):
+            return False
+        if self.cross:
+            keys = memory.shape[1]
+        else:
+            keys = packing.length if packing is not None else x.shape[1]
+        return kernels.attention_applies(x.device, torch.get_autocast_dtype("cpu"), keys,
+                                         self.explicit_keys, mask, causal)
 
 
 class FeedForward(nn.Module):

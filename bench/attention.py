@@ -9,7 +9,15 @@ encoder self-attention (key padding mask) and decoder self-attention (causal):
 
 * ``explicit`` - ``attend`` as the trainer calls it (the explicit path where it applies);
 * ``flash32``  - ``attend`` with the explicit path off: fp32 flash attention, the code before;
-* ``flash16``  - ``F.scaled_dot_product_attention`` on the bf16 tensors (PyTorch's bf16 kernel).
+* ``flash16``  - ``F.scaled_dot_product_attention`` on the bf16 tensors (PyTorch's bf16 kernel);
+* ``eager``    - the fast model's eager path from the projections' layout: q, k and v read as
+  column ranges of one fused (B, T, 3 H d) tensor, split into heads, ``attend``, and the
+  heads put back as (B, T, H d) for the output projection (these copies count, as in the
+  step);
+* ``kernel``   - ``aiayn.kernels.attention``, the C++ pass the fast step takes under bf16
+  autocast, from and to the same layout (left out where the extension cannot be built).
+
+``eager/kernel`` is the ratio the training step sees.
 
 Contenders take turns within every round and the order rotates, so a noisy machine's drift
 hits all alike; the table gives medians, and ratios are medians of per-round ratios. Each
@@ -29,8 +37,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from aiayn import kernels
 from aiayn import model as model_mod
 from bench import harness
+
+# Contenders that take the fused (B, T, 3 H d) layout and give (B, T, H d).
+FUSED = ("eager", "kernel")
 
 
 def contenders() -> dict:
@@ -43,7 +55,35 @@ def contenders() -> dict:
     def flash16(q, k, v, mask, causal):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
 
-    return {"explicit": explicit, "flash32": flash32, "flash16": flash16}
+    def eager(qkv, mask, causal, heads):
+        b, t, _ = qkv.shape
+        q, k, v = (x.view(b, t, heads, -1).transpose(1, 2) for x in qkv.chunk(3, dim=-1))
+        out = model_mod.attend(q, k, v, mask, 0.0, causal, True)
+        return out.transpose(1, 2).reshape(b, t, -1)
+
+    def kernel(qkv, mask, causal, heads):
+        d = qkv.shape[-1] // (3 * heads)
+        return kernels.attention(qkv, None, heads, d, d, mask, causal)
+
+    fns = {"explicit": explicit, "flash32": flash32, "flash16": flash16, "eager": eager}
+    if kernels.cpu_extension() is not None:
+        fns["kernel"] = kernel
+    return fns
+
+
+def fused(q, k, v, upstream):
+    """The same q, k, v as one (B, T, 3 H d) leaf, as the fused projection writes them, and
+    the upstream gradient as (B, T, H d)."""
+    def flat(x):
+        return x.detach().transpose(1, 2).reshape(x.shape[0], x.shape[2], -1)
+    qkv = torch.cat([flat(q), flat(k), flat(v)], dim=-1).requires_grad_()
+    return qkv, flat(upstream)
+
+
+def as_heads(out, heads):
+    """(B, T, H d) -> (B, H, T, d)."""
+    b, t, _ = out.shape
+    return out.view(b, t, heads, -1).transpose(1, 2)
 
 
 def inputs(length: int, tokens: int, heads: int, d_head: int, seed: int):
@@ -74,24 +114,35 @@ def measure(length: int, causal: bool, args, fns: dict) -> dict:
     q, k, v, mask, upstream = inputs(length, args.tokens, args.heads, args.d_head, length)
     mask = mask if not causal else None
     ref = reference(q, k, v, mask, causal)
+    qkv, upstream_fused = fused(q, k, v, upstream)
 
-    def timed(fn):
+    def call(name, fn):
+        if name in FUSED:
+            return as_heads(fn(qkv, mask, causal, args.heads), args.heads)
+        return fn(q, k, v, mask, causal)
+
+    def timed(name, fn):
         def run() -> float:
-            for x in (q, k, v):
+            for x in (q, k, v, qkv):
                 x.grad = None
             t0 = time.perf_counter()
-            fn(q, k, v, mask, causal).backward(upstream)
+            if name in FUSED:
+                fn(qkv, mask, causal, args.heads).backward(upstream_fused)
+            else:
+                fn(q, k, v, mask, causal).backward(upstream)
             return time.perf_counter() - t0
         return run
 
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with torch.no_grad():
-            errors = {n: float((f(q, k, v, mask, causal).double() - ref).abs().max())
-                      for n, f in fns.items()}
-        times = harness.alternate({n: timed(f) for n, f in fns.items()}, args.rounds)
-    return {"ms": {n: statistics.median(t) * 1e3 for n, t in times.items()},
-            "flash32_over_explicit": harness.ratio(times["flash32"], times["explicit"]).median,
-            "max_abs_error": errors}
+            errors = {n: float((call(n, f).double() - ref).abs().max()) for n, f in fns.items()}
+        times = harness.alternate({n: timed(n, f) for n, f in fns.items()}, args.rounds)
+    result = {"ms": {n: statistics.median(t) * 1e3 for n, t in times.items()},
+              "flash32_over_explicit": harness.ratio(times["flash32"], times["explicit"]).median,
+              "max_abs_error": errors}
+    if "kernel" in times:
+        result["eager_over_kernel"] = harness.ratio(times["eager"], times["kernel"]).median
+    return result
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -115,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{args.tokens} tokens, {args.heads} heads of {args.d_head}; forward + backward")
     results = {}
     head = f"{'case':<14}" + "".join(f"{n + ' ms':>13}" for n in fns)
-    head += f"{'flash32/explicit':>18}{'max |err| explicit/flash32':>29}"
+    head += f"{'flash32/explicit':>18}{'eager/kernel':>14}{'max |err| explicit/flash32':>29}"
     print(head)
     for length in lengths:
         for kind, causal in (("encoder", False), ("decoder", True)):
@@ -123,6 +174,8 @@ def main(argv: list[str] | None = None) -> dict:
             r = results[case] = measure(length, causal, args, fns)
             print(f"{case:<14}" + "".join(f"{r['ms'][n]:>13.1f}" for n in fns)
                   + f"{r['flash32_over_explicit']:>17.2f}x"
+                  + (f"{r['eager_over_kernel']:>13.2f}x" if "eager_over_kernel" in r
+                     else f"{'-':>14}")
                   + f"{r['max_abs_error']['explicit']:>16.4f} / "
                   + f"{r['max_abs_error']['flash32']:.4f}")
     return harness.save(results, args.json, argv)

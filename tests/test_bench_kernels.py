@@ -42,12 +42,26 @@ def test_attention_run_reports_each_contenders_error_and_writes_json(tmp_path):
     cases = {f"{kind} T={t}" for kind in ("encoder", "decoder") for t in (8, 12)}
     assert set(results) == cases | set(harness.RECORD_FIELDS)
     for case in map(results.get, cases):
-        assert set(case["ms"]) == {"explicit", "flash32", "flash16"}
+        built = kernels.cpu_extension() is not None
+        assert set(case["ms"]) == {"explicit", "flash32", "flash16", "eager"} | (
+            {"kernel"} if built else set())
         assert all(ms > 0 for ms in case["ms"].values())
-        # bf16 inputs and outputs: within bf16's rounding of the float64 reference
+        # bf16 inputs and outputs: within bf16's rounding of the float64 reference, the fused
+        # layout's contenders included (their output read back as heads)
+        assert set(case["max_abs_error"]) == set(case["ms"])
         assert all(err < 0.05 for err in case["max_abs_error"].values())
         assert case["flash32_over_explicit"] > 0
+        assert ("eager_over_kernel" in case) == built
     assert json.loads(out.read_text()) == results
+
+
+def test_attention_fused_layout_holds_the_same_heads():
+    q, k, v, _, upstream = attention.inputs(length=5, tokens=20, heads=2, d_head=3, seed=2)
+    qkv, up = attention.fused(q, k, v, upstream)
+    assert qkv.shape == (4, 5, 3 * 2 * 3) and qkv.requires_grad
+    for i, x in enumerate((q, k, v)):
+        assert torch.equal(attention.as_heads(qkv[..., 6 * i:6 * (i + 1)], 2), x.detach())
+    assert torch.equal(attention.as_heads(up, 2), upstream)
 
 
 def test_loss_kernel_compares_both_widths(capsys):

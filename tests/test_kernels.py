@@ -632,6 +632,194 @@ def test_the_fast_model_trains_through_the_fused_block_as_through_torch_ops(exte
         torch.testing.assert_close(gr, ref_grads[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
+# --------------------------------------------------------------------------- attention
+
+
+def attention_inputs(b, tq, tk, heads, d_k, d_v, dtype, cross, seed=0, lengths=None):
+    """Operands as the projections lay them out: fused (B, T, H(2d_k + d_v)) for
+    self-attention, else queries (B, Tq, H d_k) and keys+values (B, Tk, H(d_k + d_v)); a key
+    padding mask from ``lengths``."""
+    g = torch.Generator().manual_seed(seed)
+    if cross:
+        qkv = torch.randn(b, tq, heads * d_k, generator=g).to(dtype).requires_grad_()
+        kv = torch.randn(b, tk, heads * (d_k + d_v), generator=g).to(dtype).requires_grad_()
+    else:
+        qkv = torch.randn(b, tq, heads * (2 * d_k + d_v), generator=g).to(dtype).requires_grad_()
+        kv = None
+    mask = None if lengths is None else (
+        torch.arange(tk)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
+    return qkv, kv, mask
+
+
+def reference_attention(qkv, kv, heads, d_k, d_v, mask, causal, keep=None):
+    """softmax(q k^T / sqrt(d_k)) [* keep] v in float64 with torch's ops, (B, Tq, H d_v); masked
+    scores filled with the lowest float (as aiayn.model.attend)."""
+    hk, hv = heads * d_k, heads * d_v
+    q, k, v = kernels._attention_operands(qkv, kv, hk, hv)
+    b, tq, tk = q.shape[0], q.shape[1], k.shape[1]
+    q, k = (x.double().view(b, -1, heads, d_k).transpose(1, 2) for x in (q, k))
+    v = v.double().view(b, tk, heads, d_v).transpose(1, 2)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)
+    allowed = torch.ones(b, 1, tq, tk, dtype=torch.bool)
+    if mask is not None:
+        allowed = allowed & mask
+    if causal:
+        allowed = allowed & torch.ones(tq, tk, dtype=torch.bool).tril()
+    weights = scores.masked_fill(~allowed, torch.finfo(torch.float64).min).softmax(-1)
+    if keep is not None:
+        weights = weights * keep
+    return (weights @ v).transpose(1, 2).reshape(b, tq, hv)
+
+
+def grads_of(out, inputs, upstream):
+    return torch.autograd.grad(out, [x for x in inputs if x is not None], upstream)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", [
+    # (b, tq, tk, heads, d_k, d_v, cross, causal, lengths); length 0: a sequence of no key
+    (5, 7, 7, 2, 16, 16, False, False, [7, 3, 5, 0, 1]),
+    (4, 9, 9, 3, 16, 16, False, True, None),
+    (3, 6, 6, 1, 20, 20, False, False, None),  # a head size that is not a multiple of 16
+    (4, 5, 11, 2, 16, 32, True, False, [11, 4, 1, 8]),  # cross: d_k != d_v, Tq != Tk
+    (2, 1, 3, 4, 8, 8, True, False, None),
+])
+def test_cpp_attention_equals_float64_attention_forward_and_backward(extension, dtype, case):
+    b, tq, tk, heads, d_k, d_v, cross, causal, lengths = case
+    qkv, kv, mask = attention_inputs(b, tq, tk, heads, d_k, d_v, dtype, cross, lengths=lengths)
+    out = kernels.attention(qkv, kv, heads, d_k, d_v, mask, causal)
+    assert out.shape == (b, tq, heads * d_v) and out.dtype == dtype
+    leaves = [None if x is None else x.detach().double().requires_grad_() for x in (qkv, kv)]
+    ref = reference_attention(*leaves, heads, d_k, d_v, mask, causal)
+    # bf16: the inputs are exact in fp32, the output rounded once (2^-8 relative).
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    ours = grads_of(out, (qkv, kv), upstream.to(dtype))
+    theirs = grads_of(ref, leaves, upstream.double())
+    for got, want in zip(ours, theirs, strict=True):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), want, rtol=3 * tol, atol=3 * tol)
+
+
+def dropout_keep(qkv, kv, heads, d_k, p, seed, causal):
+    """The kernel's kept-and-scaled weights, (B, H, Tq, Tk): read off with values that are the
+    keys' one-hot rows (each output column is then one weight), divided by the weights
+    without dropout. Masks depend on the seed and positions only, not on the values."""
+    b, tq = qkv.shape[:2]
+    tk = tq if kv is None else kv.shape[1]
+    eye = torch.eye(tk, dtype=qkv.dtype).expand(b, heads, tk, tk).transpose(1, 2).reshape(
+        b, tk, heads * tk)
+    if kv is None:
+        probe = torch.cat([qkv.detach()[..., :2 * heads * d_k], eye], -1), None
+    else:
+        probe = qkv.detach(), torch.cat([kv.detach()[..., :heads * d_k], eye], -1)
+    with torch.no_grad():
+        dropped = kernels.attention(*probe, heads, d_k, tk, None, causal, p, seed=seed)
+        plain = kernels.attention(*probe, heads, d_k, tk, None, causal, 0.0)
+    split = (x.view(b, tq, heads, tk).transpose(1, 2).double() for x in (dropped, plain))
+    dropped, plain = split
+    return torch.where(plain > 0, dropped / plain.clamp_min(1e-30), torch.zeros(()))
+
+
+@pytest.mark.parametrize("cross,causal", [(False, True), (True, False)])
+def test_cpp_attention_dropout_is_a_mask_with_the_keep_rule_and_its_gradient(extension, cross,
+                                                                          causal):
+    heads, d_k, p = 2, 16, 0.3
+    tq = 12
+    qkv, kv, _ = attention_inputs(6, tq, tq, heads, d_k, d_k, torch.float32, cross, seed=4)
+    keep = dropout_keep(qkv, kv, heads, d_k, p, 17, causal)
+    _, scale = kernels.keep_threshold(p)
+    live = keep[keep != 0]
+    torch.testing.assert_close(live, torch.full_like(live, scale), rtol=1e-5, atol=1e-5)
+    threshold, _ = kernels.keep_threshold(p)
+    expected = (32768 - threshold) / 65536
+    allowed = keep.numel() if not causal else keep.shape[0] * heads * tq * (tq + 1) // 2
+    kept = (keep != 0).sum().item() / allowed
+    assert abs(kept - expected) < 5 * math.sqrt(p * (1 - p) / allowed)
+    # With these masks the kernel computes softmax(.) * keep @ v, forward and backward.
+    out = kernels.attention(qkv, kv, heads, d_k, d_k, None, causal, p, seed=17)
+    leaves = [None if x is None else x.detach().double().requires_grad_() for x in (qkv, kv)]
+    ref = reference_attention(*leaves, heads, d_k, d_k, None, causal, keep=keep)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+    for got, want in zip(grads_of(out, (qkv, kv), upstream),
+                         grads_of(ref, leaves, upstream.double()), strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_cpp_attention_masks_follow_the_seed_not_the_threads(extension):
+    qkv, _, _ = attention_inputs(8, 10, 10, 2, 16, 16, torch.bfloat16, False, seed=6)
+    out = kernels.attention(qkv, None, 2, 16, 16, None, False, 0.2, seed=3)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = kernels.attention(qkv, None, 2, 16, 16, None, False, 0.2, seed=3)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(out, alone)
+    assert not torch.equal(out, kernels.attention(qkv, None, 2, 16, 16, None, False, 0.2, seed=4))
+    torch.manual_seed(9)  # without a seed, torch's generator draws it
+    first = kernels.attention(qkv, None, 2, 16, 16, None, False, 0.2)
+    torch.manual_seed(9)
+    assert torch.equal(kernels.attention(qkv, None, 2, 16, 16, None, False, 0.2), first)
+
+
+def test_cpp_attention_says_what_it_cannot_compute(extension):
+    cpu = torch.device("cpu")
+    mask = torch.ones(2, 1, 1, 5, dtype=torch.bool)
+    assert kernels.attention_applies(cpu, torch.bfloat16, 5, 128, mask, False)
+    assert not kernels.attention_applies(cpu, torch.float32, 5, 128, mask, False)  # bf16 only
+    assert not kernels.attention_applies(cpu, torch.bfloat16, 129, 128, None, True)
+    assert not kernels.attention_applies(cpu, torch.bfloat16, 5, -1, None, True)  # -1: never
+    assert not kernels.attention_applies(cpu, torch.bfloat16, 5, 128, mask, True)
+    assert not kernels.attention_applies(cpu, torch.bfloat16, 5, 128,
+                                         torch.ones(2, 1, 5, 5, dtype=torch.bool), False)
+    assert not kernels.attention_applies(torch.device("meta"), torch.bfloat16, 5, 128, None,
+                                         False)
+    qkv = torch.randn(2, 5, 3 * 16)
+    with pytest.raises(ValueError, match=r"qkv must be \(B, T, 45\) for 3 heads"):
+        kernels.attention(qkv, None, 3, 5, 5, None, False)
+    with pytest.raises(ValueError, match=r"kv must be \(B, T, 32\)"):
+        kernels.attention(qkv[..., :16], qkv, 1, 16, 16, None, False)
+    with pytest.raises(RuntimeError, match="must all be float32 or all bfloat16"):
+        kernels.attention(qkv.double(), None, 1, 16, 16, None, False)
+    with pytest.raises(RuntimeError, match="as many queries as keys"):
+        kernels.attention(torch.randn(2, 4, 16), torch.randn(2, 5, 32), 1, 16, 16, None, True)
+    with pytest.raises(RuntimeError, match="mask must be bool"):
+        kernels.attention(qkv, None, 1, 16, 16, torch.ones(2, 1, 1, 4, dtype=torch.bool), False)
+
+
+def test_the_fast_model_under_bf16_autocast_attends_through_the_kernel_as_through_torch(
+        extension, monkeypatch):
+    """Every attention of the fast model in training under CPU bf16 autocast takes the C++
+    pass (encoder self, decoder self on packed rows, cross), and the model's output and
+    gradients are those of the eager explicit path within bf16's rounding."""
+    calls = []
+    real = kernels.attention
+    monkeypatch.setattr(kernels, "attention",
+                        lambda *a, **k: calls.append(a[1] is None) or real(*a, **k))
+    src, tgt = padded_labels(6, 9, 60, seed=14), padded_labels(6, 10, 60, seed=15)
+
+    def run():
+        model = tiny_model(fast=True).train()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(src, tgt, packed=Packing.positions(tgt, PAD))
+        out.float().square().mean().backward()
+        return out.float(), {k: q.grad for k, q in model.named_parameters()}
+
+    out, grads = run()
+    assert calls == [True] * 2 + [True, False] * 2  # encoder self x2, then decoder self, cross
+    monkeypatch.setattr(kernels, "ATTENTION_KERNEL_DTYPES", ())
+    calls.clear()
+    ref_out, ref_grads = run()
+    assert not calls
+    torch.testing.assert_close(out, ref_out, rtol=5e-2, atol=5e-2)
+    for k, gr in grads.items():
+        scale = ref_grads[k].abs().max().item() + 1e-6
+        assert (gr - ref_grads[k]).abs().max().item() < 0.1 * scale, k
+
+
 def test_the_kernels_run_on_torchs_threads(extension):
     """The kernels split rows with at::parallel_for, OpenMP in torch's builds: compiled
     without -fopenmp its pragmas vanish and every kernel runs on one thread."""

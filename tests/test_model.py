@@ -264,7 +264,8 @@ def test_cpu_bf16_attention_dropout_matches_a_float64_reference_with_the_same_ma
 
 def test_training_with_attention_dropout_under_cpu_bf16_skips_torch_attention(monkeypatch):
     """A fast model with attention dropout trains under CPU bf16 autocast on the explicit
-    path (PyTorch's CPU attention would take its slow math path with dropout); in eval mode
+    path or the C++ kernel (PyTorch's CPU attention would take its slow math path with
+    dropout); in eval mode
     it gives the same output as the model without attention dropout."""
     from aiayn import model as model_mod
 
@@ -273,7 +274,8 @@ def test_training_with_attention_dropout_under_cpu_bf16_skips_torch_attention(mo
                             decoder_layers=2, d_ff=64, max_positions=64, dropout=0.0,
                             attention_dropout=0.2)
     model = Transformer(cfg, fast=True)
-    plain = Transformer(TransformerConfig(**{**cfg.to_dict(), "attention_dropout": 0.0}))
+    plain = Transformer(TransformerConfig(**{**cfg.to_dict(), "attention_dropout": 0.0}),
+                        fast=True)
     plain.load_state_dict(model.state_dict())
     src, tgt = batch()
 

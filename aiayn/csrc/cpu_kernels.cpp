@@ -2,7 +2,8 @@
 // memory, written as one pass each, on CPU (aiayn/kernels.py):
 //
 // 1. the label-smoothed loss's softmax and its gradient, row by row (at the end of the file);
-// 2. the post-LN residual block (next):
+// 2. scaled dot-product attention over short sequences, per (sequence, head) (before it);
+// 3. the post-LN residual block (next):
 //
 //     y = LayerNorm(x + Dropout(out))      (Section 3.1 / 5.4 of the paper)
 //
@@ -21,6 +22,8 @@
 // Built when training starts by torch.utils.cpp_extension (aiayn/kernels.py), compiled for
 // the instruction set torch itself dispatches to, and vectorized by the compiler: the
 // reductions need -fassociative-math (the sums' order is the compiler's, not the loop's).
+// Rows (or heads) are split over torch's threads by at::parallel_for, OpenMP pragmas that
+// need -fopenmp.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -29,6 +32,7 @@
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
+#include <tuple>
 #include <limits>
 #include <vector>
 
@@ -343,6 +347,330 @@ void label_smoothed_softmax_(at::Tensor& logits, const at::Tensor& labels,
     TORCH_CHECK(false, "logits must be float32 or bfloat16, got ", logits.scalar_type());
 }
 
+// ------------------------------------------------------------------------------------------
+// Scaled dot-product attention over short sequences, forward and backward (aiayn.kernels,
+// section 6), one (sequence, head) at a time on each thread:
+//
+//     S = Q K^T / sqrt(d_k)   (masked)     P = softmax(S)     O = Dropout(P) V
+//
+// Q, K and V are read where the projections wrote them, (B, T, H * d) with any row stride (the
+// fused QKV product's columns), and O is written as (B, Tq, H * d_v), the output projection's
+// input: eager PyTorch moves every head into (B, H, T, d) and back, casts it to fp32 and back,
+// and runs a product per (sequence, head) through the batched GEMM, whose set-up costs more
+// than the products when sequences are ~23 tokens long. Scores, softmax and products are fp32
+// (bf16 inputs widened exactly); P is kept (fp32) for backward, dropout's mask is drawn again
+// from its seed. Dropout follows the keep rule above; bits per (sequence, head, query) row.
+// A row with no key allowed (an empty sequence) averages the values, as the eager path's
+// lowest-float fill makes it do.
+
+namespace {
+
+// Head sizes are multiples of 16 in every model here (d_k = d_v = 64 in the paper's); the
+// products then run on whole Lanes, the rest one float at a time.
+inline float dot(const float* a, const float* b, int64_t n) {
+  Lanes acc = Lanes{};
+  int64_t c = 0;
+  for (; c + kLanes <= n; c += kLanes) {
+    Lanes x, y;
+    std::memcpy(&x, a + c, sizeof x);
+    std::memcpy(&y, b + c, sizeof y);
+    acc += x * y;
+  }
+  float s = 0.f;
+  for (int k = 0; k < kLanes; ++k) s += acc[k];
+  for (; c < n; ++c) s += a[c] * b[c];
+  return s;
+}
+
+inline void axpy(float a, const float* x, float* y, int64_t n) {
+  int64_t c = 0;
+  for (; c + kLanes <= n; c += kLanes) {
+    Lanes u, w;
+    std::memcpy(&u, x + c, sizeof u);
+    std::memcpy(&w, y + c, sizeof w);
+    w += a * u;
+    std::memcpy(y + c, &w, sizeof w);
+  }
+  for (; c < n; ++c) y[c] += a * x[c];
+}
+
+// rows x n values of a (B, T, H * n) view, from row pointer ``base`` with row stride ``stride``,
+// widened into a dense fp32 block.
+template <typename scalar_t>
+inline void gather_rows(const scalar_t* base, int64_t stride, int64_t rows, int64_t n,
+                        float* dst) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const scalar_t* r = base + i * stride;
+    float* d = dst + i * n;
+    for (int64_t c = 0; c < n; ++c) d[c] = load(r[c]);
+  }
+}
+
+template <typename scalar_t>
+inline void scatter_rows(const float* src, int64_t rows, int64_t n, scalar_t* base,
+                         int64_t stride) {
+  for (int64_t i = 0; i < rows; ++i) {
+    scalar_t* r = base + i * stride;
+    const float* s = src + i * n;
+    for (int64_t c = 0; c < n; ++c) store(r + c, s[c]);
+  }
+}
+
+struct HeadLayout {  // one (B, T, H * d) operand: data, its batch and row strides
+  int64_t batch_stride, row_stride;
+};
+
+HeadLayout layout_of(const at::Tensor& t, const char* name, int64_t b, int64_t width) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(t.dim() == 3 && t.size(0) == b && t.size(2) == width, name,
+              " must be (B, T, ", width, ") with B = ", b, ", got ", t.sizes());
+  TORCH_CHECK(t.stride(2) == 1, name, " must have unit stride along its last dimension");
+  return {t.stride(0), t.stride(1)};
+}
+
+// The 16-bit dropout draws of one (sequence, head, query) row of keys, as in forward_rows.
+inline void row_bits(uint64_t seed, int64_t row, int64_t words, uint64_t* bits) {
+  const uint64_t base = seed + static_cast<uint64_t>(row * words) * kGolden;
+  for (int64_t w = 0; w < words; ++w) bits[w] = mix64(base + static_cast<uint64_t>(w) * kGolden);
+}
+
+struct AttentionShape {
+  int64_t b, heads, tq, tk, dk, dv;
+  bool causal, dropout;
+  float scale;  // 1 / sqrt(d_k)
+  Keep keep;
+  uint64_t seed;
+};
+
+template <typename scalar_t>
+void attention_forward_heads(const scalar_t* q, HeadLayout lq, const scalar_t* k, HeadLayout lk,
+                             const scalar_t* v, HeadLayout lv, const bool* mask,
+                             scalar_t* out, float* probs, const AttentionShape& s) {
+  const int64_t words = (s.tk + 3) / 4;
+  at::parallel_for(0, s.b * s.heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> Q(s.tq * s.dk), K(s.tk * s.dk), V(s.tk * s.dv), O(s.tq * s.dv);
+    std::vector<uint64_t> bits(words);
+    std::vector<uint8_t> allowed(s.tk);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / s.heads, h = bh % s.heads;
+      gather_rows(q + b * lq.batch_stride + h * s.dk, lq.row_stride, s.tq, s.dk, Q.data());
+      gather_rows(k + b * lk.batch_stride + h * s.dk, lk.row_stride, s.tk, s.dk, K.data());
+      gather_rows(v + b * lv.batch_stride + h * s.dv, lv.row_stride, s.tk, s.dv, V.data());
+      for (int64_t j = 0; j < s.tk; ++j) allowed[j] = mask == nullptr || mask[b * s.tk + j];
+      std::fill(O.begin(), O.end(), 0.f);
+      for (int64_t i = 0; i < s.tq; ++i) {
+        float* p = probs + (bh * s.tq + i) * s.tk;
+        const float* qi = Q.data() + i * s.dk;
+        const int64_t span = s.causal ? i + 1 : s.tk;  // keys past it are out (causal)
+        float top = -std::numeric_limits<float>::infinity();
+        bool any = false;
+        for (int64_t j = 0; j < span; ++j) {
+          if (!allowed[j]) continue;
+          p[j] = dot(qi, K.data() + j * s.dk, s.dk) * s.scale;
+          top = p[j] > top ? p[j] : top;
+          any = true;
+        }
+        if (!any) {  // no key allowed: the mean of all values
+          for (int64_t j = 0; j < s.tk; ++j) p[j] = 1.f / static_cast<float>(s.tk);
+        } else {
+          float sum = 0.f;
+          for (int64_t j = 0; j < s.tk; ++j) {
+            const float e = (j < span && allowed[j]) ? exp_nonpositive(p[j] - top) : 0.f;
+            p[j] = e;
+            sum += e;
+          }
+          const float inv = 1.f / sum;
+          for (int64_t j = 0; j < s.tk; ++j) p[j] *= inv;
+        }
+        const int16_t* draw = nullptr;
+        if (s.dropout) {
+          row_bits(s.seed, bh * s.tq + i, words, bits.data());
+          draw = reinterpret_cast<const int16_t*>(bits.data());
+        }
+        float* oi = O.data() + i * s.dv;
+        const int64_t live = any ? span : s.tk;
+        for (int64_t j = 0; j < live; ++j) {
+          float w = p[j];
+          if (draw != nullptr) w = draw[j] >= s.keep.threshold ? w * s.keep.scale : 0.f;
+          if (w != 0.f) axpy(w, V.data() + j * s.dv, oi, s.dv);
+        }
+      }
+      scatter_rows(O.data(), s.tq, s.dv, out + b * s.tq * s.heads * s.dv + h * s.dv,
+                   s.heads * s.dv);
+    }
+  });
+}
+
+template <typename scalar_t>
+void attention_backward_heads(const scalar_t* dout, const scalar_t* q, HeadLayout lq,
+                              const scalar_t* k, HeadLayout lk, const scalar_t* v, HeadLayout lv,
+                              const bool* mask, const float* probs, scalar_t* dq, HeadLayout ldq,
+                              scalar_t* dk,
+                              HeadLayout ldk, scalar_t* dv, HeadLayout ldv,
+                              const AttentionShape& s) {
+  const int64_t words = (s.tk + 3) / 4;
+  at::parallel_for(0, s.b * s.heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> Q(s.tq * s.dk), K(s.tk * s.dk), V(s.tk * s.dv), dO(s.tq * s.dv);
+    std::vector<float> dQ(s.tq * s.dk), dK(s.tk * s.dk), dV(s.tk * s.dv), dP(s.tk);
+    std::vector<uint64_t> bits(words);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / s.heads, h = bh % s.heads;
+      gather_rows(q + b * lq.batch_stride + h * s.dk, lq.row_stride, s.tq, s.dk, Q.data());
+      gather_rows(k + b * lk.batch_stride + h * s.dk, lk.row_stride, s.tk, s.dk, K.data());
+      gather_rows(v + b * lv.batch_stride + h * s.dv, lv.row_stride, s.tk, s.dv, V.data());
+      gather_rows(dout + b * s.tq * s.heads * s.dv + h * s.dv, s.heads * s.dv, s.tq, s.dv,
+                  dO.data());
+      std::fill(dQ.begin(), dQ.end(), 0.f);
+      std::fill(dK.begin(), dK.end(), 0.f);
+      std::fill(dV.begin(), dV.end(), 0.f);
+      // A sequence with no key allowed averages the values: its scores were a constant fill,
+      // so the queries and keys get no gradient from it (as through masked_fill).
+      bool any_key = true;
+      if (mask != nullptr)
+        any_key = std::any_of(mask + b * s.tk, mask + (b + 1) * s.tk, [](bool a) { return a; });
+      for (int64_t i = 0; i < s.tq; ++i) {
+        const float* p = probs + (bh * s.tq + i) * s.tk;
+        const float* doi = dO.data() + i * s.dv;
+        // Keys whose weight can be nonzero: up to the diagonal when causal (a causal row
+        // always allows its own key), else all (masked keys have weight 0 and add nothing).
+        const int64_t live = s.causal ? i + 1 : s.tk;
+        const int16_t* draw = nullptr;
+        if (s.dropout) {
+          row_bits(s.seed, bh * s.tq + i, words, bits.data());
+          draw = reinterpret_cast<const int16_t*>(bits.data());
+        }
+        float row = 0.f;  // sum_j P_ij dP_ij
+        for (int64_t j = 0; j < live; ++j) {
+          float m = 1.f;
+          if (draw != nullptr) m = draw[j] >= s.keep.threshold ? s.keep.scale : 0.f;
+          if (p[j] == 0.f || m == 0.f) {
+            dP[j] = 0.f;
+            continue;
+          }
+          axpy(p[j] * m, doi, dV.data() + j * s.dv, s.dv);
+          dP[j] = dot(doi, V.data() + j * s.dv, s.dv) * m;
+          row += p[j] * dP[j];
+        }
+        if (!any_key) continue;
+        float* dqi = dQ.data() + i * s.dk;
+        const float* qi = Q.data() + i * s.dk;
+        for (int64_t j = 0; j < live; ++j) {
+          const float ds = p[j] * (dP[j] - row) * s.scale;
+          if (ds == 0.f) continue;
+          axpy(ds, K.data() + j * s.dk, dqi, s.dk);
+          axpy(ds, qi, dK.data() + j * s.dk, s.dk);
+        }
+      }
+      scatter_rows(dQ.data(), s.tq, s.dk, dq + b * ldq.batch_stride + h * s.dk, ldq.row_stride);
+      scatter_rows(dK.data(), s.tk, s.dk, dk + b * ldk.batch_stride + h * s.dk, ldk.row_stride);
+      scatter_rows(dV.data(), s.tk, s.dv, dv + b * ldv.batch_stride + h * s.dv, ldv.row_stride);
+    }
+  });
+}
+
+struct AttentionOperands {
+  AttentionShape shape;
+  HeadLayout lq, lk, lv;
+  const bool* mask;
+};
+
+AttentionOperands attention_operands(const at::Tensor& q, const at::Tensor& k,
+                                     const at::Tensor& v, const at::Tensor& mask, int64_t heads,
+                                     bool causal, bool dropout, int64_t threshold,
+                                     double keep_scale, const at::Tensor& seed) {
+  TORCH_CHECK(heads >= 1, "heads must be positive, got ", heads);
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k and v must be (B, T, H * d)");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
+                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
+              "q, k and v must all be float32 or all bfloat16");
+  const int64_t b = q.size(0);
+  TORCH_CHECK(q.size(2) % heads == 0 && v.size(2) % heads == 0 && k.size(2) == q.size(2),
+              "q and k need H * d_k columns and v H * d_v, for H = ", heads);
+  AttentionOperands o;
+  o.shape = {b, heads, q.size(1), k.size(1), q.size(2) / heads, v.size(2) / heads, causal,
+             dropout, static_cast<float>(1.0 / std::sqrt(static_cast<double>(q.size(2) / heads))),
+             keep_rule(threshold, keep_scale), 0};
+  TORCH_CHECK(v.size(1) == k.size(1), "k and v must have as many keys");
+  TORCH_CHECK(!causal || q.size(1) == k.size(1), "causal attention needs as many queries as keys");
+  o.lq = layout_of(q, "q", b, q.size(2));
+  o.lk = layout_of(k, "k", b, k.size(2));
+  o.lv = layout_of(v, "v", b, v.size(2));
+  o.mask = nullptr;
+  if (mask.numel() > 0) {
+    check_rows(mask, "mask");
+    TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 2 && mask.size(0) == b &&
+                    mask.size(1) == k.size(1),
+                "mask must be bool (B, Tk) = (", b, ", ", k.size(1), "), got ", mask.sizes());
+    o.mask = mask.data_ptr<bool>();
+  }
+  TORCH_CHECK(seed.device().is_cpu() && seed.scalar_type() == at::kLong && seed.numel() == 1,
+              "seed must be one int64 on the CPU");
+  o.shape.seed = static_cast<uint64_t>(*seed.data_ptr<int64_t>());
+  return o;
+}
+
+}  // namespace
+
+// (out, probs): out (B, Tq, H * d_v) in q's dtype, probs (B, H, Tq, Tk) fp32 for backward.
+// mask: bool (B, Tk), True where a key is allowed, or an empty tensor for none.
+std::vector<at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k,
+                                          const at::Tensor& v, const at::Tensor& mask,
+                                          int64_t heads, bool causal, bool dropout,
+                                          int64_t threshold, double keep_scale,
+                                          const at::Tensor& seed) {
+  const auto o = attention_operands(q, k, v, mask, heads, causal, dropout, threshold, keep_scale,
+                                    seed);
+  const auto& s = o.shape;
+  auto out = at::empty({s.b, s.tq, heads * s.dv}, q.options());
+  auto probs = at::empty({s.b, heads, s.tq, s.tk}, q.options().dtype(at::kFloat));
+  if (q.scalar_type() == at::kBFloat16)
+    attention_forward_heads(q.data_ptr<c10::BFloat16>(), o.lq, k.data_ptr<c10::BFloat16>(), o.lk,
+                            v.data_ptr<c10::BFloat16>(), o.lv, o.mask,
+                            out.data_ptr<c10::BFloat16>(), probs.data_ptr<float>(), s);
+  else
+    attention_forward_heads(q.data_ptr<float>(), o.lq, k.data_ptr<float>(), o.lk,
+                            v.data_ptr<float>(), o.lv, o.mask, out.data_ptr<float>(),
+                            probs.data_ptr<float>(), s);
+  return {out, probs};
+}
+
+// Writes the gradients of q, k and v into dq, dk and dv (views of q's, k's and v's shapes and
+// dtype, e.g. column ranges of one fused gradient), every element.
+void attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                        const at::Tensor& v, const at::Tensor& mask, const at::Tensor& probs,
+                        int64_t heads, bool causal, bool dropout, int64_t threshold,
+                        double keep_scale, const at::Tensor& seed, at::Tensor& dq,
+                        at::Tensor& dk, at::Tensor& dv) {
+  const auto o = attention_operands(q, k, v, mask, heads, causal, dropout, threshold, keep_scale,
+                                    seed);
+  const auto& s = o.shape;
+  const at::Tensor dout = grad_out.to(q.scalar_type()).contiguous();
+  TORCH_CHECK(dout.dim() == 3 && dout.size(0) == s.b && dout.size(1) == s.tq &&
+                  dout.size(2) == heads * s.dv,
+              "the output's gradient must be (B, Tq, H * d_v), got ", dout.sizes());
+  check_rows(probs, "probs");
+  TORCH_CHECK(probs.scalar_type() == at::kFloat &&
+                  probs.sizes() == at::IntArrayRef({s.b, heads, s.tq, s.tk}),
+              "probs must be forward's (B, H, Tq, Tk) float32");
+  for (auto [t, src, name] : {std::tuple{&dq, &q, "dq"}, {&dk, &k, "dk"}, {&dv, &v, "dv"}})
+    TORCH_CHECK(t->sizes() == src->sizes() && t->scalar_type() == src->scalar_type(), name,
+                " must match its input's shape and dtype");
+  const auto ldq = layout_of(dq, "dq", s.b, q.size(2));
+  const auto ldk = layout_of(dk, "dk", s.b, k.size(2));
+  const auto ldv = layout_of(dv, "dv", s.b, v.size(2));
+  if (q.scalar_type() == at::kBFloat16)
+    attention_backward_heads(dout.data_ptr<c10::BFloat16>(), q.data_ptr<c10::BFloat16>(), o.lq,
+                             k.data_ptr<c10::BFloat16>(), o.lk, v.data_ptr<c10::BFloat16>(), o.lv,
+                             o.mask, probs.data_ptr<float>(), dq.data_ptr<c10::BFloat16>(), ldq,
+                             dk.data_ptr<c10::BFloat16>(), ldk, dv.data_ptr<c10::BFloat16>(), ldv,
+                             s);
+  else
+    attention_backward_heads(dout.data_ptr<float>(), q.data_ptr<float>(), o.lq,
+                             k.data_ptr<float>(), o.lk, v.data_ptr<float>(), o.lv, o.mask,
+                             probs.data_ptr<float>(), dq.data_ptr<float>(), ldq,
+                             dk.data_ptr<float>(), ldk, dv.data_ptr<float>(), ldv, s);
+}
+
 // How many of torch's threads at::parallel_for hands work to here (tests): 1 when the module
 // was compiled without OpenMP, whose pragmas at::parallel_for's inline code is made of.
 int64_t parallel_threads(int64_t items) {
@@ -354,6 +682,8 @@ int64_t parallel_threads(int64_t items) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &residual_norm_forward, "y, xhat, mask, rstd = LayerNorm(x + Dropout(out))");
   m.def("backward", &residual_norm_backward, "dx, dout, dweight, dbias");
+  m.def("attention_forward", &attention_forward, "out, probs = attention of short sequences");
+  m.def("attention_backward", &attention_backward, "dq, dk, dv written in place");
   m.def("label_smoothed_softmax_", &label_smoothed_softmax_,
         "loss and nll per row; with grad, the logits become their gradient");
   m.def("parallel_threads", &parallel_threads, "threads that at::parallel_for used (tests)");
