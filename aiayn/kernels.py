@@ -1,6 +1,6 @@
 """The fast training step's kernels: the plain path's math with fewer passes over memory.
 
-``train.kernels: fast`` (the default) swaps five pieces of the training step; ``plain``
+``train.kernels: fast`` (the default) swaps six pieces of the training step; ``plain``
 keeps torch's own operators, readable against the paper (``aiayn/model.py``,
 ``aiayn/objective.py``). Measured by ``bench/train_throughput.py``.
 
@@ -82,6 +82,26 @@ keeps torch's own operators, readable against the paper (``aiayn/model.py``,
    the trainer sets up (~30 s, cached per machine); where it cannot be (no compiler), a
    warning says so and the block takes torch's ops. Pre-LN blocks, GPUs and
    ``torch.compile`` keep torch's ops.
+
+6. **Attention over short sequences in one C++ pass per (sequence, head), under bf16
+   autocast on CPU** (:func:`attention`, ``csrc/cpu_kernels.cpp``). The eager path
+   (``aiayn.model.attend``) moves every head out of the fused QKV product into
+   (B, H, T, d), casts it to fp32, runs each product through the batched GEMM, whose set-up
+   outweighs the products of ~23-token sequences, and puts the heads back for the output
+   projection; backward does as much again, plus the split's concatenation. Here each
+   thread takes one (sequence, head) at a time: q, k and v are read where the projection
+   wrote them, the scores, softmax and both products stay in fp32 in the thread's cache
+   (P is kept for backward, dropout's mask drawn again from its seed, section 5's keep
+   rule and generator), the output is written as (B, Tq, H * d_v), and backward writes
+   the gradient of the fused input in place. On 2 AMX cores, forward + backward from and
+   to the projections' layout: 2.0-2.1x the eager path at 23 keys, 1.6x at 32; past
+   :data:`ATTENTION_KERNEL_KEYS` (64) keys the eager path's products win and take over;
+   fp32 keeps PyTorch's flash kernel (bench/README.md, "attention in one C++ pass").
+
+All the C++ kernels split their rows (or heads) over torch's threads with
+``at::parallel_for``, whose code is OpenMP pragmas: the extension is built with
+``-fopenmp`` (before 2026-11-29 it was not, and the residual block and the loss's softmax
+ran on one thread).
 """
 
 from __future__ import annotations
@@ -512,10 +532,10 @@ def linear_relu(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor
     return _linear(x, weight, bias, True)
 
 
-# ------------------------------------- the C++ extension (sections 1 and 5), the residual block
+# ---------------------------------- the C++ extension (sections 1, 5 and 6), the residual block
 
-# Set to 0 to keep PyTorch's own ops for the residual block and the loss's softmax (sections 5
-# and 1) and build nothing.
+# Set to 0 to keep PyTorch's own ops for the residual block, the loss's softmax and attention
+# (sections 5, 1 and 6) and build nothing.
 EXTENSION_ENV = "AIAYN_CPU_EXTENSION"
 _SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 # What the compiler may target, by the instruction set torch's own kernels dispatch to
@@ -562,8 +582,8 @@ def cpu_extension():
     except Exception as e:  # noqa: BLE001 - any build failure means the eager path
         warnings.warn(
             f"aiayn: could not build the CPU kernels {_SOURCE.name} ({type(e).__name__}: "
-            f"{_build_error(str(e))}); the loss's softmax and the residual blocks run on "
-            f"PyTorch's own ops instead (slower steps on CPU). It "
+            f"{_build_error(str(e))}); the loss's softmax, attention and the residual "
+            f"blocks run on PyTorch's own ops instead (slower steps on CPU). It "
             f"needs a C++ compiler and Python's headers (Debian/Ubuntu: apt install g++ "
             f"python3-dev); set {EXTENSION_ENV}=0 to skip the build and this warning.",
             RuntimeWarning,
@@ -575,10 +595,12 @@ def cpu_extension():
 def prepare_cpu_extension(device: torch.device, post_norm: bool,
                           amp_dtype: torch.dtype | None) -> None:
     """Build (or load) the extension now if a fast training step with these settings will
-    take one of its kernels: on CPU, the post-LN residual blocks (section 5) or the loss's
-    softmax for :data:`SOFTMAX_KERNEL_DTYPES` logits (section 1). The trainer calls this
-    while it sets up, so that the one-time build is not paid inside the first step."""
-    if device.type == "cpu" and (post_norm or amp_dtype in SOFTMAX_KERNEL_DTYPES):
+    take one of its kernels: on CPU, the post-LN residual blocks (section 5), the loss's
+    softmax for :data:`SOFTMAX_KERNEL_DTYPES` logits (section 1) or attention for
+    :data:`ATTENTION_KERNEL_DTYPES` (section 6). The trainer calls this while it sets up, so
+    that the one-time build is not paid inside the first step."""
+    if device.type == "cpu" and (post_norm or amp_dtype in SOFTMAX_KERNEL_DTYPES
+                                 or amp_dtype in ATTENTION_KERNEL_DTYPES):
         cpu_extension()
 
 
@@ -687,9 +709,14 @@ def residual_norm(x: Tensor, out: Tensor, weight: Tensor, bias: Tensor, p: float
 
 # --------------------------------------------------------------------------- attention
 
-# Inputs whose attention the C++ pass computes (section 6). bf16 only for now: fp32 CPU
-# attention keeps PyTorch's kernels (aiayn.model.attend).
+# Inputs whose attention the C++ pass computes (section 6). bf16 only: fp32 CPU attention
+# keeps PyTorch's flash kernel, which the pass built for AVX2 did not beat (0.34-0.51x).
 ATTENTION_KERNEL_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16,)
+# Longest key sequence the pass takes: its products are vector loops, not GEMMs, and lose
+# to the eager path's batched products past ~64 keys (bench/attention.py on 2 AMX cores,
+# forward + backward: 2.0-2.6x at 16-23 keys, 1.6x at 32, 0.94x / 1.29x at 64 for the
+# encoder / decoder, 0.73x / 1.02x at 128). Longer sequences take aiayn.model.attend.
+ATTENTION_KERNEL_KEYS = 64
 
 
 class _Attention(torch.autograd.Function):
@@ -736,10 +763,11 @@ def attention_applies(device: torch.device, dtype: torch.dtype, keys: int, max_k
                       mask: Tensor | None, causal: bool) -> bool:
     """Whether :func:`attention` takes operands of ``dtype`` on ``device`` with ``keys`` keys:
     CPU, a dtype of :data:`ATTENTION_KERNEL_DTYPES`, at most ``max_keys`` keys
-    (``aiayn.model``'s limit of its explicit path), no mask beyond key padding
-    ((B, 1, 1, Tk)), not causal and masked at once, not under ``torch.compile``, and the
-    kernel built."""
-    return (device.type == "cpu" and dtype in ATTENTION_KERNEL_DTYPES and 0 < keys <= max_keys
+    (``aiayn.model``'s limit of its explicit path) and :data:`ATTENTION_KERNEL_KEYS`, no mask
+    beyond key padding ((B, 1, 1, Tk)), not causal and masked at once, not under
+    ``torch.compile``, and the kernel built."""
+    return (device.type == "cpu" and dtype in ATTENTION_KERNEL_DTYPES
+            and 0 < keys <= min(max_keys, ATTENTION_KERNEL_KEYS)
             and (mask is None or (not causal and mask.dim() == 4 and mask.shape[1:3] == (1, 1)))
             and not torch.compiler.is_compiling() and cpu_extension() is not None)
 

@@ -265,8 +265,10 @@ class MultiHeadAttention(nn.Module):
     d_k dimensions per head, values to d_v; the h * d_v concatenated outputs projected back
     to d_model. The paper's base has d_k = d_v = d_model / h.
 
-    ``fast``: attention dropout masks from aiayn.kernels.dropout and the fast linear layers;
-    ``explicit_keys``: :func:`attend`'s limit of its CPU bf16 path."""
+    ``fast``: attention dropout masks from aiayn.kernels.dropout and the fast linear layers,
+    and under CPU bf16 autocast, up to ``kernels.ATTENTION_KERNEL_KEYS`` keys, attention in
+    one C++ pass straight from the projections' layout (:func:`aiayn.kernels.attention`);
+    ``explicit_keys``: :func:`attend`'s limit of its CPU bf16 path (the kernel's too)."""
 
     def __init__(self, d_model: int, heads: int, d_k: int, d_v: int, dropout: float,
                  cross: bool, fast: bool = False,
@@ -370,7 +372,8 @@ class MultiHeadAttention(nn.Module):
                       packing: Packing | None) -> bool:
         """Whether the fast CPU step's attention kernel computes this call
         (:func:`aiayn.kernels.attention`: bf16 autocast on CPU, no cache, no weights asked
-        for, at most ``explicit_keys`` keys, as the explicit path of :func:`attend`)."""
+        for, at most ``explicit_keys`` keys as the explicit path of :func:`attend`, and at
+        most ``kernels.ATTENTION_KERNEL_KEYS``)."""
         if (not self.fast or kv is not None or cache is not None or need_weights or group != 1
                 or not torch.is_autocast_enabled("cpu")):
             return False

@@ -771,6 +771,10 @@ def test_cpp_attention_says_what_it_cannot_compute(extension):
     assert kernels.attention_applies(cpu, torch.bfloat16, 5, 128, mask, False)
     assert not kernels.attention_applies(cpu, torch.float32, 5, 128, mask, False)  # bf16 only
     assert not kernels.attention_applies(cpu, torch.bfloat16, 129, 128, None, True)
+    limit = kernels.ATTENTION_KERNEL_KEYS
+    assert kernels.attention_applies(cpu, torch.bfloat16, limit, 128, None, True)
+    assert not kernels.attention_applies(cpu, torch.bfloat16, limit + 1, 128, None, True)
+    assert not kernels.attention_applies(cpu, torch.bfloat16, 8, 7, None, True)
     assert not kernels.attention_applies(cpu, torch.bfloat16, 5, -1, None, True)  # -1: never
     assert not kernels.attention_applies(cpu, torch.bfloat16, 5, 128, mask, True)
     assert not kernels.attention_applies(cpu, torch.bfloat16, 5, 128,
@@ -818,6 +822,20 @@ def test_the_fast_model_under_bf16_autocast_attends_through_the_kernel_as_throug
     for k, gr in grads.items():
         scale = ref_grads[k].abs().max().item() + 1e-6
         assert (gr - ref_grads[k]).abs().max().item() < 0.1 * scale, k
+
+
+def test_longer_sequences_than_the_kernels_limit_take_the_eager_path(extension, monkeypatch):
+    """Sources of 9 tokens and targets of 10 against a limit of 9 keys: the encoder and the
+    cross-attention (9 keys) take the kernel, the decoder's self-attention (10) does not."""
+    calls = []
+    real = kernels.attention
+    monkeypatch.setattr(kernels, "attention",
+                        lambda *a, **k: calls.append(a[1] is None) or real(*a, **k))
+    monkeypatch.setattr(kernels, "ATTENTION_KERNEL_KEYS", 9)
+    src, tgt = padded_labels(3, 9, 60, seed=1), padded_labels(3, 10, 60, seed=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        tiny_model(fast=True).train()(src, tgt)
+    assert calls == [True, True, False, False]  # encoder self x2, then cross x2
 
 
 def test_the_kernels_run_on_torchs_threads(extension):
