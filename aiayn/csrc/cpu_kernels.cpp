@@ -22,8 +22,8 @@
 // Built when training starts by torch.utils.cpp_extension (aiayn/kernels.py), compiled for
 // the instruction set torch itself dispatches to, and vectorized by the compiler: the
 // reductions need -fassociative-math (the sums' order is the compiler's, not the loop's).
-// Rows (or heads) are split over torch's threads by at::parallel_for, OpenMP pragmas that
-// need -fopenmp.
+// Attention's (sequence, head) tasks are split over torch's threads by at::parallel_for,
+// OpenMP pragmas that need -fopenmp; the row kernels run on the calling thread (below).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -62,6 +62,17 @@ inline void store(c10::BFloat16* p, float v) {  // round to nearest even, NaN ke
   p->x = static_cast<uint16_t>(std::isnan(v) ? 0x7FC0u : rounded);
 }
 
+// The row kernels (the residual block, the loss's softmax) run on the calling thread. Split
+// over torch's two threads with at::parallel_for they ran faster alone but made the training
+// step slower (0.97x on AMX in bf16, and in fp32 on AVX2; bench/README.md, "attention in one
+// C++ pass"). Why is not measured; a guess: waking the second thread inside the step costs
+// more than half a pass over a few thousand rows. Attention (one (sequence, head) per task,
+// far more work per call) keeps at::parallel_for: on one thread the step ran 0.95x.
+template <typename F>
+inline void on_this_thread(int64_t rows, const F& body) {
+  body(0, rows);
+}
+
 struct Keep {
   int16_t threshold;
   float scale;
@@ -85,7 +96,7 @@ void forward_rows(const float* x, const out_t* out, const float* gamma, const fl
                   float* y, float* xhat, uint8_t* mask, float* rstd, int64_t rows, int64_t d,
                   Keep keep, float eps, uint64_t seed) {
   const int64_t words = (d + 3) / 4;
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  on_this_thread(rows, [&](int64_t begin, int64_t end) {
     std::vector<uint64_t> bits(words);
     std::vector<float> z(d);
     for (int64_t r = begin; r < end; ++r) {
@@ -126,10 +137,10 @@ void forward_rows(const float* x, const out_t* out, const float* gamma, const fl
 
 template <typename out_t>
 void backward_rows(const float* dy, const float* xhat, const uint8_t* mask, const float* rstd,
-                   const float* gamma, float* dx, out_t* dout, float* partial, int64_t rows,
+                   const float* gamma, float* dx, out_t* dout, float* sums, int64_t rows,
                    int64_t d, float scale) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    float* dgamma = partial + static_cast<int64_t>(at::get_thread_num()) * 2 * d;
+  on_this_thread(rows, [&](int64_t begin, int64_t end) {
+    float* dgamma = sums;
     float* dbeta = dgamma + d;
     for (int64_t r = begin; r < end; ++r) {
       const float* dyr = dy + r * d;
@@ -210,16 +221,15 @@ std::vector<at::Tensor> residual_norm_backward(const at::Tensor& dy_in, const at
   const float scale = keep_rule(0, keep_scale).scale;
   auto dx = at::empty_like(dy);
   auto dout = at::empty(dy.sizes(), dy.options().dtype(out_dtype));
-  auto partial = at::zeros({at::get_num_threads(), 2, d}, dy.options());
+  auto sums = at::zeros({2, d}, dy.options());
   if (out_dtype == at::kBFloat16)
     backward_rows(dy.data_ptr<float>(), xhat.data_ptr<float>(), mask.data_ptr<uint8_t>(),
                   rstd.data_ptr<float>(), gamma.data_ptr<float>(), dx.data_ptr<float>(),
-                  dout.data_ptr<c10::BFloat16>(), partial.data_ptr<float>(), rows, d, scale);
+                  dout.data_ptr<c10::BFloat16>(), sums.data_ptr<float>(), rows, d, scale);
   else
     backward_rows(dy.data_ptr<float>(), xhat.data_ptr<float>(), mask.data_ptr<uint8_t>(),
                   rstd.data_ptr<float>(), gamma.data_ptr<float>(), dx.data_ptr<float>(),
-                  dout.data_ptr<float>(), partial.data_ptr<float>(), rows, d, scale);
-  auto sums = partial.sum(0);
+                  dout.data_ptr<float>(), sums.data_ptr<float>(), rows, d, scale);
   return {dx, dout, sums[0], sums[1]};
 }
 
@@ -286,7 +296,7 @@ void softmax_rows(scalar_t* logits, const int64_t* labels, const float* mean_log
                   float* nll, int64_t rows, int64_t width, int64_t vocab, float eps,
                   bool grad) {
   const float off = eps / static_cast<float>(vocab);
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+  on_this_thread(rows, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(vocab);
     float* e = buf.data();
     for (int64_t r = begin; r < end; ++r) {
