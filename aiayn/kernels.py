@@ -98,10 +98,11 @@ keeps torch's own operators, readable against the paper (``aiayn/model.py``,
    :data:`ATTENTION_KERNEL_KEYS` (64) keys the eager path's products win and take over;
    fp32 keeps PyTorch's flash kernel (bench/README.md, "attention in one C++ pass").
 
-All the C++ kernels split their rows (or heads) over torch's threads with
-``at::parallel_for``, whose code is OpenMP pragmas: the extension is built with
-``-fopenmp`` (before 2026-11-29 it was not, and the residual block and the loss's softmax
-ran on one thread).
+Attention splits its (sequence, head) tasks over torch's threads with ``at::parallel_for``,
+whose code is OpenMP pragmas, so the extension is built with ``-fopenmp``; the row kernels
+(sections 1 and 5) run on the calling thread: split over two threads they were faster alone
+but the ``multi30k`` step ran 0.97x (AMX bf16, and AVX2 fp32). With attention, the step runs
+1.16x the tree before both (AMX, bf16, side by side; bench/README.md).
 """
 
 from __future__ import annotations
