@@ -658,6 +658,11 @@ class Trainer:
                 bleu = bool(p.valid_bleu_every) and (s.step % p.valid_bleu_every == 0 or finished)
                 if s.step % p.valid_every == 0 or finished or bleu:
                     self._log_valid_row(bleu)
+                if finished:  # the last validation's time is the run's too (bleu_seconds is
+                    # counted inside elapsed_s); rank 0's clock, as above
+                    (s.elapsed_s,) = distributed.broadcast_values(
+                        [elapsed_at_start + time.perf_counter() - session_start], self.device,
+                        self.world)
                 if bar is not None:
                     bar.update(1)
                 if bool(due) or finished:
