@@ -83,20 +83,24 @@ keeps torch's own operators, readable against the paper (``aiayn/model.py``,
    warning says so and the block takes torch's ops. Pre-LN blocks, GPUs and
    ``torch.compile`` keep torch's ops.
 
-6. **Attention over short sequences in one C++ pass per (sequence, head), under bf16
-   autocast on CPU** (:func:`attention`, ``csrc/cpu_kernels.cpp``). The eager path
+6. **Attention over short sequences in one C++ pass per (sequence, head), in fp32 or under
+   bf16 autocast on CPU** (:func:`attention`, ``csrc/cpu_kernels.cpp``). The eager path
    (``aiayn.model.attend``) moves every head out of the fused QKV product into
-   (B, H, T, d), casts it to fp32, runs each product through the batched GEMM, whose set-up
-   outweighs the products of ~23-token sequences, and puts the heads back for the output
-   projection; backward does as much again, plus the split's concatenation. Here each
-   thread takes one (sequence, head) at a time: q, k and v are read where the projection
-   wrote them, the scores, softmax and both products stay in fp32 in the thread's cache
-   (P is kept for backward, dropout's mask drawn again from its seed, section 5's keep
-   rule and generator), the output is written as (B, Tq, H * d_v), and backward writes
-   the gradient of the fused input in place. On 2 AMX cores, forward + backward from and
-   to the projections' layout: 2.0-2.1x the eager path at 23 keys, 1.6x at 32; past
-   :data:`ATTENTION_KERNEL_KEYS` (64) keys the eager path's products win and take over;
-   fp32 keeps PyTorch's flash kernel (bench/README.md, "attention in one C++ pass").
+   (B, H, T, d), (under bf16) casts it to fp32, runs each product through the batched GEMM
+   or PyTorch's flash kernel, whose set-up outweighs the products of ~23-token sequences,
+   and puts the heads back for the output projection; backward does as much again, plus the
+   split's concatenation. Here each thread takes one (sequence, head) at a time: q, k and v
+   are read where the projection wrote them, the scores, softmax and the four products stay
+   in fp32 in the thread's cache as small register-blocked products (P is kept for
+   backward, dropout's mask drawn again from its seed, section 5's keep rule and
+   generator; denormals flushed to zero), the output is written as (B, Tq, H * d_v), and
+   backward writes the gradient of the fused input in place. Forward + backward from and
+   to the projections' layout: bf16 on 2 AMX cores 2.0-2.1x the eager path at 23 keys
+   (1.6x at 32) before the products were register-blocked, which made the pass itself
+   1.1-1.4x faster at 16-23 keys and 1.3-2x at 32-128 (2-core AVX-512 CPU); fp32 1.5-2.7x
+   PyTorch's flash kernel at 10-23 keys on projections' outputs. Past
+   :data:`ATTENTION_KERNEL_KEYS` keys (bf16 64, fp32 32) the eager path wins and takes over
+   (bench/README.md, "attention's products in registers").
 
 Attention splits its (sequence, head) tasks over torch's threads with ``at::parallel_for``,
 whose code is OpenMP pragmas, so the extension is built with ``-fopenmp``; the row kernels
@@ -597,11 +601,11 @@ def prepare_cpu_extension(device: torch.device, post_norm: bool,
                           amp_dtype: torch.dtype | None) -> None:
     """Build (or load) the extension now if a fast training step with these settings will
     take one of its kernels: on CPU, the post-LN residual blocks (section 5), the loss's
-    softmax for :data:`SOFTMAX_KERNEL_DTYPES` logits (section 1) or attention for
-    :data:`ATTENTION_KERNEL_DTYPES` (section 6). The trainer calls this while it sets up, so
-    that the one-time build is not paid inside the first step."""
+    softmax for :data:`SOFTMAX_KERNEL_DTYPES` logits (section 1) or attention of the dtypes
+    in :data:`ATTENTION_KERNEL_KEYS` (section 6; ``amp_dtype`` None: fp32). The trainer calls
+    this while it sets up, so that the one-time build is not paid inside the first step."""
     if device.type == "cpu" and (post_norm or amp_dtype in SOFTMAX_KERNEL_DTYPES
-                                 or amp_dtype in ATTENTION_KERNEL_DTYPES):
+                                 or (amp_dtype or torch.float32) in ATTENTION_KERNEL_KEYS):
         cpu_extension()
 
 
@@ -710,14 +714,12 @@ def residual_norm(x: Tensor, out: Tensor, weight: Tensor, bias: Tensor, p: float
 
 # --------------------------------------------------------------------------- attention
 
-# Inputs whose attention the C++ pass computes (section 6). bf16 only: fp32 CPU attention
-# keeps PyTorch's flash kernel, which the pass built for AVX2 did not beat (0.34-0.51x).
-ATTENTION_KERNEL_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16,)
-# Longest key sequence the pass takes: its products are vector loops, not GEMMs, and lose
-# to the eager path's batched products past ~64 keys (bench/attention.py on 2 AMX cores,
-# forward + backward: 2.0-2.6x at 16-23 keys, 1.6x at 32, 0.94x / 1.29x at 64 for the
-# encoder / decoder, 0.73x / 1.02x at 128). Longer sequences take aiayn.model.attend.
-ATTENTION_KERNEL_KEYS = 64
+# The longest key sequence the C++ pass takes (section 6), by the dtype of its inputs; other
+# dtypes keep the eager path. Past these lengths the eager path's batched products (bf16) and
+# PyTorch's flash kernel (fp32) win (bench/attention.py, forward + backward from and to the
+# projections' layout; bench/README.md, "attention's products in registers"). Longer
+# sequences take aiayn.model.attend.
+ATTENTION_KERNEL_KEYS: dict[torch.dtype, int] = {torch.bfloat16: 64, torch.float32: 32}
 
 
 class _Attention(torch.autograd.Function):
@@ -763,14 +765,15 @@ def _attention_operands(qkv: Tensor, kv: Tensor | None, hk: int,
 def attention_applies(device: torch.device, dtype: torch.dtype, keys: int, max_keys: int,
                       mask: Tensor | None, causal: bool) -> bool:
     """Whether :func:`attention` takes operands of ``dtype`` on ``device`` with ``keys`` keys:
-    CPU, a dtype of :data:`ATTENTION_KERNEL_DTYPES`, at most ``max_keys`` keys
-    (``aiayn.model``'s limit of its explicit path) and :data:`ATTENTION_KERNEL_KEYS`, no mask
-    beyond key padding ((B, 1, 1, Tk)), not causal and masked at once, not under
+    CPU, at most ``max_keys`` keys (``aiayn.model``'s limit of its explicit path; -1: never)
+    and at most :data:`ATTENTION_KERNEL_KEYS` for ``dtype`` (none for a dtype not in it), no
+    mask beyond key padding ((B, 1, 1, Tk)), not causal and masked at once, not under
     ``torch.compile``, and the kernel built."""
-    return (device.type == "cpu" and dtype in ATTENTION_KERNEL_DTYPES
-            and 0 < keys <= min(max_keys, ATTENTION_KERNEL_KEYS)
+    # Compiling first: a length compared while compiling would guard the graph on it.
+    return (device.type == "cpu" and not torch.compiler.is_compiling()
+            and 0 < keys <= min(max_keys, ATTENTION_KERNEL_KEYS.get(dtype, 0))
             and (mask is None or (not causal and mask.dim() == 4 and mask.shape[1:3] == (1, 1)))
-            and not torch.compiler.is_compiling() and cpu_extension() is not None)
+            and cpu_extension() is not None)
 
 
 def attention(qkv: Tensor, kv: Tensor | None, heads: int, d_k: int, d_v: int,

@@ -266,9 +266,10 @@ class MultiHeadAttention(nn.Module):
     to d_model. The paper's base has d_k = d_v = d_model / h.
 
     ``fast``: attention dropout masks from aiayn.kernels.dropout and the fast linear layers,
-    and under CPU bf16 autocast, up to ``kernels.ATTENTION_KERNEL_KEYS`` keys, attention in
-    one C++ pass straight from the projections' layout (:func:`aiayn.kernels.attention`);
-    ``explicit_keys``: :func:`attend`'s limit of its CPU bf16 path (the kernel's too)."""
+    and on CPU in fp32 or under bf16 autocast, up to ``kernels.ATTENTION_KERNEL_KEYS`` keys
+    for that dtype, attention in one C++ pass straight from the projections' layout
+    (:func:`aiayn.kernels.attention`); ``explicit_keys``: :func:`attend`'s limit of its CPU
+    bf16 path (the kernel's too)."""
 
     def __init__(self, d_model: int, heads: int, d_k: int, d_v: int, dropout: float,
                  cross: bool, fast: bool = False,
@@ -366,23 +367,23 @@ class MultiHeadAttention(nn.Module):
             out = packing.unpad(out)
         return self.out_proj(out), weights
 
-
     def _takes_kernel(self, x: Tensor, memory: Tensor | None, mask: Tensor | None,
                       causal: bool, kv, cache, need_weights: bool, group: int,
                       packing: Packing | None) -> bool:
         """Whether the fast CPU step's attention kernel computes this call
-        (:func:`aiayn.kernels.attention`: bf16 autocast on CPU, no cache, no weights asked
-        for, at most ``explicit_keys`` keys as the explicit path of :func:`attend`, and at
-        most ``kernels.ATTENTION_KERNEL_KEYS``)."""
-        if (not self.fast or kv is not None or cache is not None or need_weights or group != 1
-                or not torch.is_autocast_enabled("cpu")):
+        (:func:`aiayn.kernels.attention`: on CPU, in fp32 or under bf16 autocast, no cache,
+        no weights asked for, at most ``explicit_keys`` keys as the explicit path of
+        :func:`attend`, and at most ``kernels.ATTENTION_KERNEL_KEYS`` for the dtype)."""
+        if not self.fast or kv is not None or cache is not None or need_weights or group != 1:
             return False
+        dtype = (torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu")
+                 else x.dtype)
         if self.cross:
             keys = memory.shape[1]
         else:
             keys = packing.length if packing is not None else x.shape[1]
-        return kernels.attention_applies(x.device, torch.get_autocast_dtype("cpu"), keys,
-                                         self.explicit_keys, mask, causal)
+        return kernels.attention_applies(x.device, dtype, keys, self.explicit_keys, mask,
+                                         causal)
 
 
 class FeedForward(nn.Module):

@@ -1,4 +1,4 @@
-"""CPU attention under bf16 autocast: the trainer's explicit path against flash attention.
+"""CPU attention under bf16 autocast, or in fp32: the trainer's paths against flash attention.
 
 ``aiayn.model.attend`` computes attention on CPU under bf16 autocast (up to
 ``EXPLICIT_ATTENTION_KEYS`` keys) as fp32 scores and softmax followed by a bf16 weighted sum
@@ -17,7 +17,9 @@ encoder self-attention (key padding mask) and decoder self-attention (causal):
 * ``kernel``   - ``aiayn.kernels.attention``, the C++ pass the fast step takes under bf16
   autocast, from and to the same layout (left out where the extension cannot be built).
 
-``eager/kernel`` is the ratio the training step sees.
+``eager/kernel`` is the ratio the training step sees. ``--precision fp32`` times the fp32
+step's contenders, with no autocast: ``flash32`` (PyTorch's kernel, which ``attend`` calls in
+fp32), ``eager`` and ``kernel``.
 
 Contenders take turns within every round and the order rotates, so a noisy machine's drift
 hits all alike; the table gives medians, and ratios are medians of per-round ratios. Each
@@ -25,6 +27,7 @@ contender's output is compared with a float64 reference of the same inputs.
 
     .venv/bin/python -m bench.attention                    # lengths 16..160, 4096 tokens
     .venv/bin/python -m bench.attention --lengths 23 --rounds 30
+    .venv/bin/python -m bench.attention --precision fp32 --lengths 10,16,23,32,64
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from bench import harness
 FUSED = ("eager", "kernel")
 
 
-def contenders() -> dict:
+def contenders(precision: str = "bf16") -> dict:
     def explicit(q, k, v, mask, causal):
         return model_mod.attend(q, k, v, mask, 0.0, causal)
 
@@ -66,6 +69,8 @@ def contenders() -> dict:
         return kernels.attention(qkv, None, heads, d, d, mask, causal)
 
     fns = {"explicit": explicit, "flash32": flash32, "flash16": flash16, "eager": eager}
+    if precision == "fp32":  # no autocast: attend is PyTorch's kernel, there is no bf16 path
+        fns = {"flash32": flash32, "eager": eager}
     if kernels.cpu_extension() is not None:
         fns["kernel"] = kernel
     return fns
@@ -86,15 +91,16 @@ def as_heads(out, heads):
     return out.view(b, t, heads, -1).transpose(1, 2)
 
 
-def inputs(length: int, tokens: int, heads: int, d_head: int, seed: int):
+def inputs(length: int, tokens: int, heads: int, d_head: int, seed: int,
+           dtype: torch.dtype = torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
     b = max(1, tokens // length)
-    q, k, v = (torch.randn(b, heads, length, d_head, generator=g).bfloat16().requires_grad_()
+    q, k, v = (torch.randn(b, heads, length, d_head, generator=g).to(dtype).requires_grad_()
                for _ in range(3))
     lengths = torch.randint(max(1, length // 3), length + 1, (b,), generator=g)
     lengths[0] = length
     mask = (torch.arange(length)[None, :] < lengths[:, None])[:, None, None, :]
-    upstream = torch.randn(b, heads, length, d_head, generator=g).bfloat16()
+    upstream = torch.randn(b, heads, length, d_head, generator=g).to(dtype)
     return q, k, v, mask, upstream
 
 
@@ -111,7 +117,8 @@ def reference(q, k, v, mask, causal) -> torch.Tensor:
 def measure(length: int, causal: bool, args, fns: dict) -> dict:
     """One case: each contender's error against float64 (untimed, also the warm-up), then
     forward + backward timed in alternating rounds."""
-    q, k, v, mask, upstream = inputs(length, args.tokens, args.heads, args.d_head, length)
+    dtype = torch.float32 if args.precision == "fp32" else torch.bfloat16
+    q, k, v, mask, upstream = inputs(length, args.tokens, args.heads, args.d_head, length, dtype)
     mask = mask if not causal else None
     ref = reference(q, k, v, mask, causal)
     qkv, upstream_fused = fused(q, k, v, upstream)
@@ -133,15 +140,20 @@ def measure(length: int, causal: bool, args, fns: dict) -> dict:
             return time.perf_counter() - t0
         return run
 
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
         with torch.no_grad():
             errors = {n: float((call(n, f).double() - ref).abs().max()) for n, f in fns.items()}
         times = harness.alternate({n: timed(n, f) for n, f in fns.items()}, args.rounds)
     result = {"ms": {n: statistics.median(t) * 1e3 for n, t in times.items()},
-              "flash32_over_explicit": harness.ratio(times["flash32"], times["explicit"]).median,
               "max_abs_error": errors}
+    if "explicit" in times:
+        result["flash32_over_explicit"] = harness.ratio(times["flash32"],
+                                                        times["explicit"]).median
     if "kernel" in times:
         result["eager_over_kernel"] = harness.ratio(times["eager"], times["kernel"]).median
+        if "explicit" not in times:
+            result["flash32_over_kernel"] = harness.ratio(times["flash32"],
+                                                          times["kernel"]).median
     return result
 
 
@@ -154,30 +166,43 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--d-head", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                    help="bf16: under bf16 autocast (the bf16 step's paths); fp32: no autocast")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     harness.require_positive(ap, args, "tokens", "heads", "d_head", "rounds", "threads")
     lengths = harness.int_list(ap, "--lengths", args.lengths, "length")
     if args.threads:
         torch.set_num_threads(args.threads)
-    fns = contenders()
+    fns = contenders(args.precision)
     print(harness.machine_line())
-    print(f"explicit path up to {model_mod.EXPLICIT_ATTENTION_KEYS} keys; batches of "
-          f"{args.tokens} tokens, {args.heads} heads of {args.d_head}; forward + backward")
+    if args.precision == "fp32":
+        print(f"fp32, no autocast; the kernel up to "
+              f"{kernels.ATTENTION_KERNEL_KEYS.get(torch.float32, 0)} keys in the step")
+        ratios = (("flash32_over_kernel", "flash32/kernel"), ("eager_over_kernel", "eager/kernel"))
+        errors = ("flash32",)
+    else:
+        print(f"explicit path up to {model_mod.EXPLICIT_ATTENTION_KEYS} keys; the kernel up to "
+              f"{kernels.ATTENTION_KERNEL_KEYS.get(torch.bfloat16, 0)}")
+        ratios = (("flash32_over_explicit", "flash32/explicit"),
+                  ("eager_over_kernel", "eager/kernel"))
+        errors = ("explicit", "flash32")
+    print(f"batches of {args.tokens} tokens, {args.heads} heads of {args.d_head}; "
+          f"forward + backward")
     results = {}
     head = f"{'case':<14}" + "".join(f"{n + ' ms':>13}" for n in fns)
-    head += f"{'flash32/explicit':>18}{'eager/kernel':>14}{'max |err| explicit/flash32':>29}"
+    head += "".join(f"{label:>18}" for _, label in ratios)
+    head += f"{'max |err| ' + '/'.join(errors):>29}"
     print(head)
     for length in lengths:
         for kind, causal in (("encoder", False), ("decoder", True)):
             case = f"{kind} T={length}"
             r = results[case] = measure(length, causal, args, fns)
+            error = " / ".join(f"{r['max_abs_error'][e]:.4f}" for e in errors)
             print(f"{case:<14}" + "".join(f"{r['ms'][n]:>13.1f}" for n in fns)
-                  + f"{r['flash32_over_explicit']:>17.2f}x"
-                  + (f"{r['eager_over_kernel']:>13.2f}x" if "eager_over_kernel" in r
-                     else f"{'-':>14}")
-                  + f"{r['max_abs_error']['explicit']:>16.4f} / "
-                  + f"{r['max_abs_error']['flash32']:.4f}")
+                  + "".join(f"{r[key]:>17.2f}x" if key in r else f"{'-':>18}"
+                            for key, _ in ratios)
+                  + f"{error:>29}")
     return harness.save(results, args.json, argv)
 
 

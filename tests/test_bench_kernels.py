@@ -55,6 +55,18 @@ def test_attention_run_reports_each_contenders_error_and_writes_json(tmp_path):
     assert json.loads(out.read_text()) == results
 
 
+def test_attention_in_fp32_times_the_fp32_steps_paths_within_fp32s_rounding():
+    results = attention.main(["--precision", "fp32", "--lengths", "8", "--tokens", "48",
+                              "--heads", "2", "--d-head", "8", "--rounds", "2"])
+    built = kernels.cpu_extension() is not None
+    for case in (results["encoder T=8"], results["decoder T=8"]):
+        assert set(case["ms"]) == {"flash32", "eager"} | ({"kernel"} if built else set())
+        assert set(case["max_abs_error"]) == set(case["ms"])
+        assert all(err < 1e-5 for err in case["max_abs_error"].values())
+        assert "flash32_over_explicit" not in case
+        assert ("flash32_over_kernel" in case) == built
+
+
 def test_attention_fused_layout_holds_the_same_heads():
     q, k, v, _, upstream = attention.inputs(length=5, tokens=20, heads=2, d_head=3, seed=2)
     qkv, up = attention.fused(q, k, v, upstream)

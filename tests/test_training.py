@@ -710,7 +710,7 @@ def test_switching_kernels_starts_a_new_run(toy_workspace, tmp_path, caplog):
     ({"train": {"precision": "fp32"}}, True),     # post-LN: the residual blocks' kernel
     ({"train": {"precision": "bf16"}}, True),
     ({"model": {"norm": "pre"}, "train": {"precision": "bf16"}}, True),  # the loss's softmax
-    ({"model": {"norm": "pre"}, "train": {"precision": "fp32"}}, False),  # neither applies
+    ({"model": {"norm": "pre"}, "train": {"precision": "fp32"}}, True),  # attention
     ({"train": {"kernels": "plain"}}, False),     # torch's ops only
 ])
 def test_the_cpu_kernels_are_built_before_the_clock_starts_where_training_takes_them(

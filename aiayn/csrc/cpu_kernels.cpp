@@ -36,6 +36,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
+
 namespace {
 
 constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ULL;
@@ -270,10 +274,15 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// 16 floats as one value (GCC's vector extension; two AVX2 or four SSE registers where the
-// target has no 512-bit ones): the row's max as a lane-wise blend, which the compiler does not
+// One vector register of floats as one value (GCC's vector extension): 16 where the target has
+// 512-bit registers, else 8 (one AVX2 register; a 16-float value built for AVX2 ran attention's
+// products 2-3x slower). The row's max is a lane-wise blend, which the compiler does not
 // vectorize from a scalar loop unless it may assume that no value is NaN.
+#ifdef __AVX512F__
 constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
 typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
 
 // The largest of e[0..n), NaNs passed over (they reach the loss through the exp and sum).
@@ -375,53 +384,61 @@ void label_smoothed_softmax_(at::Tensor& logits, const at::Tensor& labels,
 
 namespace {
 
-// Head sizes are multiples of 16 in every model here (d_k = d_v = 64 in the paper's); the
-// products then run on whole Lanes, the rest one float at a time.
-inline float dot(const float* a, const float* b, int64_t n) {
-  Lanes acc = Lanes{};
-  int64_t c = 0;
-  for (; c + kLanes <= n; c += kLanes) {
-    Lanes x, y;
-    std::memcpy(&x, a + c, sizeof x);
-    std::memcpy(&y, b + c, sizeof y);
-    acc += x * y;
+// Every product of the pass is a small dense one, C (rows x width) = A (rows x n) B (n x width),
+// with rows a multiple of 4 and width one of kLanes (the operands' buffers are padded with
+// zeros to those sizes): four rows of C by kLanes columns stay in registers while n runs, each
+// row of B loaded once for four rows of A, and nothing is summed across lanes. (The pass first
+// took one dot product per (query, key), whose sum across lanes cost more than its products:
+// 1.5-2.3x slower; bench/README.md, "attention's products in registers".)
+inline void small_product(const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
+                          int64_t ldc, int64_t rows, int64_t n, int64_t width) {
+  for (int64_t i = 0; i < rows; i += 4) {
+    const float* a0 = a + i * lda;
+    const float* a1 = a0 + lda;
+    const float* a2 = a1 + lda;
+    const float* a3 = a2 + lda;
+    for (int64_t j = 0; j < width; j += kLanes) {
+      Lanes c0 = Lanes{}, c1 = Lanes{}, c2 = Lanes{}, c3 = Lanes{};
+      for (int64_t k = 0; k < n; ++k) {
+        Lanes bk;
+        std::memcpy(&bk, b + k * ldb + j, sizeof bk);
+        c0 += a0[k] * bk;
+        c1 += a1[k] * bk;
+        c2 += a2[k] * bk;
+        c3 += a3[k] * bk;
+      }
+      float* ci = c + i * ldc + j;
+      std::memcpy(ci, &c0, sizeof c0);
+      std::memcpy(ci + ldc, &c1, sizeof c1);
+      std::memcpy(ci + 2 * ldc, &c2, sizeof c2);
+      std::memcpy(ci + 3 * ldc, &c3, sizeof c3);
+    }
   }
-  float s = 0.f;
-  for (int k = 0; k < kLanes; ++k) s += acc[k];
-  for (; c < n; ++c) s += a[c] * b[c];
-  return s;
 }
 
-inline void axpy(float a, const float* x, float* y, int64_t n) {
-  int64_t c = 0;
-  for (; c + kLanes <= n; c += kLanes) {
-    Lanes u, w;
-    std::memcpy(&u, x + c, sizeof u);
-    std::memcpy(&w, y + c, sizeof w);
-    w += a * u;
-    std::memcpy(y + c, &w, sizeof w);
-  }
-  for (; c < n; ++c) y[c] += a * x[c];
-}
+inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 // rows x n values of a (B, T, H * n) view, from row pointer ``base`` with row stride ``stride``,
-// widened into a dense fp32 block.
+// widened into an fp32 block with row stride ``ld`` (``transposed``: column i of a block with
+// row stride ``ld``).
 template <typename scalar_t>
 inline void gather_rows(const scalar_t* base, int64_t stride, int64_t rows, int64_t n,
-                        float* dst) {
+                        float* dst, int64_t ld, bool transposed = false) {
   for (int64_t i = 0; i < rows; ++i) {
     const scalar_t* r = base + i * stride;
-    float* d = dst + i * n;
-    for (int64_t c = 0; c < n; ++c) d[c] = load(r[c]);
+    if (transposed)
+      for (int64_t c = 0; c < n; ++c) dst[c * ld + i] = load(r[c]);
+    else
+      for (int64_t c = 0; c < n; ++c) dst[i * ld + c] = load(r[c]);
   }
 }
 
 template <typename scalar_t>
-inline void scatter_rows(const float* src, int64_t rows, int64_t n, scalar_t* base,
+inline void scatter_rows(const float* src, int64_t ld, int64_t rows, int64_t n, scalar_t* base,
                          int64_t stride) {
   for (int64_t i = 0; i < rows; ++i) {
     scalar_t* r = base + i * stride;
-    const float* s = src + i * n;
+    const float* s = src + i * ld;
     for (int64_t c = 0; c < n; ++c) store(r + c, s[c]);
   }
 }
@@ -452,32 +469,71 @@ struct AttentionShape {
   uint64_t seed;
 };
 
+// The padded sizes of one (sequence, head)'s blocks: rows to 4, columns to kLanes.
+struct Padded {
+  int64_t tq4, tk4, tk16, dk16, dv16;
+  explicit Padded(const AttentionShape& s)
+      : tq4(round_up(s.tq, 4)), tk4(round_up(s.tk, 4)), tk16(round_up(s.tk, kLanes)),
+        dk16(round_up(s.dk, kLanes)), dv16(round_up(s.dv, kLanes)) {}
+};
+
+// Dropout's multipliers of one query's row of keys: the keep scale or 0 (all 1 without dropout).
+inline void row_keep(const AttentionShape& s, int64_t row, uint64_t* bits, float* m) {
+  if (!s.dropout) {
+    std::fill(m, m + s.tk, 1.f);
+    return;
+  }
+  row_bits(s.seed, row, (s.tk + 3) / 4, bits);
+  const int16_t* draw = reinterpret_cast<const int16_t*>(bits);
+  for (int64_t j = 0; j < s.tk; ++j) m[j] = draw[j] >= s.keep.threshold ? s.keep.scale : 0.f;
+}
+
+// Denormal floats flushed to zero, inputs and results, for as long as it lives (x86; elsewhere
+// nothing). A peaked softmax leaves weights near fp32's smallest normal, and their products
+// with small values and gradients are denormal, which x86 computes in microcode, ~100x
+// slower: on projections' outputs as large as a trained model's, the backward pass ran 2.5x
+// longer than on unit-scale inputs. What is flushed is below 1.2e-38 and adds nothing.
+class FlushDenormals {
+ public:
+#if defined(__SSE__)
+  FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040u); }  // FTZ | DAZ
+  ~FlushDenormals() { _mm_setcsr(saved_); }
+
+ private:
+  unsigned int saved_;
+#endif
+};
+
+// Each thread's blocks are zero on allocation and only their unpadded parts are written, so
+// the padding stays zero for every (sequence, head) the thread takes.
 template <typename scalar_t>
 void attention_forward_heads(const scalar_t* q, HeadLayout lq, const scalar_t* k, HeadLayout lk,
                              const scalar_t* v, HeadLayout lv, const bool* mask,
                              scalar_t* out, float* probs, const AttentionShape& s) {
-  const int64_t words = (s.tk + 3) / 4;
+  const Padded z(s);
   at::parallel_for(0, s.b * s.heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> Q(s.tq * s.dk), K(s.tk * s.dk), V(s.tk * s.dv), O(s.tq * s.dv);
-    std::vector<uint64_t> bits(words);
+    const FlushDenormals flush;
+    std::vector<float> Q(z.tq4 * z.dk16), KT(z.dk16 * z.tk16), V(s.tk * z.dv16);
+    std::vector<float> S(z.tq4 * z.tk16), W(z.tq4 * s.tk), O(z.tq4 * z.dv16), m(s.tk);
+    std::vector<uint64_t> bits((s.tk + 3) / 4);
     std::vector<uint8_t> allowed(s.tk);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / s.heads, h = bh % s.heads;
-      gather_rows(q + b * lq.batch_stride + h * s.dk, lq.row_stride, s.tq, s.dk, Q.data());
-      gather_rows(k + b * lk.batch_stride + h * s.dk, lk.row_stride, s.tk, s.dk, K.data());
-      gather_rows(v + b * lv.batch_stride + h * s.dv, lv.row_stride, s.tk, s.dv, V.data());
+      gather_rows(q + b * lq.batch_stride + h * s.dk, lq.row_stride, s.tq, s.dk, Q.data(), z.dk16);
+      gather_rows(k + b * lk.batch_stride + h * s.dk, lk.row_stride, s.tk, s.dk, KT.data(),
+                  z.tk16, true);
+      gather_rows(v + b * lv.batch_stride + h * s.dv, lv.row_stride, s.tk, s.dv, V.data(), z.dv16);
       for (int64_t j = 0; j < s.tk; ++j) allowed[j] = mask == nullptr || mask[b * s.tk + j];
-      std::fill(O.begin(), O.end(), 0.f);
+      small_product(Q.data(), z.dk16, KT.data(), z.tk16, S.data(), z.tk16, z.tq4, s.dk, z.tk16);
       for (int64_t i = 0; i < s.tq; ++i) {
         float* p = probs + (bh * s.tq + i) * s.tk;
-        const float* qi = Q.data() + i * s.dk;
+        const float* si = S.data() + i * z.tk16;
         const int64_t span = s.causal ? i + 1 : s.tk;  // keys past it are out (causal)
         float top = -std::numeric_limits<float>::infinity();
         bool any = false;
         for (int64_t j = 0; j < span; ++j) {
           if (!allowed[j]) continue;
-          p[j] = dot(qi, K.data() + j * s.dk, s.dk) * s.scale;
-          top = p[j] > top ? p[j] : top;
+          top = si[j] > top ? si[j] : top;
           any = true;
         }
         if (!any) {  // no key allowed: the mean of all values
@@ -485,32 +541,27 @@ void attention_forward_heads(const scalar_t* q, HeadLayout lq, const scalar_t* k
         } else {
           float sum = 0.f;
           for (int64_t j = 0; j < s.tk; ++j) {
-            const float e = (j < span && allowed[j]) ? exp_nonpositive(p[j] - top) : 0.f;
+            const float e =
+                (j < span && allowed[j]) ? exp_nonpositive((si[j] - top) * s.scale) : 0.f;
             p[j] = e;
             sum += e;
           }
           const float inv = 1.f / sum;
           for (int64_t j = 0; j < s.tk; ++j) p[j] *= inv;
         }
-        const int16_t* draw = nullptr;
-        if (s.dropout) {
-          row_bits(s.seed, bh * s.tq + i, words, bits.data());
-          draw = reinterpret_cast<const int16_t*>(bits.data());
-        }
-        float* oi = O.data() + i * s.dv;
-        const int64_t live = any ? span : s.tk;
-        for (int64_t j = 0; j < live; ++j) {
-          float w = p[j];
-          if (draw != nullptr) w = draw[j] >= s.keep.threshold ? w * s.keep.scale : 0.f;
-          if (w != 0.f) axpy(w, V.data() + j * s.dv, oi, s.dv);
-        }
+        row_keep(s, bh * s.tq + i, bits.data(), m.data());
+        float* wi = W.data() + i * s.tk;
+        for (int64_t j = 0; j < s.tk; ++j) wi[j] = p[j] * m[j];
       }
-      scatter_rows(O.data(), s.tq, s.dv, out + b * s.tq * s.heads * s.dv + h * s.dv,
+      small_product(W.data(), s.tk, V.data(), z.dv16, O.data(), z.dv16, z.tq4, s.tk, z.dv16);
+      scatter_rows(O.data(), z.dv16, s.tq, s.dv, out + b * s.tq * s.heads * s.dv + h * s.dv,
                    s.heads * s.dv);
     }
   });
 }
 
+// With W = P * M (M dropout's multipliers): dV = W^T dO, dP = (dO V^T) * M,
+// dS = P * (dP - rowsum(P * dP)) / sqrt(d_k), dQ = dS K, dK = dS^T Q.
 template <typename scalar_t>
 void attention_backward_heads(const scalar_t* dout, const scalar_t* q, HeadLayout lq,
                               const scalar_t* k, HeadLayout lk, const scalar_t* v, HeadLayout lv,
@@ -518,62 +569,59 @@ void attention_backward_heads(const scalar_t* dout, const scalar_t* q, HeadLayou
                               scalar_t* dk,
                               HeadLayout ldk, scalar_t* dv, HeadLayout ldv,
                               const AttentionShape& s) {
-  const int64_t words = (s.tk + 3) / 4;
+  const Padded z(s);
   at::parallel_for(0, s.b * s.heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> Q(s.tq * s.dk), K(s.tk * s.dk), V(s.tk * s.dv), dO(s.tq * s.dv);
-    std::vector<float> dQ(s.tq * s.dk), dK(s.tk * s.dk), dV(s.tk * s.dv), dP(s.tk);
-    std::vector<uint64_t> bits(words);
+    const FlushDenormals flush;
+    std::vector<float> Q(s.tq * z.dk16), K(s.tk * z.dk16), VT(z.dv16 * z.tk16);
+    std::vector<float> dO(z.tq4 * z.dv16), WT(z.tk4 * s.tq), dP(z.tq4 * z.tk16);
+    std::vector<float> dS(z.tq4 * s.tk), dST(z.tk4 * s.tq), M(s.tq * s.tk);
+    std::vector<float> dQ(z.tq4 * z.dk16), dK(z.tk4 * z.dk16), dV(z.tk4 * z.dv16);
+    std::vector<uint64_t> bits((s.tk + 3) / 4);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / s.heads, h = bh % s.heads;
-      gather_rows(q + b * lq.batch_stride + h * s.dk, lq.row_stride, s.tq, s.dk, Q.data());
-      gather_rows(k + b * lk.batch_stride + h * s.dk, lk.row_stride, s.tk, s.dk, K.data());
-      gather_rows(v + b * lv.batch_stride + h * s.dv, lv.row_stride, s.tk, s.dv, V.data());
+      gather_rows(q + b * lq.batch_stride + h * s.dk, lq.row_stride, s.tq, s.dk, Q.data(), z.dk16);
+      gather_rows(k + b * lk.batch_stride + h * s.dk, lk.row_stride, s.tk, s.dk, K.data(), z.dk16);
+      gather_rows(v + b * lv.batch_stride + h * s.dv, lv.row_stride, s.tk, s.dv, VT.data(),
+                  z.tk16, true);
       gather_rows(dout + b * s.tq * s.heads * s.dv + h * s.dv, s.heads * s.dv, s.tq, s.dv,
-                  dO.data());
-      std::fill(dQ.begin(), dQ.end(), 0.f);
-      std::fill(dK.begin(), dK.end(), 0.f);
-      std::fill(dV.begin(), dV.end(), 0.f);
+                  dO.data(), z.dv16);
+      const float* P = probs + bh * s.tq * s.tk;
+      for (int64_t i = 0; i < s.tq; ++i) {
+        float* mi = M.data() + i * s.tk;
+        row_keep(s, bh * s.tq + i, bits.data(), mi);
+        for (int64_t j = 0; j < s.tk; ++j) WT[j * s.tq + i] = P[i * s.tk + j] * mi[j];
+      }
+      small_product(WT.data(), s.tq, dO.data(), z.dv16, dV.data(), z.dv16, z.tk4, s.tq, z.dv16);
+      small_product(dO.data(), z.dv16, VT.data(), z.tk16, dP.data(), z.tk16, z.tq4, s.dv, z.tk16);
       // A sequence with no key allowed averages the values: its scores were a constant fill,
       // so the queries and keys get no gradient from it (as through masked_fill).
       bool any_key = true;
       if (mask != nullptr)
         any_key = std::any_of(mask + b * s.tk, mask + (b + 1) * s.tk, [](bool a) { return a; });
       for (int64_t i = 0; i < s.tq; ++i) {
-        const float* p = probs + (bh * s.tq + i) * s.tk;
-        const float* doi = dO.data() + i * s.dv;
-        // Keys whose weight can be nonzero: up to the diagonal when causal (a causal row
-        // always allows its own key), else all (masked keys have weight 0 and add nothing).
-        const int64_t live = s.causal ? i + 1 : s.tk;
-        const int16_t* draw = nullptr;
-        if (s.dropout) {
-          row_bits(s.seed, bh * s.tq + i, words, bits.data());
-          draw = reinterpret_cast<const int16_t*>(bits.data());
-        }
+        const float* pi = P + i * s.tk;
+        const float* mi = M.data() + i * s.tk;
+        float* dpi = dP.data() + i * z.tk16;
         float row = 0.f;  // sum_j P_ij dP_ij
-        for (int64_t j = 0; j < live; ++j) {
-          float m = 1.f;
-          if (draw != nullptr) m = draw[j] >= s.keep.threshold ? s.keep.scale : 0.f;
-          if (p[j] == 0.f || m == 0.f) {
-            dP[j] = 0.f;
-            continue;
-          }
-          axpy(p[j] * m, doi, dV.data() + j * s.dv, s.dv);
-          dP[j] = dot(doi, V.data() + j * s.dv, s.dv) * m;
-          row += p[j] * dP[j];
+        for (int64_t j = 0; j < s.tk; ++j) {
+          dpi[j] = pi[j] == 0.f ? 0.f : dpi[j] * mi[j];  // a masked key's weight has no gradient
+          row += pi[j] * dpi[j];
         }
-        if (!any_key) continue;
-        float* dqi = dQ.data() + i * s.dk;
-        const float* qi = Q.data() + i * s.dk;
-        for (int64_t j = 0; j < live; ++j) {
-          const float ds = p[j] * (dP[j] - row) * s.scale;
-          if (ds == 0.f) continue;
-          axpy(ds, K.data() + j * s.dk, dqi, s.dk);
-          axpy(ds, qi, dK.data() + j * s.dk, s.dk);
+        float* dsi = dS.data() + i * s.tk;
+        for (int64_t j = 0; j < s.tk; ++j) {
+          const float ds = any_key ? pi[j] * (dpi[j] - row) * s.scale : 0.f;
+          dsi[j] = ds;
+          dST[j * s.tq + i] = ds;
         }
       }
-      scatter_rows(dQ.data(), s.tq, s.dk, dq + b * ldq.batch_stride + h * s.dk, ldq.row_stride);
-      scatter_rows(dK.data(), s.tk, s.dk, dk + b * ldk.batch_stride + h * s.dk, ldk.row_stride);
-      scatter_rows(dV.data(), s.tk, s.dv, dv + b * ldv.batch_stride + h * s.dv, ldv.row_stride);
+      small_product(dS.data(), s.tk, K.data(), z.dk16, dQ.data(), z.dk16, z.tq4, s.tk, z.dk16);
+      small_product(dST.data(), s.tq, Q.data(), z.dk16, dK.data(), z.dk16, z.tk4, s.tq, z.dk16);
+      scatter_rows(dQ.data(), z.dk16, s.tq, s.dk, dq + b * ldq.batch_stride + h * s.dk,
+                   ldq.row_stride);
+      scatter_rows(dK.data(), z.dk16, s.tk, s.dk, dk + b * ldk.batch_stride + h * s.dk,
+                   ldk.row_stride);
+      scatter_rows(dV.data(), z.dv16, s.tk, s.dv, dv + b * ldv.batch_stride + h * s.dv,
+                   ldv.row_stride);
     }
   });
 }
