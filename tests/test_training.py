@@ -965,6 +965,26 @@ def test_validation_bleu_is_measured_logged_and_the_same_after_a_resume(toy_work
     assert resumed.log.valid == full.log.valid  # BLEU included
 
 
+def test_the_last_validations_time_is_inside_the_runs_wall_time(toy_workspace, tmp_path):
+    """wall_time_s (elapsed_s) covers the final step's validation, as bleu_seconds does: the
+    hook's clock from its first call to the end of its last lies inside the run's, so
+    valid_bleu_share stays below 1 however long the last BLEU pass takes."""
+    trainer = make_trainer(toy_workspace, tmp_path, {"train": {"valid_bleu_every": 6}})
+    clock = []
+
+    def slow_bleu(*_):
+        clock.append(time.perf_counter())
+        time.sleep(3.0 if trainer.state.step == trainer.p.train.steps else 0.0)
+        clock.append(time.perf_counter())
+        return 50.0
+
+    trainer.valid_bleu = slow_bleu
+    summary = trainer.fit()
+    assert len(clock) == 4  # steps 6 and 12
+    assert summary["wall_time_s"] >= clock[-1] - clock[0]
+    assert 0 < summary["valid_bleu_share"] < 1
+
+
 def test_the_bleu_curve_file_holds_only_the_steps_that_have_a_bleu(toy_workspace, tmp_path):
     # Validation every 6 steps, BLEU every 4: steps 6 has a loss but no BLEU, and a plot of
     # valid_log.tsv's column would draw that gap as a zero.
