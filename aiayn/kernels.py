@@ -90,15 +90,16 @@ keeps torch's own operators, readable against the paper (``aiayn/model.py``,
    or PyTorch's flash kernel, whose set-up outweighs the products of ~23-token sequences,
    and puts the heads back for the output projection; backward does as much again, plus the
    split's concatenation. Here each thread takes one (sequence, head) at a time: q, k and v
-   are read where the projection wrote them, the scores, softmax and the four products stay
-   in fp32 in the thread's cache as small register-blocked products (P is kept for
+   are read where the projection wrote them, the scores, softmax and the six products stay
+   in fp32 in the thread's cache, each a small register-blocked product (P is kept for
    backward, dropout's mask drawn again from its seed, section 5's keep rule and
    generator; denormals flushed to zero), the output is written as (B, Tq, H * d_v), and
    backward writes the gradient of the fused input in place. Forward + backward from and
    to the projections' layout: bf16 on 2 AMX cores 2.0-2.1x the eager path at 23 keys
    (1.6x at 32) before the products were register-blocked, which made the pass itself
-   1.1-1.4x faster at 16-23 keys and 1.3-2x at 32-128 (2-core AVX-512 CPU); fp32 1.5-2.7x
-   PyTorch's flash kernel at 10-23 keys on projections' outputs. Past
+   1.0-1.4x faster at 16-23 keys (0.84-1.08x at 10) and 1.05-2x at 32-128 (2-core AVX-512
+   CPU); fp32 1.2-2.0x
+   PyTorch's flash kernel at 10-23 keys (AVX-512 and AVX2). Past
    :data:`ATTENTION_KERNEL_KEYS` keys (bf16 64, fp32 32) the eager path wins and takes over
    (bench/README.md, "attention's products in registers").
 
