@@ -66,6 +66,14 @@ def parse_mark(text: str) -> tuple[float, str]:
                          "horizontal axis") from None
 
 
+def run_style(i: int) -> tuple[str, str, str]:
+    """Run ``i``'s colour, line style and marker: the ten tab10 colours, then the same colours
+    dashed with squares, dotted with triangles, ..., so that no two of 40 runs look alike."""
+    color = f"C{i % 10}"
+    style, marker = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D")][i // 10 % 4]
+    return color, style, marker
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = harness.parser(__doc__)
     ap.add_argument("--run", action="append", required=True, metavar="LABEL=FOLDER",
@@ -99,14 +107,16 @@ def main(argv: list[str] | None = None) -> None:
         runs.append((label, Path(folder)))
     width = max(len(label) for label, _ in runs) + 2
     print(f"{'run':<{width}}{'steps':>7}{'minutes':>9}{'last BLEU':>11}{'best (step)':>16}")
-    for label, folder in runs:
+    for i, (label, folder) in enumerate(runs):
         train, bleu = load_run(folder)
         best = bleu.loc[bleu["valid_bleu"].idxmax()]
         last = bleu.iloc[-1]
         print(f"{label:<{width}}{int(train['step'].iloc[-1]):>7}{train['minutes'].iloc[-1]:>9.1f}"
               f"{last['valid_bleu']:>11.2f}{best['valid_bleu']:>10.2f} ({int(best['step'])})")
-        line, = bleu_ax.plot(bleu[x], bleu["valid_bleu"], marker="o", ms=3, label=label)
-        lr_ax.plot(train[x], train["lr"], color=line.get_color())
+        color, style, marker = run_style(i)
+        bleu_ax.plot(bleu[x], bleu["valid_bleu"], color=color, linestyle=style, marker=marker,
+                     ms=3, label=label)
+        lr_ax.plot(train[x], train["lr"], color=color, linestyle=style)
     for where, label in marks:
         for ax in (bleu_ax, lr_ax):
             ax.axvline(where, color="grey", linestyle="--", linewidth=1)
@@ -114,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
                          rotation=90, ha="right", va="bottom", fontsize=8, color="grey")
     bleu_ax.set(ylabel="valid sacreBLEU (greedy)", title=title)
     bleu_ax.grid(alpha=0.3)
-    bleu_ax.legend()
+    bleu_ax.legend(loc="lower center", fontsize=8)  # curves rise at the left and stay high
     lr_ax.set(xlabel=x_label, ylabel="learning rate")
     lr_ax.grid(alpha=0.3)
     fig.tight_layout()

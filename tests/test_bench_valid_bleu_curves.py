@@ -104,6 +104,22 @@ def test_the_curves_are_bleu_above_and_lr_below_on_the_chosen_axis(runs, tmp_pat
     assert fast_bleu.get_color() != slow_bleu.get_color()
 
 
+def test_past_ten_runs_no_two_runs_look_alike(runs, tmp_path, drawn):
+    """matplotlib's cycle has ten colours: the eleventh run would repeat the first. Twelve
+    runs get twelve (colour, line style) pairs, and each lr line is drawn as its BLEU line."""
+    specs = [a for i in range(12) for a in ("--run", f"r{i}={runs['fast']}")]
+    curves.main([*specs, "--out", str(tmp_path / "c.png")])
+    (fig,) = drawn
+    bleu_ax, lr_ax = fig.axes
+
+    def look(line):
+        return (line.get_color(), line.get_linestyle())
+
+    assert len({look(line) for line in bleu_ax.get_lines()}) == 12
+    assert [look(line) for line in lr_ax.get_lines()] == [look(line) for line in
+                                                          bleu_ax.get_lines()]
+
+
 def test_a_title_given_replaces_the_default(runs, tmp_path, drawn):
     """--title is the BLEU panel's title as given."""
     curves.main(["--run", f"fast={runs['fast']}", "--out", str(tmp_path / "c.png"),
