@@ -9,6 +9,7 @@ import argparse
 import statistics
 import subprocess
 import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -58,12 +59,12 @@ for dt in (getattr(torch, n) for n in args.dtypes.split(",")):
             lens = torch.randint(T // 2, T + 1, (B,))
             mask = (torch.arange(T)[None] < lens[:, None])[:, None, None, :]
             g = torch.randn(B, T, H * d, dtype=dt)
-            fs = {"old": lambda: run(old, qkv, mask, causal, g),
-                  "new": lambda: run(new, qkv, mask, causal, g)}
+            fs = {"old": partial(run, old, qkv, mask, causal, g),
+                  "new": partial(run, new, qkv, mask, causal, g)}
             if dt == torch.float32:
-                fs["flash"] = lambda: sdpa(qkv, mask, causal, g)
+                fs["flash"] = partial(sdpa, qkv, mask, causal, g)
             ts = {n: [] for n in fs}
-            for r in range(args.rounds):
+            for _ in range(args.rounds):
                 for n, f in fs.items():
                     t = time.perf_counter()
                     f()
