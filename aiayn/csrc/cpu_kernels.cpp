@@ -469,20 +469,18 @@ struct AttentionShape {
   uint64_t seed;
 };
 
-// The padded sizes of one (sequence, head)'s blocks: rows to 4, columns to kLanes.
+// The padded sizes of one (sequence, head)'s blocks: rows to a multiple of 4 (tq4, tk4),
+// columns to one of kLanes (tkl, dkl, dvl).
 struct Padded {
-  int64_t tq4, tk4, tk16, dk16, dv16;
+  int64_t tq4, tk4, tkl, dkl, dvl;
   explicit Padded(const AttentionShape& s)
-      : tq4(round_up(s.tq, 4)), tk4(round_up(s.tk, 4)), tk16(round_up(s.tk, kLanes)),
-        dk16(round_up(s.dk, kLanes)), dv16(round_up(s.dv, kLanes)) {}
+      : tq4(round_up(s.tq, 4)), tk4(round_up(s.tk, 4)), tkl(round_up(s.tk, kLanes)),
+        dkl(round_up(s.dk, kLanes)), dvl(round_up(s.dv, kLanes)) {}
 };
 
-// Dropout's multipliers of one query's row of keys: the keep scale or 0 (all 1 without dropout).
+// Dropout's multipliers of one query's row of keys: the keep scale or 0. Without dropout the
+// callers keep rows of ones, filled once per thread.
 inline void row_keep(const AttentionShape& s, int64_t row, uint64_t* bits, float* m) {
-  if (!s.dropout) {
-    std::fill(m, m + s.tk, 1.f);
-    return;
-  }
   row_bits(s.seed, row, (s.tk + 3) / 4, bits);
   const int16_t* draw = reinterpret_cast<const int16_t*>(bits);
   for (int64_t j = 0; j < s.tk; ++j) m[j] = draw[j] >= s.keep.threshold ? s.keep.scale : 0.f;
@@ -513,21 +511,21 @@ void attention_forward_heads(const scalar_t* q, HeadLayout lq, const scalar_t* k
   const Padded z(s);
   at::parallel_for(0, s.b * s.heads, 1, [&](int64_t begin, int64_t end) {
     const FlushDenormals flush;
-    std::vector<float> Q(z.tq4 * z.dk16), KT(z.dk16 * z.tk16), V(s.tk * z.dv16);
-    std::vector<float> S(z.tq4 * z.tk16), W(z.tq4 * s.tk), O(z.tq4 * z.dv16), m(s.tk);
+    std::vector<float> Q(z.tq4 * z.dkl), KT(z.dkl * z.tkl), V(s.tk * z.dvl);
+    std::vector<float> S(z.tq4 * z.tkl), W(z.tq4 * s.tk), O(z.tq4 * z.dvl), m(s.tk, 1.f);
     std::vector<uint64_t> bits((s.tk + 3) / 4);
     std::vector<uint8_t> allowed(s.tk);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / s.heads, h = bh % s.heads;
-      gather_rows(q + b * lq.batch_stride + h * s.dk, lq.row_stride, s.tq, s.dk, Q.data(), z.dk16);
+      gather_rows(q + b * lq.batch_stride + h * s.dk, lq.row_stride, s.tq, s.dk, Q.data(), z.dkl);
       gather_rows(k + b * lk.batch_stride + h * s.dk, lk.row_stride, s.tk, s.dk, KT.data(),
-                  z.tk16, true);
-      gather_rows(v + b * lv.batch_stride + h * s.dv, lv.row_stride, s.tk, s.dv, V.data(), z.dv16);
+                  z.tkl, true);
+      gather_rows(v + b * lv.batch_stride + h * s.dv, lv.row_stride, s.tk, s.dv, V.data(), z.dvl);
       for (int64_t j = 0; j < s.tk; ++j) allowed[j] = mask == nullptr || mask[b * s.tk + j];
-      small_product(Q.data(), z.dk16, KT.data(), z.tk16, S.data(), z.tk16, z.tq4, s.dk, z.tk16);
+      small_product(Q.data(), z.dkl, KT.data(), z.tkl, S.data(), z.tkl, z.tq4, s.dk, z.tkl);
       for (int64_t i = 0; i < s.tq; ++i) {
         float* p = probs + (bh * s.tq + i) * s.tk;
-        const float* si = S.data() + i * z.tk16;
+        const float* si = S.data() + i * z.tkl;
         const int64_t span = s.causal ? i + 1 : s.tk;  // keys past it are out (causal)
         float top = -std::numeric_limits<float>::infinity();
         bool any = false;
@@ -549,12 +547,12 @@ void attention_forward_heads(const scalar_t* q, HeadLayout lq, const scalar_t* k
           const float inv = 1.f / sum;
           for (int64_t j = 0; j < s.tk; ++j) p[j] *= inv;
         }
-        row_keep(s, bh * s.tq + i, bits.data(), m.data());
+        if (s.dropout) row_keep(s, bh * s.tq + i, bits.data(), m.data());
         float* wi = W.data() + i * s.tk;
         for (int64_t j = 0; j < s.tk; ++j) wi[j] = p[j] * m[j];
       }
-      small_product(W.data(), s.tk, V.data(), z.dv16, O.data(), z.dv16, z.tq4, s.tk, z.dv16);
-      scatter_rows(O.data(), z.dv16, s.tq, s.dv, out + b * s.tq * s.heads * s.dv + h * s.dv,
+      small_product(W.data(), s.tk, V.data(), z.dvl, O.data(), z.dvl, z.tq4, s.tk, z.dvl);
+      scatter_rows(O.data(), z.dvl, s.tq, s.dv, out + b * s.tq * s.heads * s.dv + h * s.dv,
                    s.heads * s.dv);
     }
   });
@@ -572,27 +570,27 @@ void attention_backward_heads(const scalar_t* dout, const scalar_t* q, HeadLayou
   const Padded z(s);
   at::parallel_for(0, s.b * s.heads, 1, [&](int64_t begin, int64_t end) {
     const FlushDenormals flush;
-    std::vector<float> Q(s.tq * z.dk16), K(s.tk * z.dk16), VT(z.dv16 * z.tk16);
-    std::vector<float> dO(z.tq4 * z.dv16), WT(z.tk4 * s.tq), dP(z.tq4 * z.tk16);
-    std::vector<float> dS(z.tq4 * s.tk), dST(z.tk4 * s.tq), M(s.tq * s.tk);
-    std::vector<float> dQ(z.tq4 * z.dk16), dK(z.tk4 * z.dk16), dV(z.tk4 * z.dv16);
+    std::vector<float> Q(s.tq * z.dkl), K(s.tk * z.dkl), VT(z.dvl * z.tkl);
+    std::vector<float> dO(z.tq4 * z.dvl), WT(z.tk4 * s.tq), dP(z.tq4 * z.tkl);
+    std::vector<float> dS(z.tq4 * s.tk), dST(z.tk4 * s.tq), M(s.tq * s.tk, 1.f);
+    std::vector<float> dQ(z.tq4 * z.dkl), dK(z.tk4 * z.dkl), dV(z.tk4 * z.dvl);
     std::vector<uint64_t> bits((s.tk + 3) / 4);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / s.heads, h = bh % s.heads;
-      gather_rows(q + b * lq.batch_stride + h * s.dk, lq.row_stride, s.tq, s.dk, Q.data(), z.dk16);
-      gather_rows(k + b * lk.batch_stride + h * s.dk, lk.row_stride, s.tk, s.dk, K.data(), z.dk16);
+      gather_rows(q + b * lq.batch_stride + h * s.dk, lq.row_stride, s.tq, s.dk, Q.data(), z.dkl);
+      gather_rows(k + b * lk.batch_stride + h * s.dk, lk.row_stride, s.tk, s.dk, K.data(), z.dkl);
       gather_rows(v + b * lv.batch_stride + h * s.dv, lv.row_stride, s.tk, s.dv, VT.data(),
-                  z.tk16, true);
+                  z.tkl, true);
       gather_rows(dout + b * s.tq * s.heads * s.dv + h * s.dv, s.heads * s.dv, s.tq, s.dv,
-                  dO.data(), z.dv16);
+                  dO.data(), z.dvl);
       const float* P = probs + bh * s.tq * s.tk;
       for (int64_t i = 0; i < s.tq; ++i) {
         float* mi = M.data() + i * s.tk;
-        row_keep(s, bh * s.tq + i, bits.data(), mi);
+        if (s.dropout) row_keep(s, bh * s.tq + i, bits.data(), mi);
         for (int64_t j = 0; j < s.tk; ++j) WT[j * s.tq + i] = P[i * s.tk + j] * mi[j];
       }
-      small_product(WT.data(), s.tq, dO.data(), z.dv16, dV.data(), z.dv16, z.tk4, s.tq, z.dv16);
-      small_product(dO.data(), z.dv16, VT.data(), z.tk16, dP.data(), z.tk16, z.tq4, s.dv, z.tk16);
+      small_product(WT.data(), s.tq, dO.data(), z.dvl, dV.data(), z.dvl, z.tk4, s.tq, z.dvl);
+      small_product(dO.data(), z.dvl, VT.data(), z.tkl, dP.data(), z.tkl, z.tq4, s.dv, z.tkl);
       // A sequence with no key allowed averages the values: its scores were a constant fill,
       // so the queries and keys get no gradient from it (as through masked_fill).
       bool any_key = true;
@@ -601,7 +599,7 @@ void attention_backward_heads(const scalar_t* dout, const scalar_t* q, HeadLayou
       for (int64_t i = 0; i < s.tq; ++i) {
         const float* pi = P + i * s.tk;
         const float* mi = M.data() + i * s.tk;
-        float* dpi = dP.data() + i * z.tk16;
+        float* dpi = dP.data() + i * z.tkl;
         float row = 0.f;  // sum_j P_ij dP_ij
         for (int64_t j = 0; j < s.tk; ++j) {
           dpi[j] = pi[j] == 0.f ? 0.f : dpi[j] * mi[j];  // a masked key's weight has no gradient
@@ -614,13 +612,13 @@ void attention_backward_heads(const scalar_t* dout, const scalar_t* q, HeadLayou
           dST[j * s.tq + i] = ds;
         }
       }
-      small_product(dS.data(), s.tk, K.data(), z.dk16, dQ.data(), z.dk16, z.tq4, s.tk, z.dk16);
-      small_product(dST.data(), s.tq, Q.data(), z.dk16, dK.data(), z.dk16, z.tk4, s.tq, z.dk16);
-      scatter_rows(dQ.data(), z.dk16, s.tq, s.dk, dq + b * ldq.batch_stride + h * s.dk,
+      small_product(dS.data(), s.tk, K.data(), z.dkl, dQ.data(), z.dkl, z.tq4, s.tk, z.dkl);
+      small_product(dST.data(), s.tq, Q.data(), z.dkl, dK.data(), z.dkl, z.tk4, s.tq, z.dkl);
+      scatter_rows(dQ.data(), z.dkl, s.tq, s.dk, dq + b * ldq.batch_stride + h * s.dk,
                    ldq.row_stride);
-      scatter_rows(dK.data(), z.dk16, s.tk, s.dk, dk + b * ldk.batch_stride + h * s.dk,
+      scatter_rows(dK.data(), z.dkl, s.tk, s.dk, dk + b * ldk.batch_stride + h * s.dk,
                    ldk.row_stride);
-      scatter_rows(dV.data(), z.dv16, s.tk, s.dv, dv + b * ldv.batch_stride + h * s.dv,
+      scatter_rows(dV.data(), z.dvl, s.tk, s.dv, dv + b * ldv.batch_stride + h * s.dv,
                    ldv.row_stride);
     }
   });
