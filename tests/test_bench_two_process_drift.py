@@ -1,0 +1,91 @@
+"""bench/two_process_drift.py: where a run first parts from another, and its runs end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from aiayn.checkpoint import load_checkpoint
+from bench import two_process_drift as drift
+from bench.two_process_drift import Record
+
+
+def records(*rows: tuple) -> list[Record]:
+    return [Record(*row) for row in rows]
+
+
+def test_digest_tells_tensors_apart_bit_for_bit():
+    x = torch.tensor([1.0, 2.0, 3.0])
+    y = x.clone()
+    y[1] = torch.nextafter(y[1], torch.tensor(3.0))  # one ulp
+    assert drift.digest(x) == drift.digest(x.clone())
+    assert drift.digest(x) != drift.digest(y)
+    assert drift.digest(torch.tensor(0.0)) != drift.digest(torch.tensor(-0.0))
+    assert drift.digest(x[::2]) == drift.digest(torch.tensor([1.0, 3.0]))  # a view's values
+    assert drift.digest(torch.tensor([1, 2])) != drift.digest(torch.tensor([2, 1]))
+
+
+def test_first_parting_names_the_first_record_that_differs():
+    a = records((1, 0, "input", "src", "aa"), (1, 0, "loss", "loss", "bb"),
+                (1, 0, "local", "w", "cc"), (2, 0, "loss", "loss", "dd"))
+    assert drift.first_parting(a, list(a)) is None
+    b = [*a[:2], Record(1, 0, "local", "w", "xx"), Record(2, 0, "loss", "loss", "yy")]
+    assert drift.first_parting(a, b) == Record(1, 0, "local", "w", "xx")
+    # A run that stopped early (or went on) parts where the shorter one ends.
+    assert drift.first_parting(a, a[:3]) == a[3]
+    assert drift.first_parting(a[:3], a) == a[3]
+
+
+def test_earliest_takes_the_lowest_step_then_rank():
+    r = [Record(7, 0, "local", "w", "x"), Record(5, 1, "loss", "loss", "y"),
+         Record(5, 0, "param", "w", "z")]
+    assert drift.earliest(r) == Record(5, 0, "param", "w", "z")
+    assert drift.earliest([]) is None
+
+
+def test_read_records_round_trips_what_a_worker_writes(tmp_path):
+    path = tmp_path / "records.1"
+    path.write_text("3\t1\tlocal\tdecoder.0.norm.weight\t0123456789ab\n"
+                    "3\t1\treduced\tdecoder.0.norm.weight\tba9876543210\n")
+    assert drift.read_records(path) == records(
+        (3, 1, "local", "decoder.0.norm.weight", "0123456789ab"),
+        (3, 1, "reduced", "decoder.0.norm.weight", "ba9876543210"))
+
+
+def test_a_malformed_env_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        drift.main(["--env", "AIAYN_CPU_EXTENSION", "--runs", "2"])
+    assert e.value.code == 2
+    assert "--env 'AIAYN_CPU_EXTENSION': give NAME=VALUE" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_two_runs_are_recorded_step_by_step_and_compared(tmp_path, capsys):
+    """Two real torchrun runs of 4 steps: every kind of record at every step on both ranks,
+    the same in both runs (without the C++ kernels, as the cluster tests run)."""
+    out = drift.main(["--runs", "2", "--steps", "4", "--env", "AIAYN_CPU_EXTENSION=0",
+                      "--workdir", str(tmp_path), "--keep", "--json",
+                      str(tmp_path / "drift.json")])
+    printed = capsys.readouterr().out
+    assert "run 2: the same" in printed and "0 of 1 runs parted from run 1" in printed
+    assert out["parted"] == 0 and out["compared"] == [{"run": 2, "parted": False}]
+    assert json.loads((tmp_path / "drift.json").read_text())["env"] == {
+        "AIAYN_CPU_EXTENSION": "0"}
+    run = next(tmp_path.glob("runs-*/run1"))
+    model = load_checkpoint(run / "checkpoints/step-00000004.pt")["model"]
+    names = set(model)
+    for rank in (0, 1):
+        rec = drift.read_records(run / f"records.{rank}")
+        assert {r.rank for r in rec} == {rank}
+        assert sorted({r.step for r in rec}) == [1, 2, 3, 4]
+        for step in (1, 4):
+            kinds = {r.kind for r in rec if r.step == step}
+            assert kinds == set(drift.KINDS)
+            for kind in ("local", "reduced", "param"):
+                assert {r.name for r in rec if r.step == step and r.kind == kind} == names
+    # The last step's weights as recorded are those of the checkpoint.
+    last = {r.name: r.digest for r in drift.read_records(run / "records.0")
+            if r.step == 4 and r.kind == "param"}
+    assert last == {name: drift.digest(t) for name, t in model.items()}
