@@ -66,9 +66,12 @@ class Record:
 
 
 def digest(tensor) -> str:
-    """The MD5 of a tensor's bytes (first 12 hex digits): equal iff bit for bit equal."""
-    flat = tensor.detach().contiguous().cpu().reshape(-1)
-    return hashlib.md5(flat.view(-1).numpy().view("u1").tobytes()).hexdigest()[:12]
+    """The MD5 of a tensor's bytes (first 12 hex digits): equal iff bit for bit equal. Any
+    dtype, bf16 included (its bytes, not a NumPy array of it, which NumPy cannot hold)."""
+    import torch
+
+    raw = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+    return hashlib.md5(raw.numpy().tobytes()).hexdigest()[:12]
 
 
 def read_records(path: Path) -> list[Record]:

@@ -25,6 +25,9 @@ def test_digest_tells_tensors_apart_bit_for_bit():
     assert drift.digest(torch.tensor(0.0)) != drift.digest(torch.tensor(-0.0))
     assert drift.digest(x[::2]) == drift.digest(torch.tensor([1.0, 3.0]))  # a view's values
     assert drift.digest(torch.tensor([1, 2])) != drift.digest(torch.tensor([2, 1]))
+    half = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
+    assert drift.digest(half) == drift.digest(half.clone())
+    assert drift.digest(half) != drift.digest(half.float())  # other bytes, same values
 
 
 def test_first_parting_names_the_first_record_that_differs():
