@@ -26,10 +26,24 @@ help:
 	@echo "make params EXPERIMENT=multi30k - compose params.yaml from conf/ (demo, multi30k, wmt14_base, wmt14_big)"
 	@echo "make bench   - data-pipeline benchmark on a WMT14-sized synthetic corpus (long)"
 
+# pip retries a refused connection by itself, but not a download cut short: that ends in
+# "THESE PACKAGES DO NOT MATCH THE HASHES" and exit 1 (seen in CI). Another try fetches the
+# whole file again.
+PIP_TRIES ?= 3
+PIP_SLEEP ?= 10
+PROJECT := -e ".[dev,export]"
+define pip_install
+for try in $$(seq $(PIP_TRIES)); do \
+  $(BIN)/python -m pip install --retries 10 --timeout 60 $(1) && exit 0; \
+  echo "make: pip install failed (try $$try of $(PIP_TRIES)); a download cut short fails this way" >&2; \
+  [ $$try -lt $(PIP_TRIES) ] && sleep $(PIP_SLEEP); \
+done; exit 1
+endef
+
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install "$(TORCH)"
-	$(BIN)/python -m pip install -e ".[dev,export]"
+	$(BIN)/python -c "import torch" 2>/dev/null || { $(call pip_install,"$(TORCH)"); }
+	$(call pip_install,$(PROJECT))
 	touch $@
 
 install: $(VENV)/.installed
