@@ -909,3 +909,49 @@ def test_a_build_is_named_by_what_it_is_built_from():
     assert a.startswith("aiayn_cpu_kernels_avx2_")
     assert a != kernels._build_name("int y;", "AVX2", ["-O3"])
     assert a != kernels._build_name("int x;", "AVX2", ["-O2"])
+
+
+def eager_blocks(logits: torch.Tensor, labels: torch.Tensor, vocab: int, eps: float,
+                 floor: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, nll, gradient) of fp32 ``logits`` by the eager softmax blocks."""
+    z, loss, nll = logits.clone(), torch.empty(len(labels)), torch.empty(len(labels))
+    mean = logits[:, :vocab].double().mean(dim=1).float()
+    kernels._softmax_blocks(z, labels, mean, loss, nll, vocab, eps, True, softmax_rows=16,
+                            wide=None, off=torch.tensor(-eps / vocab), floor=floor)
+    return loss, nll, z
+
+
+@pytest.mark.parametrize("rows,width,vocab,scale", [(37, 48, 37, 1.0), (5, 5408, 5399, 3.0),
+                                                    (64, 16, 16, 40.0), (40, 5408, 5399, 40.0)])
+@pytest.mark.parametrize("eps", [0.0, 0.3])
+def test_the_eager_softmax_with_its_exp_floor_gives_the_float64_loss_and_gradient(
+        rows, width, vocab, scale, eps):
+    """The eager blocks (kernels.EXP_FLOOR) against log_softmax in float64; scale 40 puts most
+    of a row's terms under e^-87, as in a trained model's logits."""
+    g = torch.Generator().manual_seed(rows)
+    logits = scale * torch.randn(rows, width, generator=g)
+    labels = torch.randint(0, vocab, (rows,), generator=g)
+    if width > 1000 and scale == 40.0:
+        assert ((logits - logits.amax(1, keepdim=True)) < kernels.EXP_FLOOR).float().mean() > 0.5
+    ref_loss, ref_nll, ref_grad = reference_softmax(logits, labels, vocab, eps)
+    loss, nll, grad = eager_blocks(logits, labels, vocab, eps, kernels.EXP_FLOOR)
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(nll.double(), ref_nll, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad[:, :vocab].double(), ref_grad[:, :vocab], rtol=1e-6,
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize("eps", [0.1, 0.3])
+def test_the_exp_floor_changes_no_float_under_label_smoothing(eps):
+    """Terms under e^-87 are nothing beside a row's sum and the gradient's -eps/V: with the
+    floor or without it, the same loss, NLL and gradient, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    logits = 40.0 * torch.randn(300, 5408, generator=g)
+    labels = torch.randint(0, 5399, (300,), generator=g)
+    floored = eager_blocks(logits, labels, 5399, eps, kernels.EXP_FLOOR)
+    plain = eager_blocks(logits, labels, 5399, eps, None)
+    assert ((logits[:, :5399] - logits.amax(1, keepdim=True)) < kernels.EXP_FLOOR
+            ).float().mean() > 0.5  # most terms are under the floor
+    for a, b in zip(floored, plain, strict=True):
+        assert torch.equal(a[..., :5399] if a.dim() == 2 else a,
+                           b[..., :5399] if b.dim() == 2 else b)
