@@ -145,16 +145,6 @@ CUDA_CHUNK_BYTES = 1 << 30
 # 5,408: the loss 1.10x faster (bench/loss_kernel.py), the step 1.00-1.02x (the loss is
 # ~15% of it; bench/train_throughput.py). 16 floats are one cache line.
 VOCAB_ALIGN = 16
-# The eager softmax on CPU takes exp(max(z - max_z, EXP_FLOOR)), as the C++ pass does (not on
-# a GPU: one more pass over the logits there, for a slowness measured on CPUs). Below -87 exp
-# is under fp32's smallest normal (1.2e-38), and PyTorch's CPU exp_ computes such results
-# ~10x slower than normal ones (on a 2-core AVX2 AMD EPYC, with or without
-# torch.set_flush_denormal). A trained model's logits span more than 87 for most of the
-# vocabulary, so the fp32 step slowed as training went on (bench/loss_kernel.py
-# --compare floor). exp(-87) ~ 1.6e-38 is nothing beside a row's sum of at least 1, and
-# under label smoothing nothing beside a gradient's -eps/V: the loss and gradient are the
-# same floats as without the floor (tests/test_kernels.py).
-EXP_FLOOR = -87.0
 
 
 # Rows of a bf16 product on CPU are rounded up to a multiple of this (section 4 above), from
@@ -252,9 +242,8 @@ class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
                     min(softmax_rows, chunk_rows, n), width, dtype=torch.float32,
                     device=rows.device)
                 off = torch.tensor(-epsilon / vocab, dtype=torch.float32, device=rows.device)
-                softmax = functools.partial(
-                    _softmax_blocks, softmax_rows=softmax_rows, wide=wide, off=off,
-                    floor=EXP_FLOOR if rows.device.type == "cpu" else None)
+                softmax = functools.partial(_softmax_blocks, softmax_rows=softmax_rows,
+                                            wide=wide, off=off)
             for start in range(0, n, chunk_rows):
                 end = min(start + chunk_rows, n)
                 # The products run on rows [first, end): the chunk itself, or on CPU for a
@@ -294,12 +283,11 @@ class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
 
 def _softmax_blocks(g: Tensor, labels: Tensor, mean_all: Tensor, loss: Tensor, nll: Tensor,
                     vocab: int, epsilon: float, need_grad: bool, *, softmax_rows: int,
-                    wide: Tensor | None, off: Tensor, floor: float | None = EXP_FLOOR) -> None:
+                    wide: Tensor | None, off: Tensor) -> None:
     """The eager twin of the C++ ``label_smoothed_softmax_``: writes each row's loss and NLL
     of the logits ``g`` (rows, width) into ``loss`` and ``nll``; with ``need_grad``, turns
     ``g`` into their gradient in place. Runs in fp32 blocks of ``softmax_rows`` rows
-    (through ``wide`` when ``g`` is 16-bit); columns past ``vocab`` add nothing. Exponents
-    below ``floor`` are taken as ``floor`` (see EXP_FLOOR; None: exp as it is)."""
+    (through ``wide`` when ``g`` is 16-bit); columns past ``vocab`` add nothing."""
     if g.shape[1] != vocab:
         g[:, vocab:] = float("-inf")
     for lo in range(0, g.shape[0], softmax_rows):
@@ -308,10 +296,7 @@ def _softmax_blocks(g: Tensor, labels: Tensor, mean_all: Tensor, loss: Tensor, n
         z = z_c if wide is None else wide[:hi - lo].copy_(z_c)
         target = z.gather(1, y).squeeze(1)
         top = z.amax(dim=1, keepdim=True)
-        z.sub_(top)
-        if floor is not None:
-            z.clamp_(min=floor)
-        z.exp_()
+        z.sub_(top).exp_()
         total = z.sum(dim=1)
         lse = top.squeeze(1) + total.log()
         nll[lo:hi] = lse - target
