@@ -1,24 +1,33 @@
 """The fused loss (aiayn.kernels.projected_label_smoothed_loss) at a vocabulary width rounded
-up to kernels.VOCAB_ALIGN against the same loss multiplied at the width as it is; or, with
+up to kernels.VOCAB_ALIGN against the same loss multiplied at the width as it is; with
 ``--compare softmax``, its softmax and gradient in one C++ pass per row (csrc/cpu_kernels.cpp)
 against eager PyTorch blocks of kernels.SOFTMAX_ROWS rows.
 
     .venv/bin/python -m bench.loss_kernel                 # the multi30k preset's shapes
     .venv/bin/python -m bench.loss_kernel --vocab 8000    # a width that needs no rounding
     .venv/bin/python -m bench.loss_kernel --compare softmax --precision bf16
+    .venv/bin/python -m bench.loss_kernel --model data/model --shards data/shards  # real logits
 
 Each round times forward and backward of one step's loss (``--rows`` decoder states of
 ``--d-model``, ``--vocab`` outputs, label smoothing 0.3) once per contender, the order
 alternating, and prints the medians and the median of the per-round ratios. Both
 contenders' losses and gradients are compared before timing (they must agree to float
 rounding). The default shapes are the multi30k preset's: d 256, the 5,399 tokens its
-softmax spans (output_vocab target, en->de), ~3,600 target tokens per step.
+softmax spans (output_vocab target, en->de), ~3,600 target tokens per step; the logits of
+random states have a standard deviation of ``--logit-scale``. With ``--model`` (a trained
+model's folder: model.safetensors, config.json) the rows are instead that model's decoder
+states on the first validation batches of ``--shards`` (teacher forcing, no dropout) and the
+weight its output rows, so the logits are as sharp as training makes them. The share of
+logits more than 87 under their row's max is printed: PyTorch's CPU exp computes results
+under fp32's smallest normal (e^-87) ~10x slower (bench/README.md, "exp under fp32's
+smallest normal").
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -37,18 +46,41 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--compare", choices=("width", "softmax"), default="width",
                         help="width: VOCAB_ALIGN against the width as it is (default); "
                              "softmax: the C++ softmax pass against eager blocks")
+    parser.add_argument("--logit-scale", type=float, default=1.0,
+                        help="standard deviation of the random logits (default 1; a trained "
+                             "model's span ~100 and more)")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="a trained model's folder (data/model): its decoder states and "
+                             "output rows instead of random ones; needs --shards")
+    parser.add_argument("--shards", type=Path, default=None,
+                        help="the shard folder (data/shards) whose valid/ batches --model reads")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                         help="bf16: under CPU bf16 autocast, as training on a bf16 CPU")
     args = parser.parse_args(argv)
     harness.require_positive(parser, args, "rows", "d_model", "vocab", "rounds", "threads")
+    if (args.model is None) != (args.shards is None):
+        parser.error("--model and --shards go together: the model's folder (data/model) and "
+                     "the shards it was trained on (data/shards)")
     if args.threads:
         torch.set_num_threads(args.threads)
     aligned = kernels.VOCAB_ALIGN
+    if args.model is not None:
+        try:
+            hidden, weight, labels, pad = model_rows(args.model, args.shards, args.rows)
+        except (OSError, ValueError, KeyError) as exc:
+            parser.error(f"--model {args.model} --shards {args.shards}: {exc}")
+        args.rows, args.d_model, args.vocab = hidden.shape[0], hidden.shape[1], weight.shape[0]
+    else:
+        torch.manual_seed(0)
+        hidden = (args.logit_scale * torch.randn(args.rows, args.d_model)).requires_grad_()
+        weight = (args.d_model ** -0.5 * torch.randn(args.vocab, args.d_model)
+                  ).requires_grad_()
+        labels, pad = torch.randint(1, args.vocab, (args.rows,)), 0
     width = kernels.padded_width(args.vocab)
-    torch.manual_seed(0)
-    hidden = torch.randn(args.rows, args.d_model, requires_grad=True)
-    weight = (args.d_model ** -0.5 * torch.randn(args.vocab, args.d_model)).requires_grad_()
-    labels = torch.randint(1, args.vocab, (args.rows,))
+    with torch.no_grad():
+        logits = hidden @ weight.t()
+        under = (logits - logits.amax(dim=1, keepdim=True) < -87.0).float().mean().item()
+        del logits
 
     bf16 = args.precision == "bf16"
     find_softmax, dtypes = kernels._softmax_extension, kernels.SOFTMAX_KERNEL_DTYPES
@@ -63,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
             start = time.perf_counter()
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 loss, nll, _ = kernels.projected_label_smoothed_loss(hidden, weight, labels,
-                                                                     0.3, 0, align=align)
+                                                                     0.3, pad, align=align)
             loss.backward()
             seconds = time.perf_counter() - start
         finally:
@@ -90,15 +122,54 @@ def main(argv: list[str] | None = None) -> dict:
     times = harness.alternate({name: lambda how=how: step(*how)[0]
                                for name, how in contenders.items()}, args.rounds)
     print(harness.machine_line())
+    source = (f"decoder states of {args.model}" if args.model is not None
+              else f"random states, logits' sd {args.logit_scale:g}")
     print(f"{args.rows} rows x d {args.d_model} -> {args.vocab} outputs, {args.precision}; "
           f"{args.rounds} rounds, forward + backward of the loss")
+    print(f"  {source}; {100 * under:.1f}% of the logits are more than 87 under their "
+          "row's max")
     names = list(contenders)
     for name in names:
         print(f"  {name:<28} median {1e3 * statistics.median(times[name]):7.1f} ms")
     ratio = harness.ratio(times[names[1]], times[names[0]])
     print(f"  {label}: {ratio.median:.2f}x faster (median of per-round ratios; "
           f"{ratio.low:.2f}-{ratio.high:.2f})")
-    return {"ratio": ratio.median, "times": times}
+    return {"ratio": ratio.median, "times": times, "far_under_max": under}
+
+
+def model_rows(model_dir: Path, shards: Path, rows: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(decoder states, output rows, labels, the padding's label) of the trained model in
+    ``model_dir`` on the first validation batches of ``shards`` that hold at least ``rows``
+    target tokens (all of them if they hold fewer): the loss's inputs as training meets
+    them, in fp32."""
+    from aiayn.checkpoint import load_model_files
+    from aiayn.model import Transformer, TransformerConfig
+    from aiayn.sampler import ShardDataset
+
+    state, config = load_model_files(model_dir)
+    model = Transformer(TransformerConfig(**config["model"]))
+    model.load_state_dict(state)
+    model.eval()
+    data = ShardDataset(shards / "valid")
+    states, targets = [], []
+    with torch.no_grad():
+        for index in range(data.num_batches):
+            batch = data.batch(index)
+            real = batch.tgt_out != model.cfg.pad_id
+            states.append(model(batch.src, batch.tgt_in, hidden=True)[real])
+            targets.append(batch.tgt_out[real])
+            if sum(len(t) for t in targets) >= rows:
+                break
+    hidden, labels = torch.cat(states)[:rows], torch.cat(targets)[:rows]
+    weight, pad = model.embedding.weight.detach(), model.cfg.pad_id
+    if (vocab := model.output_vocab()) is not None:  # the spanned tokens only, as in training
+        weight = vocab.rows(weight)
+        labels, pad = vocab.loss_labels(labels)
+        if (labels < 0).any():
+            raise ValueError("the validation targets hold tokens outside the model's output "
+                             "vocabulary: the model was not trained on these shards")
+    return hidden.clone().requires_grad_(), weight.clone().requires_grad_(), labels, pad
 
 
 if __name__ == "__main__":

@@ -157,3 +157,65 @@ def test_linear_kernel_stops_when_the_contenders_disagree(monkeypatch):
 ])
 def test_linear_kernel_argument_errors_name_the_fix(argv, message, capsys):
     assert message in usage_error(lambda: linear_kernel.main(argv), capsys)
+
+
+def test_loss_kernel_counts_the_logits_far_under_their_rows_max(capsys):
+    """Random logits of sd 40 put most terms more than 87 under their row's max (exp under
+    fp32's smallest normal), unit-scale ones none."""
+    sharp = loss_kernel.main(["--rows", "64", "--d-model", "16", "--vocab", "101",
+                              "--rounds", "1", "--logit-scale", "40"])
+    assert 0.5 < sharp["far_under_max"] < 1.0
+    assert "logits' sd 40" in capsys.readouterr().out
+    unit = loss_kernel.main(["--rows", "64", "--d-model", "16", "--vocab", "101", "--rounds",
+                             "1"])
+    assert unit["far_under_max"] == 0.0
+
+
+@pytest.mark.parametrize("output_vocab", ["shared", "target"])
+def test_loss_kernel_takes_a_trained_models_states_and_its_loss_is_the_models(
+        toy_workspace, tmp_path, output_vocab):
+    """--model/--shards: the rows are the model's decoder states at the first validation
+    batches' labels, and the loss of them is the model's own (logits, then the plain loss)."""
+    from aiayn.model import Transformer, TransformerConfig
+    from aiayn.objective import label_smoothed_loss
+    from aiayn.sampler import ShardDataset
+    from aiayn.tokenizer import PAD_ID, load_tokenizer
+    from tests.conftest import save_model_folder
+
+    tokenizer = toy_workspace / "data/vocab/tokenizer.json"
+    vocab_size = load_tokenizer(tokenizer).get_vocab_size()
+    torch.manual_seed(0)
+    model = Transformer(TransformerConfig(vocab_size=vocab_size, d_model=16, heads=2,
+                                          encoder_layers=1, decoder_layers=1, d_ff=32,
+                                          max_positions=64, output_vocab=output_vocab)).eval()
+    batch = ShardDataset(toy_workspace / "data/shards" / "valid").batch(0)
+    if output_vocab == "target":  # a subset: the batch's labels, the padding and every other id
+        model.set_output_vocab(torch.cat([batch.tgt_out.flatten(),
+                                          torch.arange(0, vocab_size, 2)]).unique())
+    folder = save_model_folder(model, tokenizer, tmp_path / "model")
+    n = int((batch.tgt_out != PAD_ID).sum())
+    hidden, weight, labels, pad = loss_kernel.model_rows(folder, toy_workspace / "data/shards",
+                                                         n)
+    assert hidden.shape == (n, 16) and labels.shape == (n,) and not (labels == pad).any()
+    with torch.no_grad():
+        logits = model(batch.src, batch.tgt_in)
+        tgt = batch.tgt_out
+        if output_vocab == "target":  # the spanned columns, labels as their columns
+            vocab = model.output_vocab()
+            logits, (tgt, want_pad) = logits[..., vocab.ids], vocab.loss_labels(tgt)
+            assert want_pad == pad and weight.shape[0] < vocab_size
+        want, _, count = label_smoothed_loss(logits, tgt, 0.3, pad)
+        got, _, _ = kernels.projected_label_smoothed_loss(hidden.detach(), weight.detach(),
+                                                          labels, 0.3, pad)
+    assert int(count) == n
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    result = loss_kernel.main(["--rows", str(n), "--rounds", "1", "--model", str(folder),
+                               "--shards", str(toy_workspace / "data/shards")])
+    assert result["far_under_max"] == 0.0 and [len(t) for t in result["times"].values()] == [1, 1]
+
+
+def test_loss_kernel_wants_model_and_shards_together(capsys):
+    with pytest.raises(SystemExit) as exc:
+        loss_kernel.main(["--model", "data/model"])
+    assert exc.value.code == 2
+    assert "--model and --shards go together" in capsys.readouterr().err
