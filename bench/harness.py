@@ -19,7 +19,9 @@ taken against, so the scripts that time something share these parts:
   results and writes them atomically (``--json``);
 * **a baseline commit**: ``extract_tree`` unpacks the library of another commit into a
   folder, and ``module_command``/``child_env`` start a bench script as a child process that
-  imports the library from such a folder (or from this checkout).
+  imports the library from such a folder (or from this checkout);
+* **a training apart from DVC**: ``train_stage_args``, the train stage's flags for one run
+  folder (the tests start theirs with it too).
 
 The library (``aiayn``) is imported inside the functions that need it, not at the top: a
 child process of ``bench.train_throughput`` imports this module with a baseline commit's
@@ -251,6 +253,19 @@ def extract_tree(ref: str, dest: Path, paths: Sequence[str] = ("aiayn",)) -> Pat
                          f"{exc.stderr.decode().strip()}") from None
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
     return dest
+
+
+def train_stage_args(params: Path, run: Path, *, shards: Path, tokenizer: Path,
+                     raw: Path) -> list[str]:
+    """The flags of ``python -m stages.train`` (``aiayn train``) that read a workspace's
+    ``shards``, ``tokenizer`` and ``raw`` text and write every output of the run under
+    ``run``, with the progress bar and MLflow off: a training started apart from DVC, as
+    the benchmarks and the tests start one."""
+    return ["--params", str(params), "--shards", str(shards), "--tokenizer", str(tokenizer),
+            "--raw", str(raw), "--checkpoints", str(run / "checkpoints"),
+            "--metrics", str(run / "train.json"), "--train-log", str(run / "train_log.tsv"),
+            "--valid-log", str(run / "valid_log.tsv"), "--curves", str(run / "curves.png"),
+            "--no-progress", "--no-mlflow"]
 
 
 def module_command(module: str, *args: str) -> list[str]:

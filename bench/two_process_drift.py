@@ -162,14 +162,6 @@ def worker(argv: list[str]) -> None:
 # =========================================================================== the runs
 
 
-def train_args(params: Path, shards: Path, tokenizer: Path, raw: Path, run: Path) -> list[str]:
-    return ["--params", str(params), "--shards", str(shards), "--tokenizer", str(tokenizer),
-            "--raw", str(raw), "--checkpoints", str(run / "checkpoints"),
-            "--metrics", str(run / "train.json"), "--train-log", str(run / "train_log.tsv"),
-            "--valid-log", str(run / "valid_log.tsv"), "--curves", str(run / "curves.png"),
-            "--no-progress", "--no-mlflow"]
-
-
 def one_run(run: Path, nproc: int, env: dict, args: list[str]) -> dict[int, list[Record]]:
     """One torchrun of the recorded train stage into ``run``: each rank's records."""
     shutil.rmtree(run, ignore_errors=True)
@@ -237,7 +229,8 @@ def main(argv: list[str] | None = None) -> dict:
         for i in range(1, args.runs + 1):
             run = runs_dir / f"run{i}"
             records = one_run(run, args.nproc, env,
-                              train_args(params, shards, tokenizer, raw, run))
+                              harness.train_stage_args(params, run, shards=shards,
+                                                       tokenizer=tokenizer, raw=raw))
             if first is None:
                 first = records
                 steps = max((r.step for r in records[0]), default=0)

@@ -37,6 +37,7 @@ from aiayn.trainer import (
     accumulation_steps,
     step_budget_warning,
 )
+from bench import harness
 from tests.conftest import REPO, merge, write_params
 
 
@@ -366,12 +367,10 @@ def test_shards_from_another_vocabulary_are_refused(toy_workspace, tmp_path):
 
 
 def train_cmd(params: Path, run: Path, ws: Path) -> list[str]:
-    return ["--params", str(params), "--shards", str(ws / "data/shards"),
-            "--tokenizer", str(ws / "data/vocab/tokenizer.json"), "--raw", str(ws / "data/raw"),
-            "--checkpoints", str(run / "checkpoints"), "--metrics", str(run / "train.json"),
-            "--train-log", str(run / "train_log.tsv"), "--valid-log", str(run / "valid_log.tsv"),
-            "--curves", str(run / "curves.png"),
-            "--no-progress", "--no-mlflow"]
+    """The train stage's flags for a run folder ``run`` over the workspace ``ws``."""
+    return harness.train_stage_args(params, run, shards=ws / "data/shards",
+                                    tokenizer=ws / "data/vocab/tokenizer.json",
+                                    raw=ws / "data/raw")
 
 
 def env_for_subprocess() -> dict:
