@@ -9,8 +9,7 @@ trim,tcmalloc``, the ``multi30k`` model, bf16 on 2 AVX512-BF16 cores, 2026-11-28
 0.82-0.87x the time (three pairs of 200-240 steps) and the peak resident memory 0.52x,
 flat at ~1.6 GiB where glibc's climbs past 3 GiB; jemalloc, whose freed pages are kept
 (ALLOCATOR_ENV), 0.91x and 0.60x; in fp32 with AVX2 caps (as an AVX2-only CPU computes),
-tcmalloc 0.97x and 0.69x, and on a real AVX2-only AMD EPYC 0.82x and 0.65x (2026-12-01, one
-pair of 300 steps). On 2 cores with AMX, where the products are cheapest, 0.71x and
+tcmalloc 0.97x and 0.69x. On 2 cores with AMX, where the products are cheapest, 0.71x and
 0.53x (one pair of 200 steps; over 240 steps of ``bench/train_throughput.py``, side by side,
 1.57x the target tokens/s). Over 300 steps of ``bench/train_throughput.py`` on glibc a
 step page-faulted ~48,000 times (~12,000 in the first few steps), on jemalloc 151 (4,910
