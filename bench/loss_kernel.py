@@ -47,8 +47,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="width: VOCAB_ALIGN against the width as it is (default); "
                              "softmax: the C++ softmax pass against eager blocks")
     parser.add_argument("--logit-scale", type=float, default=1.0,
-                        help="standard deviation of the random logits (default 1; a trained "
-                             "model's span ~100 and more)")
+                        help="standard deviation of the random logits (default 1; 40 puts "
+                             "most more than 87 under their row's max, which the preset's "
+                             "trained model's do not reach: bench/README.md)")
     parser.add_argument("--model", type=Path, default=None,
                         help="a trained model's folder (data/model): its decoder states and "
                              "output rows instead of random ones; needs --shards")
