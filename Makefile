@@ -31,6 +31,7 @@ help:
 # whole file again.
 PIP_TRIES ?= 3
 PIP_SLEEP ?= 10
+# A variable, because a comma inside $(call ...) would split the argument.
 PROJECT := -e ".[dev,export]"
 define pip_install
 for try in $$(seq $(PIP_TRIES)); do \

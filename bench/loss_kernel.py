@@ -34,6 +34,10 @@ import torch
 from aiayn import kernels
 from bench import harness
 
+# exp(x) for x below this is under fp32's smallest normal, where PyTorch's CPU exp is ~10x
+# slower (bench/README.md); the C++ softmax pass floors its exponents here.
+SLOW_EXP_BELOW = -87.0
+
 
 def main(argv: list[str] | None = None) -> dict:
     parser = harness.parser(__doc__)
@@ -66,9 +70,11 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     aligned = kernels.VOCAB_ALIGN
     if args.model is not None:
+        from aiayn.errors import DataError
+
         try:
             hidden, weight, labels, pad = model_rows(args.model, args.shards, args.rows)
-        except (OSError, ValueError, KeyError) as exc:
+        except (DataError, OSError, ValueError, KeyError) as exc:
             parser.error(f"--model {args.model} --shards {args.shards}: {exc}")
         args.rows, args.d_model, args.vocab = hidden.shape[0], hidden.shape[1], weight.shape[0]
     else:
@@ -80,7 +86,8 @@ def main(argv: list[str] | None = None) -> dict:
     width = kernels.padded_width(args.vocab)
     with torch.no_grad():
         logits = hidden @ weight.t()
-        under = (logits - logits.amax(dim=1, keepdim=True) < -87.0).float().mean().item()
+        under = (logits - logits.amax(dim=1, keepdim=True) < SLOW_EXP_BELOW
+                 ).float().mean().item()
         del logits
 
     bf16 = args.precision == "bf16"
@@ -144,14 +151,10 @@ def model_rows(model_dir: Path, shards: Path, rows: int
     ``model_dir`` on the first validation batches of ``shards`` that hold at least ``rows``
     target tokens (all of them if they hold fewer): the loss's inputs as training meets
     them, in fp32."""
-    from aiayn.checkpoint import load_model_files
-    from aiayn.model import Transformer, TransformerConfig
+    from aiayn.export import load_model_folder
     from aiayn.sampler import ShardDataset
 
-    state, config = load_model_files(model_dir)
-    model = Transformer(TransformerConfig(**config["model"]))
-    model.load_state_dict(state)
-    model.eval()
+    model = load_model_folder(model_dir).model  # eval mode; a bad folder is a DataError
     data = ShardDataset(shards / "valid")
     states, targets = [], []
     with torch.no_grad():
