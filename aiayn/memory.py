@@ -51,9 +51,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 TRIM_EVERY_STEPS = 10
-# ... and trims there once the resident memory exceeds this many times its size at the first
-# check (HeapTrimmer).
-TRIM_ABOVE = 1.25
 
 # Other allocators, loaded with LD_PRELOAD at a process's start: each by the library names
 # the dynamic loader knows it by (ctypes.util.find_library), first found wins.
@@ -158,41 +155,17 @@ def malloc_trim() -> Callable[[], int] | None:
     return lambda: fn(0)
 
 
-def resident_bytes() -> int:
-    """This process's resident set size in bytes (Linux's /proc/self/statm; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
 class HeapTrimmer:
-    """Calls ``malloc_trim(0)`` after an ``every``-th step (when the platform has it) once
-    the resident memory has grown past ``above`` times what it was at the first such step.
+    """Calls ``malloc_trim(0)`` after every ``every``-th step (when the platform has it)."""
 
-    A trim hands every free page of the heap back, and the steps after it fault them in
-    again; so it is paid for only when the heap has grown (the bf16 path's fragmentation),
-    not at every check (fp32, whose heap holds steady). ``above=0`` trims at every check.
-    ``trims`` counts the trims made."""
-
-    def __init__(self, every: int = TRIM_EVERY_STEPS, enabled: bool = True,
-                 above: float = TRIM_ABOVE, resident: Callable[[], int] = resident_bytes):
-        self.every, self.above, self._resident = every, above, resident
+    def __init__(self, every: int = TRIM_EVERY_STEPS, enabled: bool = True):
+        self.every = every
         self._trim = malloc_trim() if enabled else None
-        self.limit: float | None = None  # bytes; set at the first check
-        self.trims = 0
 
     @property
     def active(self) -> bool:
         return self._trim is not None
 
     def after_step(self, step: int) -> None:
-        if self._trim is None or step % self.every:
-            return
-        rss = self._resident()
-        if self.limit is None:
-            self.limit = self.above * rss
-        if rss > self.limit:
+        if self._trim is not None and step % self.every == 0:
             self._trim()
-            self.trims += 1

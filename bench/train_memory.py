@@ -12,12 +12,10 @@ What it measures
 Token-bucket batches have a different shape at almost every step, so each step allocates
 activations of new sizes. On glibc the freed blocks stay in malloc's heap, fragmented, and
 the resident set size (RSS) of a training process creeps up for as long as it runs.
-``aiayn.trainer.Trainer`` on CPU checks the resident memory every
-``aiayn.memory.TRIM_EVERY_STEPS`` steps through ``HeapTrimmer`` and calls ``malloc_trim(0)``
-once it has grown past ``aiayn.memory.TRIM_ABOVE`` times its size at the first check. This
-script trains the same model on the same batches with the trimmer (``trim``), with a trim
-at every check (``trimall``, the trainer before 2026-12-02) and without it (``notrim``), and
-prints RSS along the way, seconds per step and the number of trims.
+``aiayn.trainer.Trainer`` on CPU calls ``malloc_trim(0)`` every
+``aiayn.memory.TRIM_EVERY_STEPS`` steps through ``HeapTrimmer``. This script trains the
+same model on the same batches with the trimmer (``trim``) and without it (``notrim``) and
+prints RSS along the way and seconds per step.
 
 Each mode runs in a fresh Python process (a heap is per process), one after the other,
 alternating ``notrim``/``trim`` ``--repeats`` times; the machine may be shared, so compare
@@ -52,7 +50,7 @@ from pathlib import Path
 from aiayn.memory import ALLOCATORS, allocator_env, allocator_library, install_hint
 from bench import harness
 
-MODES = ("notrim", "trim", "trimall", "jemalloc", "tcmalloc")
+MODES = ("notrim", "trim", "jemalloc", "tcmalloc")
 DEFAULT_MODES = "notrim,trim"
 
 
@@ -65,17 +63,15 @@ def worker(mode: str, spec: dict, steps: int) -> dict:
     """Train ``steps`` steps of the trainer ``spec`` describes (``bench.train_throughput``'s
     worker spec) in this process; RSS and wall time of every step."""
 
-    from aiayn.memory import TRIM_ABOVE, TRIM_EVERY_STEPS, HeapTrimmer, loaded_allocator
+    from aiayn.memory import TRIM_EVERY_STEPS, HeapTrimmer, loaded_allocator
     from bench.train_throughput import TrainerWorker
 
     runner = TrainerWorker(spec)
-    # the trainer's own checks every TRIM_EVERY_STEPS on CPU and trims once the heap has
-    # grown (glibc's heap; the other allocators, preloaded by run_modes, keep their own);
-    # trimall trims at every check, as the trainer did before 2026-12-02
+    # the trainer's own trims every TRIM_EVERY_STEPS on CPU (glibc's heap; the other
+    # allocators, preloaded by run_modes, keep their own)
     runner.heap = HeapTrimmer(every=spec.get("trim_every", TRIM_EVERY_STEPS),
-                              enabled=mode in ("trim", "trimall"),
-                              above=0.0 if mode == "trimall" else TRIM_ABOVE)
-    if mode in ("trim", "trimall") and not runner.heap.active:
+                              enabled=mode == "trim")
+    if mode == "trim" and not runner.heap.active:
         raise SystemExit("this C library has no malloc_trim: nothing to compare")
     allocator = loaded_allocator()
     if allocator != (mode if mode in ALLOCATORS else "glibc"):
@@ -88,7 +84,7 @@ def worker(mode: str, spec: dict, steps: int) -> dict:
         secs.append(time.perf_counter() - t0)
         rss.append(rss_mib())
     return {"mode": mode, "precision": "bf16" if bf16 else "fp32", "rss_mib": rss,
-            "step_s": secs, "allocator": allocator, "trims": runner.heap.trims}
+            "step_s": secs, "allocator": allocator}
 
 
 def window_max(rss: list[float], start: int, stop: int) -> float:
@@ -107,7 +103,7 @@ def summarise(run: dict, edges: list[int]) -> dict:
     first, last = window_max(rss, 0, warmup), window_max(rss, edges[-2], edges[-1])
     return {"mode": run["mode"], "peak_warmup": first, "peak_last": last,
             "peak": max(rss), "growth": last - first,
-            "s_per_step": statistics.median(secs[warmup:]), "trims": run.get("trims")}
+            "s_per_step": statistics.median(secs[warmup:])}
 
 
 def report(runs: list[dict], warmup: int, steps: int) -> tuple[list[dict], dict[str, dict]]:
@@ -126,11 +122,10 @@ def report(runs: list[dict], warmup: int, steps: int) -> tuple[list[dict], dict[
 
     summary = [summarise(run, edges) for run in runs]
     print(f"\n{'mode':>8} {'warm-up peak':>12} {'last-window peak':>16} {'growth':>7} "
-          f"{'s/step':>7} {'trims':>5}")
+          f"{'s/step':>7}")
     for s in summary:
-        trims = "?" if s["trims"] is None else s["trims"]  # records before 2026-12-02
         print(f"{s['mode']:>8} {s['peak_warmup']:12.0f} {s['peak_last']:16.0f} "
-              f"{s['growth']:+7.0f} {s['s_per_step']:7.3f} {trims:>5}")
+              f"{s['growth']:+7.0f} {s['s_per_step']:7.3f}")
     modes = list(dict.fromkeys(s["mode"] for s in summary))  # the runs cycle through them
     first = summary[0::len(modes)]
     ratios = {}
@@ -174,8 +169,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--modes", default=DEFAULT_MODES,
                     help="comma-separated, the first the baseline of the ratios: notrim "
                          "(glibc malloc as it is), trim (glibc with the trainer's "
-                         "malloc_trim, once the heap has grown), trimall (a malloc_trim at "
-                         "every check), jemalloc, tcmalloc (LD_PRELOAD, no trim; e.g. "
+                         "malloc_trim), jemalloc, tcmalloc (LD_PRELOAD, no trim; e.g. "
                          f"{install_hint()}); default {DEFAULT_MODES}"),
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="positions per batch side (default: the preset's shard.max_tokens)")
@@ -190,7 +184,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     default=Path(tempfile.gettempdir()) / "aiayn-bench-train",
                     help="where the data stages write (shared with bench.train_throughput)")
     ap.add_argument("--trim-every", type=int, default=None, metavar="N",
-                    help="the trim modes check every N steps (default: the trainer's, "
+                    help="the trim mode trims every N steps (default: the trainer's, "
                          "aiayn.memory.TRIM_EVERY_STEPS)")
     ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path, default=None, help="write all results here")
