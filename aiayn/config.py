@@ -247,10 +247,9 @@ class TrainConfig(Strict):
         0.0, ge=0, description="training time budget over all sessions of a run; when spent, "
         "training stops at a checkpoint (0: no budget, train.steps decides)")
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    allocator: Literal["auto", "glibc", "tcmalloc", "jemalloc", "tbbmalloc"] = Field(
+    allocator: Literal["auto", "glibc", "tcmalloc", "jemalloc"] = Field(
         "auto", description="the C heap of CPU training (aiayn/memory.py): auto: tcmalloc, "
-        "else jemalloc, else tbbmalloc (the tbb wheel's), where installed (`aiayn train` "
-        "re-launches itself with it preloaded), "
+        "else jemalloc, where installed (`aiayn train` re-launches itself with it preloaded), "
         "else glibc's malloc trimmed every few steps; on a GPU auto keeps glibc")
     nproc_per_node: int = Field(1, gt=0, description="processes per machine under torchrun")
     max_restarts: int = Field(

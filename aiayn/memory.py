@@ -46,7 +46,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -54,93 +53,40 @@ from pathlib import Path
 TRIM_EVERY_STEPS = 10
 
 # Other allocators, loaded with LD_PRELOAD at a process's start: each by the library names
-# the dynamic loader knows it by (ctypes.util.find_library) or this Python environment holds
-# in its lib/ (where pip puts a wheel's libraries), first found wins.
-ALLOCATORS = {"jemalloc": ("jemalloc",), "tcmalloc": ("tcmalloc", "tcmalloc_minimal"),
-              "tbbmalloc": ("tbbmalloc_proxy",)}
-# Libraries an allocator's library needs that the loader would not find outside the system's
-# paths: found in the same folder and preloaded before it (tbbmalloc's proxy, from the tbb
-# wheel, replaces malloc by calls into libtbbmalloc).
-NEEDS = {"tbbmalloc_proxy": "tbbmalloc"}
-# How to install each (the one place these commands are written): Debian/Ubuntu packages,
-# or a PyPI wheel (which needs no root).
-INSTALL = {"jemalloc": "apt install libjemalloc2", "tcmalloc": "apt install libtcmalloc-minimal4",
-           "tbbmalloc": "pip install tbb"}
+# the dynamic loader knows it by (ctypes.util.find_library), first found wins.
+ALLOCATORS = {"jemalloc": ("jemalloc",), "tcmalloc": ("tcmalloc", "tcmalloc_minimal")}
+# The Debian/Ubuntu package of each (the one place these names are written).
+PACKAGES = {"jemalloc": "libjemalloc2", "tcmalloc": "libtcmalloc-minimal4"}
 # jemalloc returns freed pages to the kernel after 10 s by default, and a training step that
 # allocates them again pays a page fault per 4 KiB; -1 keeps them for reuse.
 ALLOCATOR_ENV = {"jemalloc": {"MALLOC_CONF": "dirty_decay_ms:-1,muzzy_decay_ms:-1"}}
 # train.allocator: auto takes the first installed (bench/README.md, "train_memory.py").
-AUTO_ORDER = ("tcmalloc", "jemalloc", "tbbmalloc")
+AUTO_ORDER = ("tcmalloc", "jemalloc")
 
 
 def install_hint(*names: str) -> str:
     """How to install allocators ``names`` (default: all), e.g. "`apt install
-    libtcmalloc-minimal4` (Debian/Ubuntu) or `pip install tbb`": the apt packages in one
-    command."""
-    commands: dict[str, list[str]] = {}
-    for n in names or AUTO_ORDER:
-        tool, _, package = INSTALL[n].rpartition(" ")
-        commands.setdefault(tool, []).append(package)
-    return " or ".join(f"`{tool} {' '.join(packages)}`"
-                       + (" (Debian/Ubuntu)" if tool == "apt install" else "")
-                       for tool, packages in commands.items())
-
-
-def _library_file(folder: Path, lib: str) -> Path | None:
-    """``lib{lib}.so*`` in ``folder``: the one named by its soname (``.so.N``) where there is
-    one (a wheel holds copies, not links, of ``.so``, ``.so.N`` and ``.so.N.M``), else any."""
-    found = sorted(folder.glob(f"lib{lib}.so*"))
-    named = [f for f in found if re.fullmatch(rf"lib{re.escape(lib)}\.so\.\d+", f.name)]
-    return (named or found or [None])[0]
-
-
-def environment_library(lib: str) -> Path | None:
-    """``lib{lib}.so*`` in this Python environment's lib/ folder (where pip puts a wheel's
-    libraries, e.g. the tbb wheel's libtbbmalloc_proxy.so.2), else None."""
-    return _library_file(Path(sys.prefix, "lib"), lib)
+    libtcmalloc-minimal4`" (Debian/Ubuntu)."""
+    return f"`apt install {' '.join(PACKAGES[n] for n in names or AUTO_ORDER)}`"
 
 
 def allocator_library(name: str) -> str | None:
     """The shared library of allocator ``name`` (a key of ALLOCATORS) as the dynamic loader
-    finds it (e.g. 'libjemalloc.so.2'), or its path in this Python environment's lib/, or
-    None where it is not installed."""
+    finds it (e.g. 'libjemalloc.so.2'), or None where it is not installed."""
     for lib in ALLOCATORS[name]:
         found = ctypes.util.find_library(lib)
         if found:
             return found
-        here = environment_library(lib)
-        if here is not None:
-            return str(here)
     return None
-
-
-def preload_libraries(library: str) -> list[str]:
-    """What LD_PRELOAD needs to load allocator library ``library`` (allocator_library's
-    answer): the library, after any of NEEDS found beside it where it is a path."""
-    out = [library]
-    path = Path(library)
-    for lib, needed in NEEDS.items():
-        if path.name.startswith(f"lib{lib}.so") and path.parent != Path():
-            dep = _library_file(path.parent, needed)
-            if dep is not None:
-                out.insert(0, str(dep))
-    return out
 
 
 def library_allocator(text: str) -> str | None:
     """The allocator of ALLOCATORS whose library ``text`` names (a file name, a path or a
     memory map's lines; 'libtcmalloc_minimal.so.4' is tcmalloc), else None."""
-    for name, libs in ALLOCATORS.items():
-        if any(f"lib{lib}" in text for lib in libs):
+    for name in ALLOCATORS:
+        if f"lib{name}" in text:
             return name
     return None
-
-
-def _is_allocator_part(entry: str) -> bool:
-    """Whether an LD_PRELOAD entry is an allocator's library or one it needs (NEEDS)."""
-    name = Path(entry).name
-    return (library_allocator(name) is not None
-            or any(name.startswith(f"lib{needed}.so") for needed in NEEDS.values()))
 
 
 def allocator_env(name: str, env: dict[str, str] | None = None) -> dict[str, str]:
@@ -150,14 +96,14 @@ def allocator_env(name: str, env: dict[str, str] | None = None) -> dict[str, str
     FileNotFoundError where the library is not installed."""
     out = dict(os.environ if env is None else env)
     preload = [x for x in out.get("LD_PRELOAD", "").replace(":", " ").split()
-               if not _is_allocator_part(x)]
+               if library_allocator(Path(x).name) is None]
     if name != "glibc":
         lib = allocator_library(name)
         if lib is None:
             raise FileNotFoundError(
                 f"no {name} library here ({', '.join('lib' + x for x in ALLOCATORS[name])}): "
-                f"install it, e.g. {install_hint(name)}")
-        preload[:0] = preload_libraries(lib)
+                f"install it, e.g. {install_hint(name)} (Debian/Ubuntu)")
+        preload.insert(0, lib)
         for key, value in ALLOCATOR_ENV.get(name, {}).items():
             out.setdefault(key, value)
     if preload:
@@ -180,13 +126,13 @@ def choose_allocator(choice: str, on_cpu: bool) -> str:
     if choice != "glibc" and allocator_library(choice) is None:
         raise FileNotFoundError(
             f"train.allocator is {choice} but no lib{ALLOCATORS[choice][-1]} is installed: "
-            f"install it ({install_hint(choice)}) or set train.allocator: auto")
+            f"install it (Debian/Ubuntu: {install_hint(choice)}) or set train.allocator: auto")
     return choice
 
 
 def loaded_allocator(pid: int | str = "self") -> str:
-    """Which allocator process ``pid`` (default: this one) runs on: a key of ALLOCATORS or
-    'glibc' (read from the libraries mapped into it, /proc/PID/maps; 'glibc' where that
+    """Which allocator process ``pid`` (default: this one) runs on: 'jemalloc', 'tcmalloc'
+    or 'glibc' (read from the libraries mapped into it, /proc/PID/maps; 'glibc' where that
     cannot be read)."""
     try:
         with open(f"/proc/{pid}/maps") as f:

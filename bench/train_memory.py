@@ -50,7 +50,7 @@ from pathlib import Path
 from aiayn.memory import ALLOCATORS, allocator_env, allocator_library, install_hint
 from bench import harness
 
-MODES = ("notrim", "trim", *ALLOCATORS)
+MODES = ("notrim", "trim", "jemalloc", "tcmalloc")
 DEFAULT_MODES = "notrim,trim"
 
 
@@ -169,8 +169,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--modes", default=DEFAULT_MODES,
                     help="comma-separated, the first the baseline of the ratios: notrim "
                          "(glibc malloc as it is), trim (glibc with the trainer's "
-                         "malloc_trim), jemalloc, tcmalloc, tbbmalloc (LD_PRELOAD, no trim; "
-                         "e.g. "
+                         "malloc_trim), jemalloc, tcmalloc (LD_PRELOAD, no trim; e.g. "
                          f"{install_hint()}); default {DEFAULT_MODES}"),
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="positions per batch side (default: the preset's shard.max_tokens)")

@@ -27,8 +27,6 @@ def installed(*names: str):
 @pytest.mark.parametrize(("present", "on_cpu", "expected"), [
     (("tcmalloc", "jemalloc"), True, "tcmalloc"),
     (("jemalloc",), True, "jemalloc"),
-    (("jemalloc", "tbbmalloc"), True, "jemalloc"),
-    (("tbbmalloc",), True, "tbbmalloc"),
     ((), True, "glibc"),
     (("tcmalloc", "jemalloc"), False, "glibc"),  # a GPU's steps are not bound by the heap
 ])
@@ -73,57 +71,15 @@ def test_a_child_environment_holds_one_allocator_at_most(monkeypatch):
 
 
 def test_every_allocator_names_its_package_and_the_messages_use_it():
-    assert set(memory.INSTALL) == set(memory.ALLOCATORS) == set(memory.AUTO_ORDER)
-    assert memory.install_hint("jemalloc") == "`apt install libjemalloc2` (Debian/Ubuntu)"
-    assert memory.install_hint("tbbmalloc") == "`pip install tbb`"
-    assert memory.install_hint() == ("`apt install libtcmalloc-minimal4 libjemalloc2` "
-                                     "(Debian/Ubuntu) or `pip install tbb`")
-
-
-def wheel_libraries(folder: Path, *libs: str) -> dict[str, Path]:
-    """A wheel's lib/ as pip leaves it: copies, not links, of lib{x}.so, .so.2 and .so.2.20."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for lib in libs:
-        for suffix in (".so", ".so.2", ".so.2.20"):
-            (folder / f"lib{lib}{suffix}").write_bytes(b"\x7fELF")
-    return {lib: folder / f"lib{lib}.so.2" for lib in libs}
-
-
-def test_a_wheel_s_allocator_is_found_in_the_environment_with_the_library_it_needs(
-        monkeypatch, tmp_path):
-    """The tbb wheel puts libtbbmalloc_proxy.so.2 in the environment's lib/, where the loader
-    does not look: allocator_library gives its path (the soname's file of three copies), and
-    LD_PRELOAD carries libtbbmalloc.so.2 before it, since the proxy needs it."""
-    libs = wheel_libraries(tmp_path / "lib", "tbbmalloc_proxy", "tbbmalloc")
-    monkeypatch.setattr(sys, "prefix", str(tmp_path))
-    monkeypatch.setattr(memory.ctypes.util, "find_library", lambda name: None)
-    assert memory.allocator_library("tbbmalloc") == str(libs["tbbmalloc_proxy"])
-    assert memory.allocator_library("tcmalloc") is None
-    assert memory.choose_allocator("auto", on_cpu=True) == "tbbmalloc"
-    env = memory.allocator_env("tbbmalloc", {"LD_PRELOAD": "libother.so"})
-    assert env["LD_PRELOAD"].split() == [str(libs["tbbmalloc"]), str(libs["tbbmalloc_proxy"]),
-                                         "libother.so"]
-    assert memory.allocator_env("tbbmalloc", env)["LD_PRELOAD"] == env["LD_PRELOAD"]  # once
-    assert memory.allocator_env("glibc", env)["LD_PRELOAD"] == "libother.so"  # both go
-
-
-def test_the_loader_s_library_wins_over_the_environment_s(monkeypatch, tmp_path):
-    wheel_libraries(tmp_path / "lib", "tbbmalloc_proxy", "tbbmalloc")
-    monkeypatch.setattr(sys, "prefix", str(tmp_path))
-    monkeypatch.setattr(memory.ctypes.util, "find_library",
-                        lambda name: "libtbbmalloc_proxy.so.2" if name == "tbbmalloc_proxy"
-                        else None)
-    assert memory.allocator_library("tbbmalloc") == "libtbbmalloc_proxy.so.2"
-    # a bare name is the loader's to resolve, with what it needs
-    assert memory.allocator_env("tbbmalloc", {})["LD_PRELOAD"] == "libtbbmalloc_proxy.so.2"
+    assert set(memory.PACKAGES) == set(memory.ALLOCATORS)
+    assert memory.install_hint("jemalloc") == "`apt install libjemalloc2`"
+    assert memory.install_hint() == "`apt install libtcmalloc-minimal4 libjemalloc2`"
 
 
 @pytest.mark.parametrize("text,name", [
     ("libtcmalloc_minimal.so.4", "tcmalloc"),
     ("/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4", "tcmalloc"),
     ("libjemalloc.so.2", "jemalloc"),
-    ("/venv/lib/libtbbmalloc_proxy.so.2", "tbbmalloc"),
-    ("/venv/lib/libtbbmalloc.so.2", None),  # without its proxy it does not replace malloc
     ("7f0-7f1 r-xp 00000000 08:01 42 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2\n", "jemalloc"),
     ("/usr/lib/x86_64-linux-gnu/libc.so.6", None),
     ("libmimalloc.so.2", None),
