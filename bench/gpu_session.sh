@@ -61,6 +61,10 @@
 #      cooldown follows whichever ends first), greedy valid BLEU every 1000 steps (the
 #      curve), then average (the count chosen on valid), translate valid, score valid; the
 #      arm with the best mean valid sacreBLEU alone then translates and scores test2016.
+#      An arm that sets the data stages (data.*, vocab.*, survey.*, shard.*: e.g. the
+#      vocabulary's size) trains on data that `prepare` built for it with those settings
+#      (.gpu/m30k8k-<arm>, and -deen for part 11; ~10 MB of the carry's 64 MiB for the
+#      two); the others share .gpu/m30k8k.
 # Results: $OUT/session.log, $OUT/results.tar.gz (parts 5 and 6: JSON records, run folders'
 # params.yaml, run.log and metrics/), and for parts 1-4, $OUT/gpu_step_*.json, $OUT/m30k.tar.gz (metrics/, params.yaml),
 # $OUT/screen/<arm>-s<seed>/ (params.yaml, run.log, metrics/).
@@ -94,7 +98,13 @@ PART10_SECONDS=${PART10_SECONDS:-500}   # part 10's
 # The first screen (session6: "d0.2:;d0.3:model.dropout=0.3") chose dropout 0.3 on valid;
 # the next one regularises further or widens the model, all at dropout 0.3 or more, and
 # offers averages of up to 30 checkpoints (all four runs of session6 took the widest, 20).
-CONV=${CONV:-"d0.3:model.dropout=0.3;reg:model.dropout=0.3 train.attention_dropout=0.1 train.activation_dropout=0.1 train.subword_split=0.1;wide:model.d_model=512 model.heads=8 model.d_ff=2048 model.dropout=0.4"}
+# v10k: dropout 0.3 with the vocabulary of the published 41.02 (Wu et al. 2021: 10k BPE
+# merges; here byte-level, so 256 bytes + 4 specials + 10,000 merges), on its own data.
+# The published recipe whole (Transformer-tiny at peak lr 0.005; it lost on the AMX CPU at
+# 28M tokens, still underfitting) is one arm away, if CONV_MINUTES lets it reach its 8,000
+# steps: "wu:model.d_model=128 model.d_ff=256 model.encoder_layers=4 model.decoder_layers=4
+# model.dropout=0.3 train.warmup_steps=2000 train.lr_scale=2.53 vocab.vocab_size=10260".
+CONV=${CONV:-"d0.3:model.dropout=0.3;reg:model.dropout=0.3 train.attention_dropout=0.1 train.activation_dropout=0.1 train.subword_split=0.1;wide:model.d_model=512 model.heads=8 model.d_ff=2048 model.dropout=0.4;v10k:model.dropout=0.3 vocab.vocab_size=10260"}
 CONV_AVERAGE=${CONV_AVERAGE:-"[1,5,10,20,30]"}
 CONV_SEEDS=${CONV_SEEDS:-"1 2"}
 CONV_STEPS=${CONV_STEPS:-8000}          # the published recipe's 8,000 updates of ~8k tokens
@@ -105,6 +115,13 @@ DECODE_MODEL=${DECODE_MODEL:-}          # part 9 (prepare): a model folder to ca
 DECODE_BASELINES=${DECODE_BASELINES:-"055b2b1 0b24f1f"}
 DECODE_BATCHES=${DECODE_BATCHES:-"64,128,1024"}
 DECODE_DEVICE=${DECODE_DEVICE:-cuda}   # part 9 (cpu: a dry run here)
+
+# own_data "KEY=VALUE ...": those of an arm's settings that the data stages read; an arm of
+# part 6 with any of them trains on data of its own, built by `prepare` with them
+own_data() {
+    local - w && set -f  # words, not file patterns: x=[32] would match a file named x=3
+    for w in $1; do case $w in data.*|vocab.*|survey.*|shard.*) echo "$w";; esac; done
+}
 
 if [ "${1:-}" = prepare ]; then
     set -e
@@ -134,22 +151,29 @@ if [ "${1:-}" = prepare ]; then
         done
     done
     ls .gpu/screen
-    # part 6: the preset's data cut into 8,192-token batches, and one params file per run
-    rm -rf .gpu/m30k8k .gpu/conv && mkdir -p .gpu/m30k8k .gpu/conv
-    .venv/bin/aiayn params multi30k shard.max_tokens=8192 data.local.dir="$(realpath "$M30K")" \
-        --out .gpu/m30k8k/params.yaml >/dev/null
-    (cd .gpu/m30k8k && for s in download vocab survey shard; do
-        ../../.venv/bin/aiayn "$s" --params params.yaml; done)
-    rm -rf .gpu/m30k8k/data/survey .gpu/m30k8k/metrics
+    # part 6: the preset's data cut into 8,192-token batches, and one params file per run;
     # part 11: the same for de->en (the shared BPE: the same tokenizer, other shards)
-    rm -rf .gpu/m30k8k-deen && mkdir -p .gpu/m30k8k-deen
-    .venv/bin/aiayn params multi30k shard.max_tokens=8192 data.local.dir="$(realpath "$M30K")" \
-        data.src_lang=de data.tgt_lang=en --out .gpu/m30k8k-deen/params.yaml >/dev/null
-    (cd .gpu/m30k8k-deen && for s in download vocab survey shard; do
-        ../../.venv/bin/aiayn "$s" --params params.yaml; done)
-    rm -rf .gpu/m30k8k-deen/data/survey .gpu/m30k8k-deen/metrics
+    m30k8k() {  # $1: the folder; the rest: settings on top of the preset (KEY=VALUE)
+        local dir=$1 s; shift
+        rm -rf "$dir" && mkdir -p "$dir"
+        .venv/bin/aiayn params multi30k shard.max_tokens=8192 data.local.dir="$(realpath "$M30K")" \
+            "$@" --out "$dir/params.yaml" >/dev/null
+        (cd "$dir" && for s in download vocab survey shard; do
+            ../../.venv/bin/aiayn "$s" --params params.yaml; done)
+        rm -rf "$dir/data/survey" "$dir/metrics"
+    }
+    rm -rf .gpu/m30k8k* .gpu/conv && mkdir -p .gpu/conv
+    m30k8k .gpu/m30k8k
+    m30k8k .gpu/m30k8k-deen data.src_lang=de data.tgt_lang=en
     IFS=';' read -ra arms <<< "$CONV"
     for arm in "${arms[@]}"; do
+        # an arm that sets the data stages gets its own data, both directions; its runs'
+        # .data files name it (side_by_side links it in instead of the part's)
+        mapfile -t own < <(own_data "${arm#*:}")
+        if [ ${#own[@]} -gt 0 ]; then
+            m30k8k ".gpu/m30k8k-${arm%%:*}" "${own[@]}"
+            m30k8k ".gpu/m30k8k-${arm%%:*}-deen" "${own[@]}" data.src_lang=de data.tgt_lang=en
+        fi
         for seed in $CONV_SEEDS; do  # shell word splitting of the arm's settings is meant
             # shellcheck disable=SC2086
             .venv/bin/aiayn params multi30k shard.max_tokens=8192 train.tokens_per_step=8192 \
@@ -157,6 +181,7 @@ if [ "${1:-}" = prepare ]; then
                 train.valid_bleu_every=1000 train.checkpoint_every_steps=200 seed="$seed" \
                 "train.average_candidates=$CONV_AVERAGE" \
                 ${arm#*:} --out ".gpu/conv/${arm%%:*}-s$seed.yaml" >/dev/null
+            [ ${#own[@]} -eq 0 ] || echo ".gpu/m30k8k-${arm%%:*}/data" > ".gpu/conv/${arm%%:*}-s$seed.data"
         done
     done
     ls .gpu/conv
@@ -299,12 +324,14 @@ test_run() {  # $1: the part; $2: a run folder that valid_run trained; $3: where
 sacreBLEU', b['sacrebleu']['score'], 'chrF', b.get('chrf', {}).get('score'), 'lowercased \
 tokenized', b['lowercase_bleu']['score'])" "$2/metrics/bleu.json" || true
 }
-side_by_side() {  # $1: the part; $2: the folder of <run>.yaml files; $3: the data folder;
-                  # $4: minutes; $5: threads a run; $6: where each run's records are kept
-    local pids=() f d  # waited for by pid: a bare `wait` would also wait for the log's tee
+side_by_side() {  # $1: the part; $2: the folder of <run>.yaml files; $3: the data folder
+                  # (a run's own where <run>.data names one); $4: minutes; $5: threads a
+                  # run; $6: where each run's records are kept
+    local pids=() f d data  # waited for by pid: a bare `wait` would also wait for the log's tee
     for f in "$2"/*.yaml; do
         d=$2/$(basename "$f" .yaml) && mkdir -p "$d" && cp "$f" "$d/params.yaml"
-        (valid_run "$d" "$3" "$4" "$5" > "$d/run.log" 2>&1 || echo "PART $1 FAILED: $d ($?)"
+        data=$3 && [ -f "${f%.yaml}.data" ] && data=$PWD/$(cat "${f%.yaml}.data")
+        (valid_run "$d" "$data" "$4" "$5" > "$d/run.log" 2>&1 || echo "PART $1 FAILED: $d ($?)"
          keep_run "$d" "$6") &  # each run's results as soon as it ends
         pids+=($!)
     done
@@ -412,6 +439,9 @@ rm -rf .gpu/deen && mkdir -p .gpu/deen
 for seed in $CONV_SEEDS; do
     sed -e 's/^  src_lang: en$/  src_lang: de/' -e 's/^  tgt_lang: de$/  tgt_lang: en/' \
         ".gpu/conv/$arm-s$seed.yaml" > ".gpu/deen/$arm-s$seed.yaml"
+    # an arm with its own data (.gpu/m30k8k-<arm>/data): its de->en folder beside it
+    own=$(cat ".gpu/conv/$arm-s$seed.data" 2>/dev/null) \
+        && echo "${own%/data}-deen/data" > ".gpu/deen/$arm-s$seed.data"
 done
 side_by_side 11 .gpu/deen "$PWD/.gpu/m30k8k-deen/data" "$CONV_MINUTES" 3 "$RES/deen"
 for d in .gpu/deen/*/; do

@@ -34,3 +34,25 @@ def test_parts_select_what_they_name(parts, expected):
 
 def test_the_script_parses():
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+
+
+def own_data(settings: str) -> list[str]:
+    """What the script's `own_data` picks out of an arm's settings ``settings``."""
+    probe = 'source <(sed -n "/^own_data() {/,/^}/p" "$1"); own_data "$2"'
+    out = subprocess.run(["bash", "-c", probe, "probe", str(SCRIPT), settings],
+                         env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
+                         check=True)
+    return out.stdout.split()
+
+
+@pytest.mark.parametrize("settings, expected", [
+    ("model.dropout=0.3", []),  # trains on the part's shared data
+    ("model.dropout=0.3 vocab.vocab_size=10260", ["vocab.vocab_size=10260"]),
+    # every data stage's section, in the arm's order; train.* and model.* stay out
+    ("shard.max_len=64 train.steps=5 data.src_lang=de survey.max_len_candidates=[32] "
+     "model.d_model=128", ["shard.max_len=64", "data.src_lang=de",
+                           "survey.max_len_candidates=[32]"]),
+    ("", []),
+])
+def test_an_arm_that_sets_the_data_stages_gets_its_own_data(settings, expected):
+    assert own_data(settings) == expected
