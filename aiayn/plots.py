@@ -100,7 +100,7 @@ def plot_training_curves(train_log: Path, valid_log: Path, path: Path) -> None:
     if len(train) or len(valid):  # a run stopped before its first log row has no curves yet
         loss_ax.legend(fontsize=8)
     lr_ax.set(title="learning rate", xlabel="step")
-    speed_ax.set(title="target tokens / s", xlabel="step")
+    speed_ax.set(title="training target tokens / s (no validation)", xlabel="step")
     for ax in (loss_ax, lr_ax, speed_ax):
         ax.grid(alpha=0.3)
     fig.tight_layout()

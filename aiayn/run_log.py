@@ -25,7 +25,8 @@ class TrainRow:
     lr: float
     grad_norm: float  # NaN where not computed
     tokens: int  # target tokens seen so far
-    tokens_per_s: float  # since the previous row
+    tokens_per_s: float  # training's, since the previous row (validation and checkpoints
+    # are left out: their time is in elapsed_s)
     elapsed_s: float  # training time so far, over all sessions
 
     def metrics(self) -> dict[str, float]:

@@ -634,6 +634,7 @@ class Trainer:
         session_start, elapsed_at_start = time.perf_counter(), s.elapsed_s
         last_ckpt_time, window_start = time.monotonic(), time.perf_counter()
         window = [0.0, 0.0, 0.0]  # target tokens, loss sum, NLL sum since the last log row
+        paused = 0.0  # validation and checkpoints in the window: not the training rate's
         self.model.train()
         try:
             while s.step < p.steps:
@@ -653,10 +654,14 @@ class Trainer:
                 if self._logs_at(s.step) or out_of_time:
                     window = [a + b for a, b in zip(window, self._flush(), strict=True)]
                     now = time.perf_counter()
-                    self._log_train_row(window, now - window_start, bar)
-                    window, window_start = [0.0, 0.0, 0.0], now
+                    self._log_train_row(window, now - window_start - paused, bar)
+                    window, window_start, paused = [0.0, 0.0, 0.0], now, 0.0
                 bleu = bool(p.valid_bleu_every) and (s.step % p.valid_bleu_every == 0 or finished)
-                if s.step % p.valid_every == 0 or finished or bleu:
+                validating = s.step % p.valid_every == 0 or finished or bleu
+                saving = bool(due) or finished
+                # their time goes into the next log row's window, and out of its rate
+                between = time.perf_counter() if (validating or saving) and not finished else None
+                if validating:
                     self._log_valid_row(bleu)
                 if finished:  # the last validation's time is the run's too (bleu_seconds is
                     # counted inside elapsed_s); rank 0's clock, as above
@@ -665,10 +670,12 @@ class Trainer:
                         self.world)
                 if bar is not None:
                     bar.update(1)
-                if bool(due) or finished:
+                if saving:
                     self.write_logs()
                     self.checkpoint()
                     last_ckpt_time = time.monotonic()
+                if between is not None:
+                    paused += time.perf_counter() - between
                 if out_of_time:
                     s.stopped_by = "time budget"
                     if self.world.is_main:

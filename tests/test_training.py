@@ -880,6 +880,46 @@ def test_under_a_time_budget_the_cooldown_follows_the_clock(toy_workspace, tmp_p
     assert rows[-1]["lr"] < 0.2 * noam_lr(int(rows[-1]["step"]), 32, 4)
 
 
+def test_the_logged_training_rate_leaves_out_validation_and_checkpoints(toy_workspace,
+                                                                       tmp_path, monkeypatch):
+    # A clock that moves only when the trainer works: 1 s a step, 50 s a validation pass,
+    # 20 s a checkpoint. Every row's rate is then its window's tokens over its steps'
+    # seconds, while the run's wall time holds all of it.
+    import types
+
+    import aiayn.trainer
+
+    now = [0.0]
+    clock = {k: getattr(time, k) for k in dir(time) if not k.startswith("_")}
+    clock["perf_counter"] = lambda: now[0]
+    monkeypatch.setattr(aiayn.trainer, "time", types.SimpleNamespace(**clock))
+    trainer = make_trainer(toy_workspace, tmp_path, {"train": {
+        "steps": 12, "log_every": 2, "valid_every": 3, "checkpoint_every_steps": 4,
+        "checkpoint_every_minutes": 0, "valid_bleu_every": 0}})
+
+    def taking(seconds, fn):
+        def timed(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            now[0] += seconds
+            return out
+        return timed
+
+    trainer.train_step = taking(1.0, trainer.train_step)
+    trainer.validate = taking(50.0, trainer.validate)
+    trainer.checkpoint = taking(20.0, trainer.checkpoint)
+    summary = trainer.fit()
+    trainer.write_logs()
+    rows = train_log(tmp_path)
+    assert [int(r["step"]) for r in rows] == [2, 4, 6, 8, 10, 12]
+    before = 0
+    for r in rows:
+        assert r["tokens_per_s"] == pytest.approx((r["tokens"] - before) / 2.0, rel=1e-4)
+        before = r["tokens"]
+    # validations at steps 3, 6, 9, 12 and checkpoints at 4 and 8 are in the wall time (the
+    # last checkpoint, written after the run's clock stops, is not)
+    assert summary["wall_time_s"] == pytest.approx(12 * 1.0 + 4 * 50.0 + 2 * 20.0)
+
+
 def test_a_run_records_its_kernels_precision_and_end(toy_workspace, tmp_path):
     trainer = make_trainer(toy_workspace, tmp_path, {"train": {"steps": 2}})
     summary = trainer.fit()
