@@ -11,14 +11,20 @@ import pytest
 SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "gpu_session.sh"
 
 
-def wanted(parts: str, names: list[str]) -> list[str]:
-    """The names among ``names`` that the script's `want` selects under PARTS=``parts``."""
-    probe = ('source <(sed -n "/^want() {/,/^}/p" "$1"); shift; '
-             'for n in "$@"; do want "$n" && echo "$n"; done; true')
-    out = subprocess.run(["bash", "-c", probe, "probe", str(SCRIPT), *names],
-                         env={"PARTS": parts, "PATH": "/usr/bin:/bin"},
+def script_function(name: str, calls: str, args: list[str], env: dict | None = None) -> list[str]:
+    """The words printed by ``calls`` (bash, the arguments in "$@") with the script's function
+    ``name`` defined, as the script defines it, and nothing else of the script run."""
+    probe = f'source <(sed -n "/^{name}() {{/,/^}}/p" "$1"); shift; {calls}'
+    out = subprocess.run(["bash", "-c", probe, "probe", str(SCRIPT), *args],
+                         env={**(env or {}), "PATH": "/usr/bin:/bin"},
                          capture_output=True, text=True, check=True)
     return out.stdout.split()
+
+
+def wanted(parts: str, names: list[str]) -> list[str]:
+    """The names among ``names`` that the script's `want` selects under PARTS=``parts``."""
+    return script_function("want", 'for n in "$@"; do want "$n" && echo "$n"; done; true',
+                           names, {"PARTS": parts})
 
 
 @pytest.mark.parametrize("parts, expected", [
@@ -38,11 +44,7 @@ def test_the_script_parses():
 
 def own_data(settings: str) -> list[str]:
     """What the script's `own_data` picks out of an arm's settings ``settings``."""
-    probe = 'source <(sed -n "/^own_data() {/,/^}/p" "$1"); own_data "$2"'
-    out = subprocess.run(["bash", "-c", probe, "probe", str(SCRIPT), settings],
-                         env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
-                         check=True)
-    return out.stdout.split()
+    return script_function("own_data", 'own_data "$1"', [settings])
 
 
 @pytest.mark.parametrize("settings, expected", [
