@@ -21,8 +21,9 @@ a source tree, built from one params file (the ``--preset``, ``multi30k`` by def
 d_model 256, 3+3 layers, d_ff 1024, 4 heads, 8k BPE, batches of <= 4096 tokens, dropout
 0.1, post-LN) on one set of shards, and timed through ``Trainer.train_step`` as ``fit``
 calls it: forward, loss, backward, (clipping,) Adam, with the loop's per-step heap trim and,
-in trees that defer it, the read-back of the loss sums at logging steps. Validation,
-checkpoints and logs are not timed.
+in trees that defer it, the read-back of the loss sums at logging steps. Checkpoints and
+logs are not made; validation runs only in the contenders ``--validate`` names (below), and
+is never timed.
 
 * ``fast``  - this tree, ``train.kernels: fast`` (the default: aiayn/kernels.py);
 * ``plain`` - this tree, ``train.kernels: plain`` (torch's own operators);
@@ -67,6 +68,17 @@ checkpoints and logs are not timed.
   counted for its own shape. What a shape costs per step, side by side: the step counts
   that give each shape the same training time (a recipe screen on a GPU that stands for a
   CPU's hour, ``bench/gpu_session.sh``);
+* ``--validate NAME,...`` - these trainer contenders also validate as the trainer's loop
+  does: the valid loss every ``train.valid_every`` steps and greedy valid BLEU (the
+  trainer's own hook over the raw valid split) every ``train.valid_bleu_every``, warm-up
+  steps counted. The passes' wall and CPU time and page faults are left out of the round's
+  figures and reported beside them, so the figures say what a training step costs *after*
+  such passes (a heap they fragmented, caches they evicted): e.g. ``--arm valid:
+  --contenders fast,valid --validate valid -S train.valid_every=100 -S
+  train.valid_bleu_every=100`` (``valid`` is ``fast`` under another name). Validation
+  takes no random numbers, so both train the same weights on the same batches. Each
+  worker's resident memory after every round is recorded too (``RSS MiB``: after the
+  last);
 * ``matmul`` - the machine's matmul rate in the same run, in the precision the trainers
   compute in (fp32, or bf16 where ``train.precision`` resolves to bf16 autocast): products
   of 2048x2048x2048 and 4096x256x1024 into preallocated outputs; reported as GFLOP/s, the
@@ -97,6 +109,7 @@ needs nothing) and reused by later runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -174,8 +187,18 @@ class TrainerWorker:
                            metrics=run / "train.json", train_log=run / "train_log.tsv",
                            valid_log=run / "valid_log.tsv")
         tok = Path(spec["tokenizer"])
+        # --validate: the trainer's valid BLEU hook, over the raw valid split beside the shards
+        hook = None
+        self.validating = spec.get("validate", False)
+        if self.validating and p.train.valid_bleu_every:
+            from aiayn.translation import ValidationBleu
+
+            hook = ValidationBleu.from_params(p, Path(spec["raw"]), load_tokenizer(tok))
         self.trainer = Trainer(p, load_tokenizer(tok).get_vocab_size(), file_sha256(tok),
-                               paths, World(), progress=False)
+                               paths, World(), progress=False,
+                               **({"valid_bleu": hook} if hook else {}))
+        self.valid_every, self.bleu_every = p.train.valid_every, p.train.valid_bleu_every
+        self.paused = Paused()
         self.trainer.model.train()
         self.it = iter(self.trainer.loader)
         self.log_every = p.train.log_every
@@ -195,6 +218,12 @@ class TrainerWorker:
             self.heap.after_step(t.state.step)
         if self.flush is not None and t.state.step % self.log_every == 0:
             self.flush()
+        validate, bleu = validation_due(t.state.step, self.valid_every, self.bleu_every)
+        if self.validating and validate:
+            with self.paused.measure(bleu):  # as fit: the valid loss, then greedy BLEU
+                t.validate()
+                if bleu:
+                    t.valid_bleu(t.model, t.device, t.amp_dtype)
 
     def extra(self) -> dict:
         try:
@@ -338,10 +367,79 @@ class MatmulWorker:
         return {"gflops": rates}
 
 
-def worker_main(spec: dict) -> None:
-    """Serve 'run N' requests on stdin with one JSON line each on stdout."""
+def validation_due(step: int, valid_every: int, bleu_every: int) -> tuple[bool, bool]:
+    """(validate, with valid BLEU) after training step ``step``, as the trainer's loop
+    decides between steps (a BLEU step validates too; the run's last step aside)."""
+    bleu = bool(bleu_every) and step % bleu_every == 0
+    return step % valid_every == 0 or bleu, bleu
+
+
+class Paused:
+    """What a worker's validation passes took (wall and CPU seconds, page faults), kept
+    out of the step's figures; counted per round (``take``)."""
+
+    def __init__(self):
+        self.wall = self.cpu = 0.0
+        self.faults = self.passes = self.bleu_passes = 0
+
+    @contextlib.contextmanager
+    def measure(self, bleu: bool):
+        import resource
+
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        cpu, wall = time.process_time(), time.perf_counter()
+        try:
+            yield
+        finally:
+            self.wall += time.perf_counter() - wall
+            self.cpu += time.process_time() - cpu
+            self.faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+            self.passes += 1
+            self.bleu_passes += bleu
+
+    def take(self) -> dict:
+        """This round's totals, and a fresh count for the next."""
+        out = {"wall": self.wall, "cpu": self.cpu, "faults": self.faults,
+               "passes": self.passes, "bleu_passes": self.bleu_passes}
+        self.__init__()
+        return out
+
+
+def resident_mib() -> float | None:
+    """This process's resident memory (VmRSS) in MiB, or None where /proc cannot say."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def timed_run(worker, n: int) -> dict:
+    """``n`` steps of ``worker``: wall and CPU seconds and page faults, less whatever its
+    validation passes took (``worker.paused``, where it has one), and the resident memory
+    after them."""
     import resource
 
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    cpu, wall = time.process_time(), time.perf_counter()
+    for _ in range(n):
+        worker.step()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+    out = {"wall": wall, "cpu": cpu, "faults": faults}
+    paused = getattr(worker, "paused", None)
+    if paused is not None:
+        p = paused.take()
+        out = {k: v - p[k] for k, v in out.items()}
+        if p["passes"]:
+            out["validation"] = p
+    return {**out, "rss_mib": resident_mib(), **worker.extra()}
+
+
+def worker_main(spec: dict) -> None:
+    """Serve 'run N' requests on stdin with one JSON line each on stdout."""
     import torch
 
     torch.set_num_threads(spec["threads"])
@@ -375,14 +473,7 @@ def worker_main(spec: dict) -> None:
         if cmd == "onednn":
             print(json.dumps(onednn_census(worker.step, n, out)), file=out, flush=True)
             continue
-        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        cpu, wall = time.process_time(), time.perf_counter()
-        for _ in range(n):
-            worker.step()
-        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
-        print(json.dumps({"wall": wall, "cpu": cpu, "faults": faults, **worker.extra()}),
-              file=out, flush=True)
+        print(json.dumps(timed_run(worker, n)), file=out, flush=True)
 
 
 def onednn_census(step, n: int, out) -> dict:
@@ -663,6 +754,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "with oneDNN's creation log on and print, per step, the primitives "
                          "oneDNN built (new shapes, JIT-compiled), reused and ran: the "
                          "CPU's count of shapes met anew (default 0: off)")
+    ap.add_argument("--validate", default="", metavar="CONTENDERS",
+                    help="comma-separated trainer contenders that also validate as training "
+                         "does: the valid loss every train.valid_every steps and greedy valid "
+                         "BLEU every train.valid_bleu_every (warm-up steps counted), untimed, "
+                         "e.g. --arm valid: --contenders fast,valid --validate valid: what "
+                         "a step costs after validation passes, side by side with one that "
+                         "never validates (default: none validates)")
     ap.add_argument("--json", type=Path, default=None, help="write all results here")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -714,6 +812,10 @@ def choose_contenders(args) -> Contenders:
         raise SystemExit("error: contender main needs --baseline REF")
     if any(core[n] == "matmul" != n for n in names):
         raise SystemExit("error: contender matmul measures the products, not a heap: no /ALLOC")
+    validating = [n for n in args.validate.split(",") if n]
+    if bad := [n for n in validating if n not in names or core[n] in OTHERS]:
+        raise SystemExit(f"error: --validate {bad[0]}: name trainer contenders of --contenders "
+                         f"({','.join(n for n in names if core[n] not in OTHERS)})")
     from aiayn.memory import allocator_library, install_hint
     for n in names:
         if heap[n] not in (None, "glibc") and allocator_library(heap[n]) is None:
@@ -749,7 +851,14 @@ def start_workers(args, c: Contenders, data: dict, scratch: Path, threads: int,
         n_params, n_shards, n_tokenizer = data[c.variant[n]]
         spec = {"name": n, "core": c.core[n], "params": str(n_params), "shards": str(n_shards),
                 "tokenizer": str(n_tokenizer), "scratch": str(scratch), "threads": threads,
-                "matmul_dtype": matmul_dtype, "train": c.trainers.get(c.base[n], {})}
+                "matmul_dtype": matmul_dtype, "train": c.trainers.get(c.base[n], {}),
+                "validate": n in args.validate.split(","),
+                "raw": str(Path(n_shards).parent / "raw")}  # the download stage's folder
+        if spec["validate"] and not (Path(spec["raw"]) / "valid.parquet").is_file():
+            raise SystemExit(f"error: --validate {n}: valid BLEU reads the raw valid split, "
+                             f"{spec['raw']}/valid.parquet, which is missing: leave out "
+                             "--shards (the data stages then make both), or give shards whose "
+                             "folder has raw/ beside them")
         workers[n] = Worker(spec, tree if c.base[n] == "main" else None, c.heap[n])
         if c.base[n] == "main":
             print(f"{n}: {workers[n].info['aiayn']} (git {args.baseline}); params it does "
@@ -843,6 +952,9 @@ def summarise(args, c: Contenders, measured: dict) -> tuple[dict, dict | None, d
                       "page_faults_per_step": med(x["faults"] for x in runs[n]) / args.steps,
                       "tokens_per_s_rounds": tps[n],
                       "allocator": measured["heaps"][n],
+                      "rss_mib_rounds": [x.get("rss_mib") for x in runs[n]],
+                      "validation": {k: sum(x.get("validation", {}).get(k, 0) for x in runs[n])
+                                     for k in ("passes", "bleu_passes", "wall")},
                       **({"onednn": measured["onednn"][n]} if "onednn" in measured else {}),
                       **{k: runs[n][-1][k] for k in ("graphs", "graph_breaks")
                          if k in runs[n][-1]}}
@@ -880,16 +992,23 @@ def print_report(args, c: Contenders, p, cfg, measured: dict, summary: tuple,
     head = f"{'contender':<{width}}{'target tok/s':>13}{'GFLOP/s':>9}"
     head += f"{'of matmul':>11}" if matmul else ""
     print(head + f"{'wall s/step':>13}{'CPU s/step':>12}{'faults/step':>13}"
-          f"{'tok/s over rounds':>22}")
+          f"{'tok/s over rounds':>22}{'RSS MiB':>9}")
     for n, res in results.items():
         line = f"{n:<{width}}{res['tokens_per_s']:>13.0f}{res['gflop_per_s']:>9.1f}"
         line += f"{res['matmul_fraction']:>10.0%} " if matmul else ""
         line += (f"{res['wall_s_per_step']:>13.2f}{res['cpu_s_per_step']:>12.2f}"
                  f"{res['page_faults_per_step']:>13.0f}"
-                 f"{min(tps[n]):>13.0f} .. {max(tps[n]):.0f}")
+                 f"{min(tps[n]):>13.0f} .. {max(tps[n]):<5.0f}")
+        rss = res["rss_mib_rounds"][-1]  # after the last round
+        line += f"{rss:>9.0f}" if rss is not None else f"{'-':>9}"
         if res.get("graphs"):
             line += f"   compiled graphs {res['graphs']}, graph breaks {res['graph_breaks']}"
         print(line)
+    for n, res in results.items():
+        v = res["validation"]
+        if v["passes"]:
+            print(f"  {n}: {v['passes']} validation passes ({v['bleu_passes']} with valid BLEU) "
+                  f"in the rounds, {v['wall']:.0f} s, left out of its figures")
     if matmul:
         shapes = ", ".join(f"{k} {v:.0f}" for k, v in matmul["shapes"].items())
         kind = "bf16" if matmul_dtype == "bfloat16" else "fp32"

@@ -1,5 +1,6 @@
-"""bench/train_throughput.py: how ``--arm`` contenders are read and checked (no training here:
-the benchmark itself is timed by hand, never in tests)."""
+"""bench/train_throughput.py: how ``--arm`` contenders are read and checked, and how a round's
+figures leave validation out (no training here: the benchmark itself is timed by hand, never
+in tests)."""
 
 from __future__ import annotations
 
@@ -61,11 +62,11 @@ def test_a_bad_arm_stops_the_run_before_any_data_is_made(tmp_path):
     assert "typo" not in throughput.TRAINERS  # an arm lives in its run, not in the module
 
 
-def contenders(names: str) -> throughput.Contenders:
+def contenders(names: str, validate: str = "", arm: tuple = ()) -> throughput.Contenders:
     import argparse
 
-    args = argparse.Namespace(contenders=names, arm=[], baseline="HEAD", preset="demo", set=[],
-                              profile=None)
+    args = argparse.Namespace(contenders=names, arm=list(arm), baseline="HEAD", preset="demo",
+                              set=[], profile=None, validate=validate)
     return throughput.choose_contenders(args)
 
 
@@ -132,3 +133,61 @@ def test_the_onednn_census_counts_primitives_built_only_for_new_shapes(capfd):
     assert new["built"] >= 1 and new["ran"] == met["ran"] and new["steps"] == 2
     assert new["distinct"] > met["distinct"]  # two row counts' problems against one's
     assert "onednn_verbose" not in capfd.readouterr().out
+
+
+def test_validation_comes_at_the_trainers_cadence_and_a_bleu_step_validates_too():
+    """Brute force over 60 steps: the valid loss every 10 steps, BLEU every 15 (a BLEU step
+    validates even off the loss's cadence); BLEU 0 is off."""
+    due = {s: throughput.validation_due(s, 10, 15) for s in range(1, 61)}
+    assert [s for s, (v, _) in due.items() if v] == [10, 15, 20, 30, 40, 45, 50, 60]
+    assert [s for s, (_, b) in due.items() if b] == [15, 30, 45, 60]
+    assert not any(throughput.validation_due(s, 10, 0)[1] for s in range(1, 61))
+
+
+def test_a_rounds_figures_leave_out_its_validation_passes(monkeypatch):
+    """A worker whose steps take 1 s and 100 page faults, with a 10 s pass of 7 faults after
+    every second step (BLEU after every fourth): four steps report 4 s, 400 faults and the
+    passes beside them; the next round starts its count afresh. A clock and fault counter
+    that move only when the fake worker works stand in for the machine's."""
+    import resource
+    import time
+    import types
+
+    clock = {"t": 0.0, "faults": 0}
+    monkeypatch.setattr(time, "perf_counter", lambda: clock["t"])
+    monkeypatch.setattr(time, "process_time", lambda: 2 * clock["t"])  # two busy threads
+    monkeypatch.setattr(resource, "getrusage",
+                        lambda who: types.SimpleNamespace(ru_minflt=clock["faults"]))
+
+    class Worker:
+        def __init__(self):
+            self.paused, self.n = throughput.Paused(), 0
+
+        def step(self):
+            self.n += 1
+            clock["t"] += 1.0
+            clock["faults"] += 100
+            if self.n % 2 == 0:
+                with self.paused.measure(bleu=self.n % 4 == 0):
+                    clock["t"] += 10.0
+                    clock["faults"] += 7
+
+        def extra(self):
+            return {}
+
+    w = Worker()
+    first = throughput.timed_run(w, 4)
+    assert (first["wall"], first["cpu"], first["faults"]) == (4.0, 8.0, 400)
+    assert first["validation"] == {"wall": 20.0, "cpu": 40.0, "faults": 14, "passes": 2,
+                                   "bleu_passes": 1}
+    second = throughput.timed_run(w, 1)  # step 5: no pass
+    assert (second["wall"], second["faults"]) == (1.0, 100) and "validation" not in second
+
+
+def test_validate_names_trainer_contenders_of_the_run():
+    c = contenders("fast,valid,matmul", validate="valid", arm=["valid:"])
+    assert c.base["valid"] == "valid" and c.trainers["valid"] == {"kernels": "fast",
+                                                                  "model": {}}
+    for bad in ("matmul", "plain"):  # products only; not in this run
+        with pytest.raises(SystemExit, match=f"--validate {bad}: name trainer contenders"):
+            contenders("fast,valid,matmul", validate=bad, arm=["valid:"])
