@@ -82,8 +82,10 @@ def plot_training_curves(train_log: Path, valid_log: Path, path: Path) -> None:
         bleu_ax = axes[1]
         bleu_ax.plot(bleu["step"], bleu["valid_bleu"], "o-", color="tab:red")
         best = bleu.loc[bleu["valid_bleu"].idxmax()]
-        bleu_ax.annotate(f"best {best['valid_bleu']:.2f}", (best["step"], best["valid_bleu"]),
-                         textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+        # marked, and named in the legend: a label above the highest point left the panel
+        bleu_ax.plot(best["step"], best["valid_bleu"], "*", color="black", markersize=10,
+                     label=f"best {best['valid_bleu']:.2f} (step {int(best['step'])})")
+        bleu_ax.legend(fontsize=8, loc="lower right")
         bleu_ax.set(title="validation sacreBLEU", xlabel="step")
         bleu_ax.grid(alpha=0.3)
     if len(train):

@@ -71,3 +71,30 @@ def test_the_tsv_files_hold_every_row_and_bleu_only_where_measured(tmp_path):
     assert tuple(valid[0]) == columns(ValidRow) and valid[1][-1] == "" and valid[2][-1] == "12.5"
     assert bleu == [["step", "valid_bleu"], ["4", "12.5"], ["6", "14"], ["8", "12.5"]]
     assert not list(tmp_path.glob("*.tmp"))  # written atomically, nothing left beside
+
+
+def test_the_training_curves_name_the_best_valid_bleu_inside_its_panel(tmp_path, monkeypatch):
+    """The BLEU panel marks its highest point and names its score and step in a legend drawn
+    inside the panel, even when that point is the last and highest of the run (a label above
+    it used to leave the panel)."""
+    import matplotlib.pyplot as plt
+
+    from aiayn.plots import plot_training_curves
+
+    log = RunLog([TrainRow(s, 3.0, 2.8, 1e-3, 0.5, 400, 1500.0, s / 2) for s in (2, 4, 6, 8)],
+                 [ValidRow(s, 3.5, 3.2, 24.5, 90, b)
+                  for s, b in ((2, None), (4, 61.0), (6, 80.5), (8, 88.27))])
+    log.write(tmp_path / "train.tsv", tmp_path / "valid.tsv", tmp_path / "bleu.tsv")
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to look at
+    plot_training_curves(tmp_path / "train.tsv", tmp_path / "valid.tsv", tmp_path / "c.png")
+    (fig,) = figures
+    bleu_ax = next(ax for ax in fig.axes if ax.get_title() == "validation sacreBLEU")
+    legend = bleu_ax.get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["best 88.27 (step 8)"]
+    renderer = fig.canvas.get_renderer()
+    inside, box = legend.get_window_extent(renderer), bleu_ax.get_window_extent(renderer)
+    assert box.x0 <= inside.x0 and inside.x1 <= box.x1
+    assert box.y0 <= inside.y0 and inside.y1 <= box.y1
+    monkeypatch.undo()
+    plt.close(fig)
