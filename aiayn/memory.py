@@ -27,11 +27,13 @@ resident memory of a run grows for hours: from 2.1 to 3.3 GiB over 400 steps of 
 one fixed shape. Calling glibc's ``malloc_trim(0)`` every few steps returns the free pages
 (it also releases pages inside the heap, not only at its top) and keeps the run flat at
 ~1.05 GiB at no measurable cost per step. ``MALLOC_ARENA_MAX=2`` did not help; a low
-``MALLOC_MMAP_THRESHOLD_`` did, but made steps 40% slower. In fp32 (on a CPU without
-native bf16) the heap did not grow, and the trim cost nothing there either. (Those figures
-are from AMD CPUs and an earlier benchmark harness. On an Intel CPU with AMX, the real
-trainer's peaks still climbed with the trim, 2.1 to 3.4 GiB over 150 steps against 4.3
-without, and the trim every 10 steps cost ~12% of a step: bench/README.md.)
+``MALLOC_MMAP_THRESHOLD_`` did, but made steps 40% slower. (Those figures are from AMD
+CPUs and an earlier benchmark harness, in which fp32 steps on an AVX2-only CPU did not grow
+the heap at all. The real trainer's do: its peaks climbed from ~1.45 to ~2.4 GiB over 200
+fp32 steps on such a CPU even with the trim, against ~1.15 to ~1.55 on tcmalloc; on an Intel
+CPU with AMX, in bf16, from 2.1 to 3.4 GiB over 150 steps against 4.3 without the trim, and
+there the trim every 10 steps cost ~12% of a step: bench/README.md, "glibc's trim" and
+"trim only once the heap has grown".)
 ``bench/train_memory.py`` measures both modes side by side.
 
 ``malloc_trim`` has no library of its own; ``ctypes`` reaches the C library the process
