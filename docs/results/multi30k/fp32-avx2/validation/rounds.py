@@ -5,21 +5,34 @@ contenders' tokens/s within blocks of rounds (ad hoc; kept beside the record it 
 
 The last argument: the first round of each new block (here: the rounds after the passes at
 steps 100 and 200). "V" marks a round in which the first contender validated."""
-import json, statistics as st, sys
-d = json.load(open(sys.argv[1]))
-runs = d["runs"]; tok = d["round_tokens"]["preset"]
+
+import json
+import statistics
+import sys
+
+record = json.load(open(sys.argv[1]))
+runs, tokens = record["runs"], record["round_tokens"]["preset"]
 a, b = sys.argv[2], sys.argv[3]
-w = d["info"]["warmup"]; n = d["info"]["steps"]
-ratios = []
-for r, (x, y) in enumerate(zip(runs[a], runs[b])):
-    first, last = w + n * r + 1, w + n * r + n
-    ratios.append((r, first, last, tok[r] / x["wall"], tok[r] / y["wall"], y["wall"] / x["wall"],
-                   x["faults"] / n, y["faults"] / n, x.get("rss_mib"), y.get("rss_mib"), "V" if "validation" in x else ""))
-for row in ratios:
-    print("r%2d steps %3d-%3d  %s %5.0f  %s %5.0f  %s/%s tok/s %.3f  faults/step %6.0f %6.0f  rss %5.0f %5.0f %s" % (row[0], row[1], row[2], a, row[3], b, row[4], a, b, row[5], row[6], row[7], row[8] or 0, row[9] or 0, row[10]))
+warmup, steps = record["info"]["warmup"], record["info"]["steps"]
+rows = []
+for r, (x, y) in enumerate(zip(runs[a], runs[b], strict=True)):
+    first = warmup + steps * r + 1
+    rows.append({"round": r, "first": first, "last": first + steps - 1,
+                 "a": tokens[r] / x["wall"], "b": tokens[r] / y["wall"],
+                 "ratio": y["wall"] / x["wall"],  # a's tokens/s over b's
+                 "fa": x["faults"] / steps, "fb": y["faults"] / steps,
+                 "ra": x.get("rss_mib") or 0, "rb": y.get("rss_mib") or 0,
+                 "mark": "V" if "validation" in x else ""})
+for w in rows:
+    print(f"r{w['round']:2d} steps {w['first']:3d}-{w['last']:3d}  {a} {w['a']:5.0f}  "
+          f"{b} {w['b']:5.0f}  {a}/{b} tok/s {w['ratio']:.3f}  faults/step {w['fa']:6.0f} "
+          f"{w['fb']:6.0f}  rss {w['ra']:5.0f} {w['rb']:5.0f} {w['mark']}")
 cuts = [int(c) for c in sys.argv[4].split(",")] if len(sys.argv) > 4 else []
-edges = [0] + cuts + [len(ratios)]
-for lo, hi in zip(edges, edges[1:]):
-    sel = ratios[lo:hi]
-    if sel:
-        print(f"rounds {lo}-{hi-1}: median {a}/{b} tok/s ratio {st.median(r[5] for r in sel):.3f} (n={len(sel)}), faults/step {st.median(r[6] for r in sel):.0f} vs {st.median(r[7] for r in sel):.0f}")
+edges = [0, *cuts, len(rows)]
+for lo, hi in zip(edges, edges[1:], strict=False):
+    block = rows[lo:hi]
+    if block:
+        med = statistics.median
+        print(f"rounds {lo}-{hi - 1}: median {a}/{b} tok/s ratio "
+              f"{med(w['ratio'] for w in block):.3f} (n={len(block)}), faults/step "
+              f"{med(w['fa'] for w in block):.0f} vs {med(w['fb'] for w in block):.0f}")
