@@ -268,6 +268,16 @@ def train_stage_args(params: Path, run: Path, *, shards: Path, tokenizer: Path,
             "--no-progress", "--no-mlflow"]
 
 
+def rss_mib() -> float | None:
+    """This process's resident memory in MiB (/proc/self/statm), or None where there is no
+    /proc to read it from."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return None
+
+
 def module_command(module: str, *args: str) -> list[str]:
     """The argv that runs bench script ``module`` in a child process of this Python."""
     return [sys.executable, "-m", module, *args]

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -52,11 +51,6 @@ from bench import harness
 
 MODES = ("notrim", "trim", "jemalloc", "tcmalloc")
 DEFAULT_MODES = "notrim,trim"
-
-
-def rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def worker(mode: str, spec: dict, steps: int) -> dict:
@@ -82,7 +76,7 @@ def worker(mode: str, spec: dict, steps: int) -> dict:
         t0 = time.perf_counter()
         runner.step()
         secs.append(time.perf_counter() - t0)
-        rss.append(rss_mib())
+        rss.append(harness.rss_mib())
     return {"mode": mode, "precision": "bf16" if bf16 else "fp32", "rss_mib": rss,
             "step_s": secs, "allocator": allocator}
 

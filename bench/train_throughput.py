@@ -405,17 +405,6 @@ class Paused:
         return out
 
 
-def resident_mib() -> float | None:
-    """This process's resident memory (VmRSS) in MiB, or None where /proc cannot say."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
 def timed_run(worker, n: int) -> dict:
     """``n`` steps of ``worker``: wall and CPU seconds and page faults, less whatever its
     validation passes took (``worker.paused``, where it has one), and the resident memory
@@ -435,7 +424,7 @@ def timed_run(worker, n: int) -> dict:
         out = {k: v - p[k] for k, v in out.items()}
         if p["passes"]:
             out["validation"] = p
-    return {**out, "rss_mib": resident_mib(), **worker.extra()}
+    return {**out, "rss_mib": harness.rss_mib(), **worker.extra()}
 
 
 def worker_main(spec: dict) -> None:

@@ -196,3 +196,14 @@ def test_a_child_imports_the_baseline_trees_library_before_this_checkouts(tmp_pa
 def test_a_ref_git_does_not_know_stops_with_gits_message(tmp_path):
     with pytest.raises(SystemExit, match="--baseline no-such-ref: git archive failed: .+"):
         harness.extract_tree("no-such-ref", tmp_path / "baseline")
+
+
+def test_rss_mib_is_the_resident_set_the_kernel_reports():
+    """rss_mib() agrees with VmRSS of /proc/self/status (kB), read right after it."""
+    if not Path("/proc/self/statm").exists():
+        pytest.skip("no /proc on this system")
+    ours = harness.rss_mib()
+    status = Path("/proc/self/status").read_text()
+    vm_rss_kib = int(next(line for line in status.splitlines()
+                          if line.startswith("VmRSS:")).split()[1])
+    assert ours == pytest.approx(vm_rss_kib / 1024, abs=2.0)

@@ -194,17 +194,6 @@ def test_no_repeats_is_an_argument_error(workers, capsys):
     assert workers == []
 
 
-def test_rss_mib_is_the_resident_set_the_kernel_reports():
-    """rss_mib() agrees with VmRSS of /proc/self/status (kB), read right after it."""
-    if not Path("/proc/self/statm").exists():
-        pytest.skip("no /proc on this system")
-    ours = memory.rss_mib()
-    status = Path("/proc/self/status").read_text()
-    vm_rss_kib = int(next(line for line in status.splitlines()
-                          if line.startswith("VmRSS:")).split()[1])
-    assert ours == pytest.approx(vm_rss_kib / 1024, abs=2.0)
-
-
 @pytest.mark.slow
 def test_a_real_run_trains_the_trainer_in_both_modes_and_records_every_step(tmp_path):
     """End to end on the toy preset: the data stages run once, each mode's worker process
