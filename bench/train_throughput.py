@@ -762,7 +762,8 @@ class Contenders:
     """The contenders of a run: ``names`` in the order given, each one's trainer contender
     without @N and /ALLOC (``base``), its batch tokens (``variant``; None: the preset's),
     its name without /ALLOC (``core``) and its C heap (``heap``; None: this process's), the
-    trainer settings by name (``trainers``: TRAINERS and the arms) and each arm's params."""
+    trainer settings by name (``trainers``: TRAINERS and the arms), each arm's params, and
+    the contenders that validate (``validating``, from --validate)."""
 
     names: list[str]
     base: dict[str, str]
@@ -772,6 +773,7 @@ class Contenders:
     arm_params: dict
     core: dict[str, str]
     heap: dict[str, str | None]
+    validating: list[str]
 
 
 def choose_contenders(args) -> Contenders:
@@ -810,7 +812,8 @@ def choose_contenders(args) -> Contenders:
         if heap[n] not in (None, "glibc") and allocator_library(heap[n]) is None:
             raise SystemExit(f"error: contender {n}: no {heap[n]} library here (e.g. "
                              f"{install_hint(heap[n])})")
-    return Contenders(names, base, variant, trainers, arms, arm_params, core, heap)
+    return Contenders(names, base, variant, trainers, arms, arm_params, core, heap,
+                      validating)
 
 
 def prepare_variants(args, c: Contenders) -> dict:
@@ -841,7 +844,7 @@ def start_workers(args, c: Contenders, data: dict, scratch: Path, threads: int,
         spec = {"name": n, "core": c.core[n], "params": str(n_params), "shards": str(n_shards),
                 "tokenizer": str(n_tokenizer), "scratch": str(scratch), "threads": threads,
                 "matmul_dtype": matmul_dtype, "train": c.trainers.get(c.base[n], {}),
-                "validate": n in args.validate.split(","),
+                "validate": n in c.validating,
                 "raw": str(Path(n_shards).parent / "raw")}  # the download stage's folder
         if spec["validate"] and not (Path(spec["raw"]) / "valid.parquet").is_file():
             raise SystemExit(f"error: --validate {n}: valid BLEU reads the raw valid split, "
