@@ -857,6 +857,18 @@ def start_workers(args, c: Contenders, data: dict, scratch: Path, threads: int,
                   f"not know, dropped: {', '.join(workers[n].info['dropped_params']) or '-'}")
 
 
+def round_line(replies: dict[str, dict], tokens: dict[str, int]) -> str:
+    """A round's progress line: each trainer's target tokens/s (``tokens`` over its reply's
+    wall seconds), the matmul rate, and each worker's resident memory after the round."""
+    line = "target tok/s: " + "  ".join(f"{n} {tokens[n] / replies[n]['wall']:.0f}"
+                                        for n in replies if n != "matmul")
+    if "matmul" in replies:
+        line += "  matmul " + "/".join(f"{v:.0f}" for v in
+                                       replies["matmul"]["gflops"].values()) + " GFLOP/s"
+    rss = [f"{n} {x['rss_mib']:.0f}" for n, x in replies.items() if x.get("rss_mib") is not None]
+    return line + ("  | RSS MiB: " + "  ".join(rss) if rss else "")
+
+
 def run_rounds(args, c: Contenders, workers: dict[str, Worker], data: dict, cfg,
                cfgs: dict) -> dict:
     """Warm-up, then --rounds alternating rounds of --steps steps per contender; each
@@ -890,12 +902,10 @@ def run_rounds(args, c: Contenders, workers: dict[str, Worker], data: dict, cfg,
                                             for s, t, _ in batches))
         for n in order:
             runs[n].append(workers[n].ask(f"run {args.steps}"))
-        line = "  ".join(f"{n} {tokens[c.variant[n]][r] / runs[n][-1]['wall']:.0f}"
-                         for n in c.names if n != "matmul")
-        if "matmul" in c.names:
-            line += "  matmul " + "/".join(f"{v:.0f}" for v in
-                                           runs["matmul"][-1]["gflops"].values()) + " GFLOP/s"
-        print(f"round {r + 1}/{args.rounds} target tok/s: {line}", flush=True)
+        last = {n: runs[n][-1] for n in c.names}
+        print(f"round {r + 1}/{args.rounds} "
+              + round_line(last, {n: tokens[c.variant[n]][r] for n in c.names if n != "matmul"}),
+              flush=True)
     # each contender's FLOPs per round: an arm's on its own shape, the others' on the preset's
     n_flops = {n: own_flops[n] if n in cfgs else span_flops[c.variant[n], spans[n]]
                for n in c.names if n != "matmul"}

@@ -191,3 +191,15 @@ def test_validate_names_trainer_contenders_of_the_run():
     for bad in ("matmul", "plain"):  # products only; not in this run
         with pytest.raises(SystemExit, match=f"--validate {bad}: name trainer contenders"):
             contenders("fast,valid,matmul", validate=bad, arm=["valid:"])
+
+
+def test_a_rounds_progress_line_gives_each_workers_rate_and_resident_memory():
+    replies = {"fast": {"wall": 2.0, "rss_mib": 1536.4},
+               "valid": {"wall": 4.0, "rss_mib": 2047.6},
+               "matmul": {"gflops": {"4096x256x1024": 71.2, "256x256x256": 40.0}},
+               "nomem": {"wall": 1.0, "rss_mib": None}}  # no /proc: no figure
+    line = throughput.round_line(replies, {"fast": 5000, "valid": 5000, "nomem": 300})
+    assert line == ("target tok/s: fast 2500  valid 1250  nomem 300  matmul 71/40 GFLOP/s"
+                    "  | RSS MiB: fast 1536  valid 2048")
+    assert throughput.round_line({"fast": {"wall": 1.0}}, {"fast": 10}) == \
+        "target tok/s: fast 10"
