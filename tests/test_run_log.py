@@ -98,3 +98,31 @@ def test_the_training_curves_name_the_best_valid_bleu_inside_its_panel(tmp_path,
     assert box.y0 <= inside.y0 and inside.y1 <= box.y1
     monkeypatch.undo()
     plt.close(fig)
+
+
+def test_the_best_bleu_legend_keeps_clear_of_a_curve_that_falls_at_the_end(tmp_path,
+                                                                          monkeypatch):
+    """A run that overfits ends with its BLEU low and late, at the panel's lower right: the
+    legend goes where it covers none of the curve's points."""
+    import matplotlib.pyplot as plt
+
+    from aiayn.plots import plot_training_curves
+
+    scores = ((2, 30.0), (4, 60.0), (6, 88.0), (8, 40.0), (10, 20.0), (12, 12.0))
+    log = RunLog([TrainRow(s, 3.0, 2.8, 1e-3, 0.5, 400, 1500.0, s / 2) for s, _ in scores],
+                 [ValidRow(s, 3.5, 3.2, 24.5, 90, b) for s, b in scores])
+    log.write(tmp_path / "train.tsv", tmp_path / "valid.tsv", tmp_path / "bleu.tsv")
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    plot_training_curves(tmp_path / "train.tsv", tmp_path / "valid.tsv", tmp_path / "c.png")
+    (fig,) = figures
+    bleu_ax = next(ax for ax in fig.axes if ax.get_title() == "validation sacreBLEU")
+    renderer = fig.canvas.get_renderer()
+    fig.draw(renderer)  # place the legend as the saved picture has it
+    legend = bleu_ax.get_legend().get_window_extent(renderer)
+    points = bleu_ax.transData.transform([(s, b) for s, b in scores])
+    covered = [scores[i] for i, (x, y) in enumerate(points)
+               if legend.x0 <= x <= legend.x1 and legend.y0 <= y <= legend.y1]
+    assert covered == []
+    monkeypatch.undo()
+    plt.close(fig)
