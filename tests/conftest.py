@@ -35,6 +35,17 @@ SENTENCES_DE = [
 ]
 
 
+PIPELINES = ("dvc.yaml", "export/dvc.yaml")  # the pipeline and the optional export one
+
+
+def dvc_stages() -> dict[str, tuple[str, dict]]:
+    """Every stage of the pipeline files by name: the file it is in, and its entry."""
+    import yaml
+
+    return {name: (file, stage) for file in PIPELINES
+            for name, stage in yaml.safe_load((REPO / file).read_text())["stages"].items()}
+
+
 def write_parallel(folder: Path, split: str, en: list[str], de: list[str],
                    pattern: str = "{split}.{lang}") -> None:
     folder.mkdir(parents=True, exist_ok=True)

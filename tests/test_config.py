@@ -17,7 +17,7 @@ from aiayn.config import (
 )
 from aiayn.errors import ParamsError
 from stages.params import compose
-from tests.conftest import REPO
+from tests.conftest import REPO, dvc_stages
 
 PRESETS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
 
@@ -178,11 +178,7 @@ def leaf_params(model: type, prefix: str = "") -> list[str]:
 
 def dvc_stage_params() -> dict[str, list[str]]:
     """Each stage's `params:` list, from dvc.yaml and the optional export/dvc.yaml."""
-    out = {}
-    for path in (REPO / "dvc.yaml", REPO / "export" / "dvc.yaml"):
-        for name, stage in yaml.safe_load(path.read_text())["stages"].items():
-            out[name] = stage.get("params", [])
-    return out
+    return {name: stage.get("params", []) for name, (_, stage) in dvc_stages().items()}
 
 
 def reads(listed: list[str], name: str) -> bool:

@@ -15,9 +15,9 @@ import ast
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.conftest import REPO
+from aiayn import kernels
+from tests.conftest import REPO, dvc_stages
 
 # Modules a stage may import without listing them: none of them changes what a stage
 # writes into data/ or the numbers in metrics/.
@@ -79,16 +79,8 @@ def code_of(cmd: str | list[str]) -> set[str]:
         assert program == "aiayn", line
         code |= import_closure(REPO / "stages" / f"{command}.py")
     if "aiayn/kernels.py" in code:
-        code.add("aiayn/csrc/cpu_kernels.cpp")
+        code.add(str(kernels._SOURCE.relative_to(REPO)))
     return code
-
-
-def pipeline_stages() -> list[tuple[str, dict]]:
-    out = []
-    for file in ("dvc.yaml", "export/dvc.yaml"):
-        stages = yaml.safe_load((REPO / file).read_text())["stages"]
-        out += [(f"{file}:{name}", stage) for name, stage in stages.items()]
-    return out
 
 
 def test_the_closure_follows_imports_inside_functions_and_through_other_modules():
@@ -96,17 +88,18 @@ def test_the_closure_follows_imports_inside_functions_and_through_other_modules(
     the command's function), the model (through the trainer) and the kernels' C++ source."""
     code = code_of("aiayn train")
     assert {"stages/train.py", "aiayn/trainer.py", "aiayn/model.py",
-            "aiayn/csrc/cpu_kernels.cpp"} <= code
+            str(kernels._SOURCE.relative_to(REPO))} <= code
     assert "aiayn/export.py" not in code  # nothing in training imports the exporter
 
 
-@pytest.mark.parametrize("name,stage", pipeline_stages(), ids=[n for n, _ in pipeline_stages()])
-def test_a_stage_depends_on_every_module_that_can_change_its_outputs(name, stage):
+@pytest.mark.parametrize("name", sorted(dvc_stages()))
+def test_a_stage_depends_on_every_module_that_can_change_its_outputs(name):
+    file, stage = dvc_stages()[name]
     deps = set(stage.get("deps", []))
     missing = sorted(code_of(stage["cmd"]) - deps - NOT_RESULTS.keys())
-    assert not missing, (f"{name} runs {missing} but does not list them under `deps:`: a change "
-                         f"there would leave its outputs stale. Add them to its deps in "
-                         f"{name.split(':')[0]}, or, if they cannot change what it writes, to "
-                         f"NOT_RESULTS in {Path(__file__).name} with the reason.")
+    assert not missing, (f"{file}: stage {name} runs {missing} but does not list them under "
+                         f"`deps:`: a change there would leave its outputs stale. Add them to "
+                         f"its deps, or, if they cannot change what it writes, to NOT_RESULTS "
+                         f"in {Path(__file__).name} with the reason.")
     for dep in deps:  # and no dependency names a file that is not there
         assert (REPO / dep).exists() or dep.startswith(("data/", "metrics/")), (name, dep)
