@@ -340,22 +340,76 @@ def write_raw_splits(source: PairSource, languages: tuple[str, str], cleaning: C
 
 def iter_raw(raw_dir: str | Path, split: str, columns: list[str] | None = None,
              batch_size: int = BATCH_SIZE) -> Iterator[Batch]:
-    """Stream a raw split back as batches ``{lang: [text, ...]}`` (bounded memory)."""
-    pf = pq.ParquetFile(_existing_raw(raw_dir, split))
-    for rb in pf.iter_batches(batch_size=batch_size, columns=columns):
+    """Stream a raw split back as batches ``{lang: [text, ...]}`` (bounded memory).
+
+    Every value is a string: a file that cannot be read, a column that is missing or not
+    text, and a null value are DataErrors naming the file (and the row).
+    """
+    pf = open_raw(raw_dir, split, columns)
+    path = raw_path(raw_dir, split)
+    batches = pf.iter_batches(batch_size=batch_size, columns=columns)
+    start = 0
+    while True:
+        try:
+            rb = next(batches)
+        except StopIteration:
+            return
+        except (pa.ArrowException, OSError) as exc:
+            raise _not_parquet(path, exc) from None
+        for name in rb.schema.names:
+            column = rb.column(name)
+            if column.null_count:
+                row = start + column.is_null().to_pylist().index(True) + 1
+                raise DataError(f"{path}, row {row}: column {name!r} is null; the download "
+                                "stage writes text on both sides of every pair: re-run "
+                                "`aiayn download`")
         yield {name: rb.column(name).to_pylist() for name in rb.schema.names}
+        start += rb.num_rows
 
 
 def _existing_raw(raw_dir: str | Path, split: str) -> Path:
+    if split not in SPLITS:
+        raise DataError(f"unknown split {split!r}: the raw splits are {', '.join(SPLITS)}")
     path = raw_path(raw_dir, split)
     if not path.is_file():
         raise DataError(f"{path}: missing; run the download stage first (`aiayn download`)")
     return path
 
 
+def _not_parquet(path: Path, exc: BaseException) -> DataError:
+    detail = " ".join(str(exc).split()) or type(exc).__name__
+    return DataError(f"{path}: not a readable parquet file ({detail}); it is damaged or was "
+                     "not written by the download stage: re-run `aiayn download`")
+
+
+def open_raw(raw_dir: str | Path, split: str,
+             columns: list[str] | None = None) -> pq.ParquetFile:
+    """The raw split's parquet file, checked: it exists and can be read, and ``columns``
+    (default: all) are there and hold strings. Each problem is a DataError naming the file."""
+    path = _existing_raw(raw_dir, split)
+    try:
+        pf = pq.ParquetFile(path)
+        schema = pf.schema_arrow
+    except (pa.ArrowException, OSError) as exc:
+        raise _not_parquet(path, exc) from None
+    names = list(schema.names)
+    for name in names if columns is None else columns:
+        if name not in names:
+            raise DataError(
+                f"{path}: no column {name!r} (columns: {', '.join(names)}); "
+                "data.src_lang/data.tgt_lang in params.yaml must name languages of the "
+                "downloaded corpus, or re-run `aiayn download` after changing them"
+            )
+        kind = schema.field(name).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise DataError(f"{path}: column {name!r} is {kind}, expected string (one sentence "
+                            "per row); re-run `aiayn download`")
+    return pf
+
+
 def raw_languages(raw_dir: str | Path) -> list[str]:
-    return list(pq.read_schema(_existing_raw(raw_dir, "train")).names)
+    return list(open_raw(raw_dir, "train").schema_arrow.names)
 
 
 def raw_rows(raw_dir: str | Path, split: str) -> int:
-    return pq.ParquetFile(_existing_raw(raw_dir, split)).metadata.num_rows
+    return open_raw(raw_dir, split).metadata.num_rows

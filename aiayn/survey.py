@@ -34,12 +34,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-import pyarrow.parquet as pq
 from numpy.lib import format as npy_format
 from tokenizers import Tokenizer
 
 from aiayn.config import SPLITS
-from aiayn.corpus import iter_raw, raw_path
+from aiayn.corpus import iter_raw, open_raw
 from aiayn.errors import DataError
 from aiayn.io import atomic_path, file_sha256, write_json
 from aiayn.tokenizer import load_tokenizer
@@ -138,19 +137,10 @@ def encode(tok: Tokenizer, texts: list[str]) -> list:
 
 
 def check_raw(raw_dir: str | Path, languages: Iterable[str]) -> None:
-    """Fail before any work if a raw split or one of the language columns is missing."""
+    """Fail before any work if a raw split is missing or unreadable, or one of the language
+    columns is missing or not text."""
     for split in SPLITS:
-        path = raw_path(raw_dir, split)
-        if not path.is_file():
-            raise DataError(f"{path}: missing; run the download stage first (`aiayn download`)")
-        names = pq.read_schema(path).names
-        for lang in languages:
-            if lang not in names:
-                raise DataError(
-                    f"{path}: no column {lang!r} (columns: {', '.join(names)}); "
-                    "data.src_lang/data.tgt_lang in params.yaml must name languages of the "
-                    "downloaded corpus, or re-run `aiayn download` after changing them"
-                )
+        open_raw(raw_dir, split, list(languages))
 
 
 def survey_lengths(tok: Tokenizer, raw_dir: str | Path, languages: Iterable[str],

@@ -9,7 +9,7 @@ import typer
 
 from aiayn.config import SPLITS
 from aiayn.corpus import iter_raw, raw_path
-from aiayn.errors import AiaynError, DataError
+from aiayn.errors import AiaynError
 from aiayn.io import write_json
 from stages.common import ParamsPath, log, read_params, single_command_app, stage
 
@@ -94,21 +94,8 @@ def score(
 
 
 def _references(raw: Path, split: str, lang: str) -> list[str]:
-    import pyarrow.parquet as pq
-
-    path = raw_path(raw, split)
-    if path.is_file():
-        names = pq.read_schema(path).names
-        if lang not in names:
-            raise DataError(
-                f"{path}: no column {lang!r} (found {', '.join(names)}); data.tgt_lang must be "
-                "a language of the raw corpus, or re-run `aiayn download`")
-    refs = [t for batch in iter_raw(raw, split, columns=[lang]) for t in batch[lang]]
-    for i, t in enumerate(refs, 1):
-        if t is None:
-            raise DataError(f"{path}, row {i}: the {lang!r} reference is null; re-run "
-                            "`aiayn download`")
-    return refs
+    # iter_raw names the file for a missing, unreadable or non-text column and a null row.
+    return [t for batch in iter_raw(raw, split, columns=[lang]) for t in batch[lang]]
 
 
 def _print_table(report: dict) -> None:

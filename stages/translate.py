@@ -10,6 +10,7 @@ import typer
 from tqdm import tqdm
 
 from aiayn.beam import BeamConfig
+from aiayn.config import SPLITS
 from aiayn.corpus import iter_raw
 from aiayn.errors import DataError
 from aiayn.io import write_text
@@ -70,6 +71,9 @@ def translate(
         else:
             lines, source = _utf8_lines(input_file.read_bytes(), str(input_file)), str(input_file)
     elif split is not None:
+        if split not in SPLITS:
+            raise DataError(f"--split {split!r}: not a split of the corpus; choose one of "
+                            f"{', '.join(SPLITS)}")
         lines = [t for b in iter_raw(raw, split, columns=[p.data.src_lang])
                  for t in b[p.data.src_lang]]
         source = f"{raw}/{split} ({p.data.src_lang})"

@@ -108,6 +108,39 @@ def _truncate_all_checkpoints(ws: Path) -> None:
         truncate(path)
 
 
+def _raw_table(rel: str, change: Callable) -> Callable[[Path], None]:
+    """Rewrite the raw split ``rel`` as ``change(table)`` gives it (a valid parquet file)."""
+    def setup(ws: Path) -> None:
+        import pyarrow.parquet as pq
+
+        pq.write_table(change(pq.read_table(ws / rel)), ws / rel)
+    return setup
+
+
+def _null_at(row: int, column: str) -> Callable:
+    def change(table):
+        import pyarrow as pa
+
+        values = table.column(column).to_pylist()
+        values[row] = None
+        return table.set_column(table.schema.get_field_index(column), column,
+                                pa.array(values, pa.string()))
+    return change
+
+
+def _ints(column: str) -> Callable:
+    def change(table):
+        import pyarrow as pa
+
+        return table.set_column(table.schema.get_field_index(column), column,
+                                pa.array(range(table.num_rows), pa.int64()))
+    return change
+
+
+def _truncate(rel: str) -> Callable[[Path], None]:
+    return lambda ws: truncate(ws / rel)
+
+
 LATIN1 = "Le café est ouvert.\n".encode("latin-1")
 
 CASES = [
@@ -145,6 +178,15 @@ CASES = [
     Case("vocab: no raw splits", ["vocab"], ["data/raw/train.parquet: missing", "aiayn download"],
          _rm("data/raw"),
          ["data/vocab"]),
+    Case("vocab: a truncated raw split", ["vocab"],
+         ["data/raw/train.parquet: not a readable parquet file", "aiayn download"],
+         _truncate("data/raw/train.parquet"), ["data/vocab", "metrics/vocab.json"]),
+    Case("vocab: a raw column not text", ["vocab"],
+         ["data/raw/train.parquet", "column 'de' is int64, expected string", "aiayn download"],
+         _raw_table("data/raw/train.parquet", _ints("de")), ["data/vocab", "metrics/vocab.json"]),
+    Case("survey: a truncated raw split", ["survey"],
+         ["data/raw/valid.parquet: not a readable parquet file", "aiayn download"],
+         _truncate("data/raw/valid.parquet"), ["data/survey", "metrics/survey.json"]),
     Case("survey: no tokenizer", ["survey"], ["tokenizer.json", "aiayn vocab"],
          _rm("data/vocab/tokenizer.json"), ["data/survey"]),
     Case("shard: no survey", ["shard"], ["data/survey", "aiayn survey"], _rm("data/survey"),
@@ -173,6 +215,22 @@ CASES = [
                                        "--no-progress"],
          ["in.txt", "line 2", "--truncate"],
          _write("in.txt", b"short\n" + b"word " * 400 + b"\n"), ["o.txt"]),
+    Case("translate: a truncated raw split", ["translate", "--split", "test", "--no-progress"],
+         ["data/raw/test.parquet: not a readable parquet file", "aiayn download"],
+         _truncate("data/raw/test.parquet"), ["data/translations"]),
+    Case("translate: data.src_lang not in the raw split",
+         ["translate", "--split", "test", "--no-progress"],
+         ["data/raw/test.parquet", "no column 'fr'", "columns: de, en"],
+         lambda ws: edit_params(ws, {"data": {"source": "local", "src_lang": "fr"}}),
+         ["data/translations"]),
+    Case("translate: an unknown split", ["translate", "--split", "tst", "--no-progress"],
+         ["--split 'tst'", "train, valid, test"], untouched=["data/translations"]),
+    Case("score: a truncated raw split", ["score", "--no-mlflow"],
+         ["data/raw/test.parquet: not a readable parquet file", "aiayn download"],
+         _truncate("data/raw/test.parquet"), ["metrics/bleu.json"]),
+    Case("score: a null reference", ["score", "--no-mlflow"],
+         ["data/raw/test.parquet, row 5", "column 'de' is null", "aiayn download"],
+         _raw_table("data/raw/test.parquet", _null_at(4, "de")), ["metrics/bleu.json"]),
     Case("score: wrong number of lines", ["score", "--no-mlflow"],
          ["test.de", "has 1 lines", "40 sentences", "aiayn translate"],
          _write("data/translations/test.de", b"one line\n"),

@@ -233,3 +233,33 @@ def test_download_stage_on_a_local_folder(tmp_path, local_corpus, cli_env):
     metrics = yaml.safe_load((tmp_path / "metrics" / "download.json").read_text())
     assert metrics["splits"]["train"] == {"read": 30, "kept": 30, "dropped": {}}
     assert read_split(tmp_path / "data" / "raw", "valid")["de"] == SENTENCES_DE[:3]
+
+
+def write_raw(folder: Path, split: str, table) -> None:
+    folder.mkdir(exist_ok=True)
+    pq.write_table(table, folder / f"{split}.parquet")
+
+
+def test_a_raw_split_is_checked_as_it_is_read(tmp_path):
+    import pyarrow as pa
+
+    raw = tmp_path / "raw"
+    en = [f"s{i}" for i in range(10)]
+    de = [f"t{i}" for i in range(10)]
+    de[7] = None
+    write_raw(raw, "valid", pa.table({"de": pa.array(de, pa.string()), "en": en}))
+    # The row is counted over the whole file (1-based), not within its batch of 3.
+    with pytest.raises(DataError, match=r"valid\.parquet, row 8: column 'de' is null"):
+        list(iter_raw(raw, "valid", columns=["en", "de"], batch_size=3))
+    assert [b["en"] for b in iter_raw(raw, "valid", columns=["en"], batch_size=4)] == \
+        [en[:4], en[4:8], en[8:]]
+    with pytest.raises(DataError, match=r"valid\.parquet: no column 'fr' \(columns: de, en\)"):
+        list(iter_raw(raw, "valid", columns=["fr"]))
+    write_raw(raw, "test", pa.table({"de": pa.array([1, 2], pa.int64()), "en": ["a", "b"]}))
+    with pytest.raises(DataError, match=r"test\.parquet: column 'de' is int64, expected string"):
+        list(iter_raw(raw, "test"))
+    (raw / "train.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(DataError, match=r"train\.parquet: not a readable parquet file"):
+        list(iter_raw(raw, "train"))
+    with pytest.raises(DataError, match=r"unknown split 'tst': the raw splits are train, valid"):
+        list(iter_raw(raw, "tst"))
