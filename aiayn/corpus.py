@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import io
 import os
+import zlib
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -80,7 +81,32 @@ class ToyPairs:
 
 
 def _open_text(path: Path) -> io.BufferedIOBase:
-    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+    try:
+        return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+    except OSError as exc:
+        raise _unreadable(path, exc) from None
+
+
+# What reading a damaged file raises: a truncated .gz ends in EOFError, plain text named .gz
+# in BadGzipFile (an OSError), a corrupt deflate stream in zlib.error.
+READ_ERRORS = (EOFError, gzip.BadGzipFile, zlib.error, OSError)
+
+
+def _unreadable(path: Path, exc: BaseException) -> DataError:
+    detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if path.suffix == ".gz":
+        fix = ("a truncated or corrupt gzip file (check it with `gzip -t`); re-create it, or, "
+               "if it is plain text, name it without .gz in data.local.pattern")
+    else:
+        fix = "check that the file is readable and re-create it if it is damaged"
+    return DataError(f"{path}: cannot be read ({detail}); {fix}")
+
+
+def _readline(f: io.BufferedIOBase, path: Path) -> bytes:
+    try:
+        return f.readline()
+    except READ_ERRORS as exc:
+        raise _unreadable(path, exc) from None
 
 
 @dataclass
@@ -140,7 +166,7 @@ class LocalPairs:
         with _open_text(pa_) as fa, _open_text(pb_) as fb:
             line = 0
             while True:
-                ra, rb = fa.readline(), fb.readline()
+                ra, rb = _readline(fa, pa_), _readline(fb, pb_)
                 if not ra and not rb:
                     break
                 line += 1
@@ -162,7 +188,10 @@ class LocalPairs:
 
 def _decode(raw: bytes, path: Path, line: int) -> str:
     try:
-        return raw.decode("utf-8").rstrip("\r\n")
+        text = raw.decode("utf-8").rstrip("\r\n")
+        # A byte-order mark (some Windows editors write one) is not part of the first sentence,
+        # and str.strip() in cleaning does not remove it.
+        return text.removeprefix("\ufeff") if line == 1 else text
     except UnicodeDecodeError as exc:
         raise DataError(
             f"{path}, line {line}: invalid UTF-8 (byte {exc.start}: "

@@ -108,6 +108,26 @@ def _truncate_all_checkpoints(ws: Path) -> None:
         truncate(path)
 
 
+def gz_corpus(ws: Path, files: dict[str, bytes]) -> None:
+    """The local corpus of :func:`local_corpus` gzipped (pattern '{split}.{lang}.gz'), with
+    ``files`` (raw bytes, not compressed) replacing some of the .gz files."""
+    import gzip
+
+    local_corpus(ws, {})
+    for path in sorted((ws / "corpus").iterdir()):
+        gz = path.with_name(path.name + ".gz")
+        gz.write_bytes(files.get(gz.name) or gzip.compress(path.read_bytes()))
+        path.unlink()
+    edit_params(ws, {"data": {"local": {"pattern": "{split}.{lang}.gz"}}})
+
+
+def _truncated_gz(ws: Path) -> bytes:
+    import gzip
+
+    data = gzip.compress("".join(f"train sentence {i} de\n" for i in range(6)).encode())
+    return data[:len(data) // 2]
+
+
 def _raw_table(rel: str, change: Callable) -> Callable[[Path], None]:
     """Rewrite the raw split ``rel`` as ``change(table)`` gives it (a valid parquet file)."""
     def setup(ws: Path) -> None:
@@ -171,6 +191,10 @@ CASES = [
          lambda ws: local_corpus(ws, {"valid.de": LATIN1 * 6}), ["data/raw"]),
     Case("corpus: a file missing", ["download"], ["test.en"],
          lambda ws: local_corpus(ws, {"test.en": None}), ["data/raw"]),
+    Case("corpus: a truncated .gz", ["download"], ["train.de.gz", "gzip -t"],
+         lambda ws: gz_corpus(ws, {"train.de.gz": _truncated_gz(ws)}), ["data/raw"]),
+    Case("corpus: plain text named .gz", ["download"], ["valid.en.gz", "without .gz"],
+         lambda ws: gz_corpus(ws, {"valid.en.gz": b"plain text\n" * 6}), ["data/raw"]),
     Case("corpus: the hub offline", ["download"], ["wmt/wmt14"],
          lambda ws: edit_params(ws, {"data": {"source": "hub"}}), ["data/raw"],
          env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}),

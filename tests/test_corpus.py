@@ -235,6 +235,44 @@ def test_download_stage_on_a_local_folder(tmp_path, local_corpus, cli_env):
     assert read_split(tmp_path / "data" / "raw", "valid")["de"] == SENTENCES_DE[:3]
 
 
+def test_a_byte_order_mark_is_not_part_of_the_first_sentence(tmp_path):
+    folder = tmp_path / "c"
+    write_parallel(folder, "train", SENTENCES_EN, SENTENCES_DE)
+    write_parallel(folder, "valid", SENTENCES_EN, SENTENCES_DE)
+    write_parallel(folder, "test", SENTENCES_EN, SENTENCES_DE)
+    for name in ("train.en", "valid.de"):
+        (folder / name).write_bytes(b"\xef\xbb\xbf" + (folder / name).read_bytes())
+    gz = tmp_path / "gz"
+    gz.mkdir()
+    for path in folder.iterdir():
+        (gz / f"{path.name}.gz").write_bytes(gzip.compress(path.read_bytes()))
+    for source, out in ((local(folder), tmp_path / "raw"),
+                        (local(gz, "{split}.{lang}.gz"), tmp_path / "raw_gz")):
+        write_raw_splits(source, LANGS, Cleaning(), out)
+        assert read_split(out, "train")["en"] == SENTENCES_EN
+        assert read_split(out, "valid")["de"] == SENTENCES_DE
+
+
+@pytest.mark.parametrize("damage", ["truncated", "plain text", "corrupt"])
+def test_an_unreadable_gz_names_the_file(tmp_path, damage):
+    folder = tmp_path / "gz"
+    folder.mkdir()
+    for split in ("train", "valid", "test"):
+        for lang, lines in (("en", SENTENCES_EN * 40), ("de", SENTENCES_DE * 40)):
+            (folder / f"{split}.{lang}.gz").write_bytes(
+                gzip.compress(("\n".join(lines) + "\n").encode()))
+    bad = folder / "valid.de.gz"
+    data = bad.read_bytes()
+    bad.write_bytes({"truncated": data[:len(data) // 2], "plain text": b"plain\n" * 6,
+                     "corrupt": data[:20] + b"\xff" * 40 + data[60:]}[damage])
+    out = previous_output(tmp_path)
+    with pytest.raises(DataError) as err:
+        write_raw_splits(local(folder, "{split}.{lang}.gz"), LANGS, Cleaning(), out)
+    assert str(err.value).startswith(f"{bad}: cannot be read (")
+    assert "gzip -t" in str(err.value)
+    assert_untouched(out)
+
+
 def write_raw(folder: Path, split: str, table) -> None:
     folder.mkdir(exist_ok=True)
     pq.write_table(table, folder / f"{split}.parquet")
