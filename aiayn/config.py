@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from aiayn.errors import ParamsError
 
@@ -75,14 +82,25 @@ class LocalSource(Strict):
     pattern: str = "{split}.{lang}"
     splits: SplitNames = SplitNames(train="train", valid="valid", test="test")
 
-    @model_validator(mode="after")
-    def _pattern(self) -> LocalSource:
+    @field_validator("pattern")
+    @classmethod
+    def _pattern(cls, pattern: str) -> str:
         for key in ("{split}", "{lang}"):
-            if key not in self.pattern:
-                raise ValueError(
-                    f"pattern {self.pattern!r} must contain {key}, e.g. '{{split}}.{{lang}}'"
-                )
-        return self
+            if key not in pattern:
+                raise ValueError(f"must contain {key}, e.g. '{{split}}.{{lang}}'")
+        # The pattern is a str.format template: any other field ({x}, {0}), an unmatched brace
+        # or a bad format spec would fail only when the download stage names the files.
+        try:
+            pattern.format(split="train", lang="en")
+        except (KeyError, IndexError, ValueError, AttributeError, TypeError) as exc:
+            what = (f"unknown placeholder {{{exc.args[0]}}}" if isinstance(exc, KeyError)
+                    else "a positional placeholder {}" if isinstance(exc, IndexError)
+                    else str(exc))
+            raise ValueError(
+                f"not a valid file-name template ({what}); only {{split}} and {{lang}} may "
+                "appear in braces (write a literal brace as {{ or }}), e.g. '{split}.{lang}.gz'"
+            ) from None
+        return pattern
 
 
 class Cleaning(Strict):

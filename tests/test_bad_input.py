@@ -195,6 +195,14 @@ CASES = [
          lambda ws: gz_corpus(ws, {"train.de.gz": _truncated_gz(ws)}), ["data/raw"]),
     Case("corpus: plain text named .gz", ["download"], ["valid.en.gz", "without .gz"],
          lambda ws: gz_corpus(ws, {"valid.en.gz": b"plain text\n" * 6}), ["data/raw"]),
+    Case("params: an unknown field in data.local.pattern", ["download"],
+         ["params.yaml", "data.local.pattern", "{x}"],
+         lambda ws: local_corpus(ws, {}) or edit_params(
+             ws, {"data": {"local": {"pattern": "{split}.{lang}.{x}"}}}), ["data/raw"]),
+    Case("params: an unmatched brace in data.local.pattern", ["download"],
+         ["params.yaml", "data.local.pattern", "Single '}'"],
+         lambda ws: local_corpus(ws, {}) or edit_params(
+             ws, {"data": {"local": {"pattern": "{split}.{lang}}"}}}), ["data/raw"]),
     Case("corpus: the hub offline", ["download"], ["wmt/wmt14"],
          lambda ws: edit_params(ws, {"data": {"source": "hub"}}), ["data/raw"],
          env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}),
