@@ -241,18 +241,22 @@ class HubPairs:
         ds = self._load(split_name)
         where = f"{self.cfg.path} ({self.cfg.name}, {split_name})"
         try:
+            start = 0
             for chunk in ds.iter(batch_size=BATCH_SIZE):
-                yield self._pairs(chunk, where)
+                batch = self._pairs(chunk, where, start)
+                start += len(batch[self.languages[0]])
+                yield batch
         except DataError:
             raise
         except Exception as exc:
             raise DataError(f"{where}: reading failed: {type(exc).__name__}: {exc}") from None
 
-    def _pairs(self, chunk: dict, where: str) -> Batch:
+    def _pairs(self, chunk: dict, where: str, start: int = 0) -> Batch:
         """One chunk of rows in either hub layout → ``{lang: [text, ...]}``.
 
         WMT-style datasets (``wmt/wmt14``) hold one column ``translation: {lang: text}``;
-        others (``bentrevett/multi30k``) one plain column per language.
+        others (``bentrevett/multi30k``) one plain column per language. A row without the
+        text of a language is an error in both; ``start`` is the chunk's first row, for it.
         """
         if "translation" not in chunk:
             missing = [lang for lang in self.languages if lang not in chunk]
@@ -262,6 +266,13 @@ class HubPairs:
                     f"{sorted(chunk)}); the hub source reads rows {{'translation': {{lang: "
                     "text}}}} or one column per language: set data.src_lang/data.tgt_lang "
                     "to languages of this dataset")
+            for lang in self.languages:
+                for i, text in enumerate(chunk[lang]):
+                    if text is None:
+                        raise DataError(
+                            f"{where}: row {start + i + 1} has no {lang} text (column {lang!r} "
+                            "is null); every row needs a sentence in both languages: fix the "
+                            "dataset, or set data.hub.path to another one")
             return {lang: list(chunk[lang]) for lang in self.languages}
         batch: Batch = {lang: [] for lang in self.languages}
         for row in chunk["translation"]:

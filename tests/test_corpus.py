@@ -273,6 +273,23 @@ def test_an_unreadable_gz_names_the_file(tmp_path, damage):
     assert_untouched(out)
 
 
+def test_a_null_cell_in_a_hub_dataset_with_one_column_per_language(tmp_path):
+    import json
+
+    folder = tmp_path / "multi30k"
+    folder.mkdir()
+    rows = [{"en": en, "de": de} for en, de in zip(SENTENCES_EN, SENTENCES_DE, strict=True)]
+    rows[4]["de"] = None
+    for name in ("train", "val", "test"):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows),
+                                              "utf-8")
+    out = previous_output(tmp_path)
+    with pytest.raises(DataError, match=r"row 5 has no de text \(column 'de' is null\)"):
+        write_raw_splits(HubPairs(HubSource(path=str(folder), name=None), LANGS), LANGS,
+                         Cleaning(), out)
+    assert_untouched(out)
+
+
 def write_raw(folder: Path, split: str, table) -> None:
     folder.mkdir(exist_ok=True)
     pq.write_table(table, folder / f"{split}.parquet")
