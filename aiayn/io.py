@@ -96,6 +96,24 @@ def _umask() -> int:
     return mask
 
 
+def check_output_path(final: str | Path, *, directory: bool = False) -> None:
+    """Refuse an output path that can never be written, before any work: a folder where a
+    file output goes (``directory=False``), or a file where a folder on the way is needed.
+    Stages call it on their output options up front; :func:`atomic_path` calls it too."""
+    final = Path(final)
+    if not directory and final.is_dir():
+        raise OutputError(
+            f"{final}: is a folder, but this output is a file; name a file (e.g. a path inside "
+            "that folder) or move the folder away, and run the same command again")
+    for parent in final.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise OutputError(
+                    f"{final}: cannot be written because {parent} is a file, not a folder; "
+                    "name another path or move that file away")
+            break
+
+
 @contextlib.contextmanager
 def atomic_path(final: str | Path, *, directory: bool = False,
                 needed: int | None = None) -> Iterator[Path]:
@@ -108,6 +126,7 @@ def atomic_path(final: str | Path, *, directory: bool = False,
     the expected size in bytes, if given).
     """
     final = Path(final)
+    check_output_path(final, directory=directory)
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         if directory:

@@ -9,7 +9,7 @@ import typer
 from tqdm import tqdm
 
 from aiayn.corpus import make_source, write_raw_splits
-from aiayn.io import write_json
+from aiayn.io import check_output_path, write_json
 from stages.common import ParamsPath, log, read_params, single_command_app, stage
 
 
@@ -31,6 +31,8 @@ def download(
     unless `data.clean.clean_test` is set. OUT is replaced only when all splits succeed.
     """
     p = read_params(params)
+    check_output_path(out, directory=True)
+    check_output_path(metrics)
     source = make_source(p.data, root=params.resolve().parent)
     log.info("download: %s, languages %s", source.describe(), "+".join(p.data.languages))
     bars: dict[str, tqdm] = {}

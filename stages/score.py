@@ -10,7 +10,7 @@ import typer
 from aiayn.config import SPLITS
 from aiayn.corpus import iter_raw, raw_path
 from aiayn.errors import AiaynError
-from aiayn.io import write_json
+from aiayn.io import check_output_path, write_json
 from stages.common import ParamsPath, log, read_params, single_command_app, stage
 
 NOTE = (
@@ -62,6 +62,7 @@ def score(
     from aiayn.scoring import score_files
 
     p = read_params(params)
+    check_output_path(metrics)
     if split not in SPLITS:
         raise AiaynError(f"--split {split!r}: choose one of {', '.join(SPLITS)}")
     src, tgt = p.data.src_lang, p.data.tgt_lang

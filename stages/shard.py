@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from tqdm import tqdm
 
-from aiayn.io import write_json
+from aiayn.io import check_output_path, write_json
 from aiayn.shards import build_shards, check_inputs
 from stages.common import ParamsPath, log, read_params, single_command_app, stage
 
@@ -36,6 +36,8 @@ def shard(
     when every split succeeded.
     """
     p = read_params(params)
+    check_output_path(out, directory=True)
+    check_output_path(metrics)
     languages = p.data.languages
     meta = check_inputs(survey, vocab, languages)
     total = sum(entry["rows"] for entry in meta["splits"].values())

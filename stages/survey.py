@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from aiayn.config import SPLITS
 from aiayn.corpus import raw_rows
-from aiayn.io import atomic_path, write_json
+from aiayn.io import atomic_path, check_output_path, write_json
 from aiayn.survey import build_survey, check_raw, histogram, plot_histogram, summarize
 from stages.common import ParamsPath, log, read_params, single_command_app, stage
 
@@ -38,6 +38,9 @@ def survey(
     every split succeeded.
     """
     p = read_params(params)
+    check_output_path(out, directory=True)
+    for path in (metrics, plot_data, plot_image):
+        check_output_path(path)
     langs = list(p.data.languages)
     check_raw(raw, langs)
     total = sum(raw_rows(raw, split) for split in SPLITS)

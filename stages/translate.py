@@ -13,7 +13,7 @@ from aiayn.beam import BeamConfig
 from aiayn.config import SPLITS
 from aiayn.corpus import iter_raw
 from aiayn.errors import DataError
-from aiayn.io import write_text
+from aiayn.io import check_output_path, write_text
 from stages.common import ParamsPath, log, read_params, single_command_app, stage
 
 
@@ -83,6 +83,8 @@ def translate(
     else:
         raise DataError("nothing to translate: give sentences as arguments, --input FILE, "
                         "--split test, or pipe text into standard input")
+    if out is not None:
+        check_output_path(out)  # before loading the model and decoding, not after
     translator = load_engine(engine, model or default_model_dir(engine), device=device,
                              precision=precision)
     with tqdm(total=len(lines), desc="translate", unit=" sent", disable=not progress,

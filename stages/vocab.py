@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from aiayn.corpus import iter_raw, raw_languages, raw_rows
 from aiayn.errors import DataError
-from aiayn.io import write_json
+from aiayn.io import check_output_path, write_json
 from aiayn.tokenizer import UNK_ID, encode_ids, save_tokenizer, train_bpe
 from stages.common import ParamsPath, log, read_params, single_command_app, stage
 
@@ -45,6 +45,8 @@ def vocab(
     rate and the mean tokens per sentence for each language. Decoding is lossless.
     """
     p = read_params(params)
+    check_output_path(out)
+    check_output_path(metrics)
     langs = raw_languages(raw)
     missing = [lang for lang in p.data.languages if lang not in langs]
     if missing:

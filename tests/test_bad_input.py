@@ -216,6 +216,8 @@ CASES = [
     Case("vocab: a raw column not text", ["vocab"],
          ["data/raw/train.parquet", "column 'de' is int64, expected string", "aiayn download"],
          _raw_table("data/raw/train.parquet", _ints("de")), ["data/vocab", "metrics/vocab.json"]),
+    Case("vocab: --out a folder", ["vocab", "--out", "data/vocab"],
+         ["data/vocab", "is a folder"], untouched=["data/vocab", "metrics/vocab.json"]),
     Case("survey: a truncated raw split", ["survey"],
          ["data/raw/valid.parquet: not a readable parquet file", "aiayn download"],
          _truncate("data/raw/valid.parquet"), ["data/survey", "metrics/survey.json"]),
@@ -257,6 +259,9 @@ CASES = [
          ["data/translations"]),
     Case("translate: an unknown split", ["translate", "--split", "tst", "--no-progress"],
          ["--split 'tst'", "train, valid, test"], untouched=["data/translations"]),
+    Case("translate: --out a folder", ["translate", "--input", "in.txt", "--out", "data/model",
+                                       "--no-progress"],
+         ["data/model", "is a folder"], _write("in.txt", b"a b c\n"), ["data/model"]),
     Case("score: a truncated raw split", ["score", "--no-mlflow"],
          ["data/raw/test.parquet: not a readable parquet file", "aiayn download"],
          _truncate("data/raw/test.parquet"), ["metrics/bleu.json"]),
@@ -355,3 +360,16 @@ def test_an_empty_input_translates_to_an_empty_output(workspace, tmp_path, monke
                                    "--no-progress"])
     assert res.exit_code == 0, res.output
     assert (ws / "o.txt").read_bytes() == b""
+
+
+def test_an_output_path_that_is_a_folder_stops_the_stage_before_its_work(workspace, tmp_path,
+                                                                         monkeypatch):
+    from stages.cli import app
+
+    ws = tmp_path / "ws"
+    shutil.copytree(workspace, ws)
+    monkeypatch.chdir(ws)
+    res = CliRunner().invoke(app, ["vocab", "--metrics", "data"])
+    assert res.exit_code == 2, res.output
+    assert "error: data: is a folder" in res.stderr
+    assert "training BPE" not in res.stderr  # refused before, not after, the training

@@ -7,7 +7,8 @@ import stat
 
 import pytest
 
-from aiayn.io import atomic_path, read_json, write_json
+from aiayn.errors import OutputError
+from aiayn.io import atomic_path, check_output_path, read_json, write_json
 
 
 def mode(path) -> int:
@@ -49,3 +50,16 @@ def test_folder_is_replaced_whole(tmp_path):
         (tmp / "fresh").write_text("fresh")
     assert [p.name for p in (tmp_path / "d").iterdir()] == ["fresh"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+
+
+def test_a_folder_where_a_file_goes_is_refused_before_the_work(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "kept").write_text("kept")
+    with pytest.raises(OutputError, match=r"out: is a folder, but this output is a file"):
+        with atomic_path(tmp_path / "out"):
+            pytest.fail("the body ran: the work would have been done for nothing")
+    (tmp_path / "file").write_text("a file")
+    with pytest.raises(OutputError, match=r"file is a file, not a folder"):
+        check_output_path(tmp_path / "file" / "sub" / "m.json")
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["kept"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "out"]
