@@ -141,6 +141,7 @@ def atomic_path(final: str | Path, *, directory: bool = False,
         if exc.errno in WRITE_ERRNOS:
             raise write_failed(final, exc, needed) from None
         raise
+    old = None
     try:
         yield tmp
         # mkstemp/mkdtemp create private (0600/0700) paths; give the result the permissions
@@ -148,16 +149,23 @@ def atomic_path(final: str | Path, *, directory: bool = False,
         if tmp.exists():
             os.chmod(tmp, (0o777 if directory else 0o666) & ~_umask())
         if directory:
-            old = None
             if final.exists():
                 old = final.with_name(f".{final.name}.old-{os.getpid()}")
                 os.replace(final, old)
             os.replace(tmp, final)
             if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+                moved, old = old, None  # final is the new folder now: the old one may go
+                if moved.is_dir():
+                    shutil.rmtree(moved, ignore_errors=True)
+                else:
+                    moved.unlink(missing_ok=True)
         else:
             os.replace(tmp, final)
     except BaseException as exc:
+        # Stopped between the two renames (an interrupt, a failing rename): put the previous
+        # output back under its name rather than leave it hidden as .NAME.old-PID.
+        if old is not None and not final.exists() and old.exists():
+            os.replace(old, final)
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)
         else:

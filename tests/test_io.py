@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +64,25 @@ def test_a_folder_where_a_file_goes_is_refused_before_the_work(tmp_path):
         check_output_path(tmp_path / "file" / "sub" / "m.json")
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["kept"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "out"]
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, OSError])
+def test_a_stop_between_the_two_renames_puts_the_previous_folder_back(tmp_path, monkeypatch,
+                                                                     interrupt):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "old").write_text("old")
+    real_replace = os.replace
+
+    def replace(src, dst):
+        # The second rename, the new folder into place, is where the stop comes.
+        if Path(dst) == tmp_path / "d" and Path(src).name.endswith(".tmp"):
+            raise interrupt("stopped between the renames")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(interrupt), atomic_path(tmp_path / "d", directory=True) as tmp:
+        (tmp / "new").write_text("new")
+    monkeypatch.undo()
+    assert [p.name for p in (tmp_path / "d").iterdir()] == ["old"]
+    assert (tmp_path / "d" / "old").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
