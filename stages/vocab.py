@@ -9,7 +9,7 @@ import numpy as np
 import typer
 from tqdm import tqdm
 
-from aiayn.corpus import iter_raw, raw_languages, raw_rows
+from aiayn.corpus import iter_raw, open_raw, raw_languages, raw_rows
 from aiayn.errors import DataError
 from aiayn.io import check_output_path, write_json
 from aiayn.tokenizer import UNK_ID, encode_ids, save_tokenizer, train_bpe
@@ -52,6 +52,7 @@ def vocab(
     if missing:
         raise DataError(f"{raw}/train.parquet has columns {langs}, not {missing}; "
                         "re-run `aiayn download` after changing data.src_lang/tgt_lang")
+    open_raw(raw, "valid", langs)  # measured on after training: fail now if it cannot be
     n_rows = raw_rows(raw, "train")
     n_pairs = min(n_rows, p.vocab.max_pairs) if p.vocab.max_pairs else n_rows
     n_sentences = n_pairs * len(langs)
@@ -72,8 +73,9 @@ def vocab(
                     yield chosen
 
         tok = train_bpe(texts(), p.vocab.vocab_size, p.vocab.min_frequency, length=n_sentences)
-    save_tokenizer(tok, out)
 
+    # Everything that can fail on bad input comes before the first write, so that a failure
+    # leaves OUT and METRICS as they were, not a new tokenizer beside old metrics.
     summary: dict = {"size": tok.get_vocab_size(), "requested_size": p.vocab.vocab_size,
                      "min_frequency": p.vocab.min_frequency, "trained_on_pairs": n_pairs,
                      "measured_on": "valid"}
@@ -86,6 +88,7 @@ def vocab(
         total = int(np.sum(lengths))
         summary[lang] = {"mean_tokens_per_sentence": float(np.mean(lengths)),
                          "unknown_rate": unknown / max(total, 1)}
+    save_tokenizer(tok, out)
     write_json(metrics, summary)
     log.info("vocab: %d tokens; valid tokens/sentence %s", tok.get_vocab_size(),
              {lang: round(summary[lang]["mean_tokens_per_sentence"], 1) for lang in langs})

@@ -216,6 +216,13 @@ CASES = [
     Case("vocab: a raw column not text", ["vocab"],
          ["data/raw/train.parquet", "column 'de' is int64, expected string", "aiayn download"],
          _raw_table("data/raw/train.parquet", _ints("de")), ["data/vocab", "metrics/vocab.json"]),
+    # The tokenizer differs from the workspace's (another size): the failure, found after
+    # training, must leave the old one in place, not a new tokenizer beside old metrics.
+    Case("vocab: a null in the valid split", ["vocab"],
+         ["data/raw/valid.parquet, row 3", "column 'de' is null", "aiayn download"],
+         _all(lambda ws: edit_params(ws, {"vocab": {"vocab_size": 300}}),
+              _raw_table("data/raw/valid.parquet", _null_at(2, "de"))),
+         ["data/vocab", "metrics/vocab.json"]),
     Case("vocab: --out a folder", ["vocab", "--out", "data/vocab"],
          ["data/vocab", "is a folder"], untouched=["data/vocab", "metrics/vocab.json"]),
     Case("survey: a truncated raw split", ["survey"],
