@@ -3,10 +3,16 @@
 `dvc exp run -S experiment=NAME` composes conf/config.yaml with Hydra and overwrites
 params.yaml; this command performs the same composition by hand (for `dvc repro` and the
 stage commands), validates the result, and can check that params.yaml is up to date.
+
+`dvc exp run -S key=value` composes conf/config.yaml anew too, with the preset its defaults
+list names, not the one params.yaml was made from. So writing the repository's params.yaml
+with a preset also makes that preset conf/config.yaml's default: the experiments a user
+runs next build on the preset chosen, not on the committed default.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -42,6 +48,31 @@ def compose(conf_dir: Path, experiment: str | None, overrides: list[str]) -> str
                           f"{', '.join(presets)}") from None
     OmegaConf.resolve(cfg)
     return OmegaConf.to_yaml(cfg)
+
+
+_DEFAULT_EXPERIMENT = re.compile(r"^(\s*-\s*experiment\s*:\s*)([^\s#]+)(.*)$", re.MULTILINE)
+
+
+def default_experiment(conf_dir: Path) -> str | None:
+    """The preset conf_dir/config.yaml's defaults list names (``- experiment: NAME``)."""
+    found = _DEFAULT_EXPERIMENT.search((conf_dir / "config.yaml").read_text(encoding="utf-8"))
+    return found.group(2) if found else None
+
+
+def set_default_experiment(conf_dir: Path, name: str) -> bool:
+    """Make ``name`` the preset of conf_dir/config.yaml's defaults list, editing that one
+    line (comments and the rest stay); whether the file changed."""
+    path = conf_dir / "config.yaml"
+    text = path.read_text(encoding="utf-8")
+    new, count = _DEFAULT_EXPERIMENT.subn(lambda m: m.group(1) + name + m.group(3), text,
+                                          count=1)
+    if count == 0:
+        raise ParamsError(f"{path}: its defaults list names no `- experiment: NAME`, so "
+                          "`dvc exp run` would compose no preset; add one")
+    if new == text:
+        return False
+    write_text(path, new)
+    return True
 
 
 def differences(a: dict, b: dict, prefix: str = "") -> dict[str, Any]:
@@ -81,7 +112,9 @@ def params(
     """Compose conf/config.yaml with an experiment preset into params.yaml and validate it.
 
     Reads: CONF/config.yaml and CONF/experiment/EXPERIMENT.yaml. Writes: OUT (atomically;
-    nothing with --check).
+    nothing with --check). When OUT is the params.yaml beside CONF (the one DVC composes),
+    EXPERIMENT also becomes CONF/config.yaml's default preset, so that `dvc exp run -S
+    key=value` experiments build on it.
 
     Examples: `aiayn params multi30k`, `aiayn params demo train.lr_scale=2`,
     `aiayn params --check`. Under `dvc exp run -S experiment=NAME` DVC does this itself.
@@ -98,6 +131,15 @@ def params(
         return
     write_text(out, text)
     log.info("wrote %s (%s)", out, experiment or "default experiment")
+    if out.resolve() != conf.resolve().parent / "params.yaml":
+        return  # not the params.yaml that `dvc exp run` composes
+    if experiment and set_default_experiment(conf, experiment):
+        log.info("%s/config.yaml: the default preset is now %s, so that `dvc exp run -S "
+                 "key=value` builds on it (it composes conf/ anew)", conf, experiment)
+    if overrides:
+        log.warning("%s are in %s only: `dvc exp run` composes %s/ anew and drops them; "
+                    "pass them to it with -S too, or put them in a preset",
+                    " ".join(overrides), out, conf)
 
 
 app = single_command_app(params, "Compose params.yaml from conf/.")

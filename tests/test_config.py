@@ -61,6 +61,50 @@ def test_overrides_compose_like_dvc_exp_run():
     assert p.vocab.vocab_size == 777
 
 
+def test_a_preset_written_to_params_yaml_becomes_the_one_dvc_exp_run_composes(tmp_path,
+                                                                               caplog):
+    """`dvc exp run -S key=value` composes conf/config.yaml anew, with the preset its
+    defaults list names: after `aiayn params multi30k` that must be multi30k, or the
+    experiment would run the committed default (demo) with the one change."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from stages.params import app, default_experiment
+
+    shutil.copytree(REPO / "conf", tmp_path / "conf")
+    before = (tmp_path / "conf/config.yaml").read_text()
+    assert default_experiment(tmp_path / "conf") == "demo"
+    runner = CliRunner()
+    # another file than the repository's params.yaml: conf/ stays as it is
+    result = runner.invoke(app, ["multi30k", "--conf", str(tmp_path / "conf"),
+                                 "--out", str(tmp_path / "elsewhere.yaml")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "conf/config.yaml").read_text() == before
+    out = tmp_path / "params.yaml"
+    result = runner.invoke(app, ["multi30k", "--conf", str(tmp_path / "conf"), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    after = (tmp_path / "conf/config.yaml").read_text()
+    assert default_experiment(tmp_path / "conf") == "multi30k"
+    # that one line changed, comments and all else kept
+    changed = [(a, b) for a, b in zip(before.splitlines(), after.splitlines(), strict=True)
+               if a != b]
+    assert changed == [("  - experiment: demo", "  - experiment: multi30k")]
+    # what dvc exp run -S train.lr_scale=2 composes is multi30k's, with the one change
+    composed = yaml.safe_load(compose(tmp_path / "conf", None, ["train.lr_scale=2"]))
+    expected = yaml.safe_load(out.read_text())
+    expected["train"]["lr_scale"] = 2
+    assert composed == expected
+    assert runner.invoke(app, ["--check", "--conf", str(tmp_path / "conf"),
+                               "--out", str(out)]).exit_code == 0
+    # overrides cannot go into conf/: a warning says so
+    result = runner.invoke(app, ["demo", "train.lr_scale=3", "--conf", str(tmp_path / "conf"),
+                                 "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert default_experiment(tmp_path / "conf") == "demo"
+    assert "train.lr_scale=3 are in" in caplog.text + result.output
+
+
 def bad(mutate) -> str:
     raw = copy.deepcopy(committed())
     mutate(raw)
