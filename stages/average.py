@@ -112,7 +112,8 @@ def average(
     }
     summary = {"average": how, "averaged": len(chosen), "first_step": steps[0],
                "last_step": steps[-1],
-               "candidates": {str(n): round(score, 4) for n, score in scores.items()}}
+               "candidates": {str(n): round(score, 4) for n, score in scores.items()},
+               **({"candidates_beam": p.train.valid_bleu_beam} if scores else {})}
     export_model(out, weights, config, extra_files={"tokenizer.json": tokenizer})
     write_json(metrics, summary)
     log.info("average: wrote %s (steps %s)", out, steps)

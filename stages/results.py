@@ -49,6 +49,9 @@ def results(
                     "(`dvc repro`, or `make demo`)", fg=typer.colors.RED, err=True)
         raise typer.Exit(code=1)
     echo = typer.echo
+    average = _read(metrics / "average.json")
+    if stale := _stale(train, average):
+        typer.secho(f"note: {stale}", fg=typer.colors.YELLOW)
     echo(f"Results of the last run ({bleu['direction']}, {bleu['split']} split, "
          f"{bleu['sentences']} sentences):")
     echo(f"  sacreBLEU       {bleu['sacrebleu']['score']:6.2f}  {bleu['sacrebleu']['signature']}")
@@ -70,11 +73,12 @@ def results(
         if train.get("stopped_by") == "time budget":
             echo(f"                  stopped by the time budget (train.max_minutes "
                  f"{train['max_minutes']:g})")
+        elif train.get("stopped_by") == "interrupted":
+            echo("                  interrupted (run the train stage again to resume)")
         if train.get("best_valid_bleu") is not None:
             echo(f"  valid BLEU      {train['best_valid_bleu']:6.2f}  best while training, at "
                  f"step {train['best_valid_bleu_step']} (last {train['valid_bleu']:.2f}; "
                  f"{train['valid_bleu_share']:.1%} of the training time)")
-    average = _read(metrics / "average.json")
     if average:
         steps = (f"step {average['last_step']}" if average["averaged"] == 1 else
                  f"steps {average['first_step']}..{average['last_step']}")
@@ -83,7 +87,9 @@ def results(
         if average.get("candidates"):
             tried = ", ".join(f"{n}: {score:.2f}" for n, score in
                               sorted(average["candidates"].items(), key=lambda kv: int(kv[0])))
-            echo(f"                  chosen by greedy valid sacreBLEU of each count ({tried})")
+            beam = average.get("candidates_beam")
+            how = ("greedy" if beam == 1 else f"beam-{beam}" if beam else "the") + " valid"
+            echo(f"                  chosen by {how} sacreBLEU of each count ({tried})")
     echo("Where things are:")
     echo(f"  numbers         {metrics}/*.json   (dvc metrics show; dvc exp show)")
     echo(f"  curves          {metrics}/training_curves.png, {metrics}/survey_hist.png   "
@@ -102,6 +108,23 @@ def results(
                  "(then http://127.0.0.1:5000/#/experiments?workflowType=machine_learning, experiment 'aiayn': MLflow's model-training view)")
     else:
         echo("  MLflow run      none recorded (trained with --no-mlflow?)")
+
+
+def _stale(train: dict | None, average: dict | None) -> str | None:
+    """Why the scores may not be those of the training in METRICS/train.json (None: no
+    sign of it): training was interrupted after the model was averaged, or it went on past
+    the checkpoints the model averages."""
+    if not train:
+        return None
+    if train.get("stopped_by") == "interrupted":
+        return (f"training was interrupted at step {train['steps']}; the scores below are "
+                "those of the model averaged before it. Run `dvc repro` (training resumes) "
+                "to bring them up to date.")
+    if average and average.get("average") == "last" and average["last_step"] != train["steps"]:
+        return (f"the model averages checkpoints up to step {average['last_step']}, but "
+                f"training is at step {train['steps']}; run `dvc repro` to bring the scores "
+                "up to date.")
+    return None
 
 
 def _table3(out: Path, runs: list[Path] | None = None) -> None:

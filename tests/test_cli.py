@@ -108,6 +108,38 @@ def test_results_prints_the_numbers_of_the_metrics_files(tmp_path):
     assert "MLflow run      none recorded" in result.output
 
 
+@pytest.mark.parametrize("stopped_by,last_step,note", [
+    ("steps", 1683, None),
+    ("interrupted", 1500, "training was interrupted at step 1683"),
+    ("time budget", 1500, "the model averages checkpoints up to step 1500, but training is at "
+     "step 1683"),
+])
+def test_results_say_when_the_scores_are_not_those_of_the_last_training(
+        tmp_path, stopped_by, last_step, note):
+    from aiayn.io import write_json
+
+    metrics = tmp_path / "metrics"
+    write_json(metrics / "bleu.json", {
+        "direction": "en-de", "split": "test", "sentences": 10, "hypotheses": "h",
+        "sacrebleu": {"score": 30.0, "signature": "s"}, "chrf": {"score": 50.0, "signature": "c"},
+        "tokenized_bleu": {"score": 30.0}})
+    write_json(metrics / "train.json", {
+        "steps": 1683, "valid_ppl": 5.0, "wall_time_s": 60.0, "tokens_per_s": 1000.0,
+        "precision": "fp32", "device": "cpu", "stopped_by": stopped_by, "max_minutes": 55})
+    write_json(metrics / "average.json", {
+        "average": "last", "averaged": 1, "first_step": last_step, "last_step": last_step,
+        "candidates": {"1": 30.0, "3": 29.0}, "candidates_beam": 4})
+    result = CliRunner().invoke(app, ["results", "--metrics", str(metrics),
+                                      "--checkpoints", str(tmp_path / "none"),
+                                      "--model", str(tmp_path / "none")])
+    assert result.exit_code == 0, result.output
+    assert "chosen by beam-4 valid sacreBLEU of each count" in result.output
+    if note is None:
+        assert "note:" not in result.output
+    else:
+        assert "note: " + note in " ".join(result.output.split())
+
+
 def test_results_before_any_run_says_what_to_run(tmp_path):
     result = CliRunner().invoke(app, ["results", "--metrics", str(tmp_path)])
     assert result.exit_code == 1
