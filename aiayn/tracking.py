@@ -127,9 +127,18 @@ def load_run_id(path: Path, tracking_uri: str | None = None) -> str | None:
         return None
     run_id = data.get("run_id")
     saved_uri = data.get("tracking_uri")
-    if tracking_uri is not None and saved_uri and saved_uri != tracking_uri:
+    if tracking_uri is not None and saved_uri and not same_store(saved_uri, tracking_uri):
         return None
     return run_id if isinstance(run_id, str) and run_id else None
+
+
+def same_store(a: str, b: str) -> bool:
+    """Whether two tracking URIs name one store: equal, or SQLite URIs of one database file
+    (``sqlite:///mlflow.db`` run in the repository and the absolute URI a DVC stage saved)."""
+    if a == b:
+        return True
+    pa, pb = sqlite_path(a), sqlite_path(b)
+    return pa is not None and pb is not None and pa.resolve() == pb.resolve()
 
 
 class Tracker:
@@ -218,14 +227,17 @@ class Tracker:
                     _retry_locked(self._log_params, run, flatten_params(params))
                     new_tags = {**_default_tags(), **(tags or {})}
                     owner = run.data.tags.get("dvc_experiment")
-                    if owner and new_tags.get("dvc_experiment", owner) != owner:
-                        # A run belongs to the experiment that made it. Another one that
-                        # resumes it (its train stage re-ran on the same checkpoints, e.g.
-                        # after a code change, and found the training finished) must not
-                        # take it over: its later stages would then log their scores into
-                        # this run instead of a child run of it.
-                        log.info("MLflow: run %s belongs to experiment %s; %s resumes it "
-                                 "without taking it over", self._run_id, owner,
+                    resumed = run_id is not None and run.info.run_id == run_id
+                    if resumed and new_tags.get("dvc_experiment", owner) != owner:
+                        # A run belongs to the experiment that made it, or to the workspace
+                        # (`dvc repro`: no experiment). Another one that resumes it (its
+                        # train stage re-ran on the same checkpoints, e.g. after a code
+                        # change, and found the training finished) must not take it over:
+                        # its later stages would then log their scores into this run
+                        # instead of a child run of it.
+                        log.info("MLflow: run %s belongs to %s; %s resumes it without "
+                                 "taking it over", self._run_id,
+                                 f"experiment {owner}" if owner else "the workspace",
                                  new_tags["dvc_experiment"])
                         del new_tags["dvc_experiment"]
                     _retry_locked(self._log_tags, new_tags)

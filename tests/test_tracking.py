@@ -217,6 +217,17 @@ def test_run_id_file_round_trip(tmp_path: Path) -> None:
     assert load_run_id(path) is None
 
 
+def test_a_run_id_saved_for_the_absolute_sqlite_uri_is_found_by_the_relative_one(
+        tmp_path: Path, monkeypatch) -> None:
+    # A DVC stage saves the absolute URI of the repository's mlflow.db; a stage run by hand
+    # in the repository uses sqlite:///mlflow.db, the same file.
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "mlflow_run.json"
+    save_run_id(path, "abc123", tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    assert load_run_id(path, tracking_uri="sqlite:///mlflow.db") == "abc123"
+    assert load_run_id(path, tracking_uri="sqlite:///other.db") is None
+
+
 def test_disabled_tracker_is_a_no_op(tmp_path: Path) -> None:
     tracker = Tracker(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", enabled=False)
     assert tracker.start("run", PARAMS, tags={"a": "b"}) is None
@@ -533,6 +544,38 @@ def test_an_experiment_whose_train_stage_resumes_a_finished_run_does_not_take_it
     assert kid.info.run_name == "best" and kid.data.tags["mlflow.parentRunId"] == base
     assert kid.data.metrics == {"test/sacrebleu": 29.0}
     assert parent.info.status == "FINISHED" and parent.info.end_time == ended
+
+
+def test_an_experiment_does_not_take_over_a_run_that_dvc_repro_made(tmp_path, monkeypatch):
+    # `dvc repro` made the training run (no experiment); `dvc exp run -n b2 -S
+    # decode.beam=2` then re-runs train (a code change), which resumes that finished run.
+    # b2's scores go to a child run; the workspace's run keeps its own.
+    from aiayn.tracking import log_into_run
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.delenv("DVC_EXP_NAME", raising=False)
+    run_file = tmp_path / "mlflow_run.json"
+    train = Tracker()
+    base = train.start("aiayn", {"decode": {"beam": 4}})
+    train.end()
+    save_run_id(run_file, base, uri)
+    assert log_into_run(run_file, "score", {"test/sacrebleu": 30.0}) == base
+
+    monkeypatch.setenv("DVC_EXP_NAME", "b2")
+    again = Tracker()
+    assert again.start("b2", {"decode": {"beam": 2}}, run_id=base) == base
+    again.end(unchanged=True)
+    child = log_into_run(run_file, "score", {"test/sacrebleu": 29.0},
+                         params={"decode": {"beam": 2}})
+    assert child not in (None, base)
+    client = MlflowClient(uri)
+    parent, kid = client.get_run(base), client.get_run(child)
+    assert "dvc_experiment" not in parent.data.tags
+    assert parent.data.metrics["test/sacrebleu"] == 30.0
+    assert kid.data.tags["dvc_experiment"] == "b2"
+    assert kid.data.tags["mlflow.parentRunId"] == base
+    assert kid.data.metrics == {"test/sacrebleu": 29.0}
 
 
 def test_a_resumed_run_that_goes_on_ends_at_its_new_end(tmp_path):
