@@ -192,6 +192,13 @@ def read_lines(path: Path) -> list[str]:
         raise DataError(
             f"{path}, line {line}: invalid UTF-8; the translations must be UTF-8 text, "
             "re-run `aiayn translate`") from None
+    return text_lines(text)
+
+
+def text_lines(text: str) -> list[str]:
+    """``text`` split at ``\\n`` only, as sacreBLEU's command line and `wc -l` count lines
+    (not at the other breaks of ``str.splitlines``: U+2028, form feed, U+0085, a lone CR);
+    a final newline ends the last line, and a CR before a newline goes with it."""
     if not text:
         return []
     lines = text.split("\n")

@@ -2,12 +2,14 @@
 
 Inputs are sorted by length into batches (similar lengths waste little padding), decoded
 together, detokenized with the shared BPE (lossless, so no Moses detokenizer guesses), and
-returned in the original order. An empty line gives an empty line.
+returned in the original order. An empty line gives an empty line, and every output is one
+line (a line break the model writes becomes a space).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Sequence
 from copy import deepcopy
 from dataclasses import dataclass
@@ -67,12 +69,22 @@ class BatchTranslator:
             chunk = todo[start:start + batch_size]
             best = self.decode_batch([ids[i] for i in chunk], cfg)
             for i, hyp in zip(chunk, best, strict=True):
-                out[i] = decode(self.tokenizer, hyp)
+                out[i] = one_line(decode(self.tokenizer, hyp))
             if progress:
                 progress(len(chunk))
         if progress:
             progress(len(lines) - len(todo))  # empty lines count as done
         return out
+
+
+def one_line(text: str) -> str:
+    """A translation as one line: the line breaks a model may write (the byte-level
+    vocabulary holds them; an undertrained model does emit them) become spaces, or the
+    output file would no longer hold one line per input line."""
+    return _BREAKS.sub(" ", text) if "\n" in text or "\r" in text else text
+
+
+_BREAKS = re.compile(r"[ \t]*[\r\n]+[ \t]*")
 
 
 def source_batch(sources: list[list[int]]) -> Tensor:

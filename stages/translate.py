@@ -14,6 +14,7 @@ from aiayn.config import SPLITS
 from aiayn.corpus import iter_raw
 from aiayn.errors import DataError
 from aiayn.io import check_output_path, write_text
+from aiayn.scoring import text_lines
 from stages.common import ParamsPath, log, read_params, single_command_app, stage
 
 
@@ -105,9 +106,11 @@ def translate(
 
 
 def _utf8_lines(data: bytes, name: str) -> list[str]:
-    """The lines of UTF-8 ``data``; invalid UTF-8 is a one-line error naming NAME's line."""
+    """The lines of UTF-8 ``data``, split at newlines only (:func:`text_lines`: the score
+    stage's reading, so that line i of the output translates line i of the input); invalid
+    UTF-8 is a one-line error naming NAME's line."""
     try:
-        return data.decode("utf-8").splitlines()
+        return text_lines(data.decode("utf-8"))
     except UnicodeDecodeError as exc:
         line = data[:exc.start].count(b"\n") + 1
         raise DataError(

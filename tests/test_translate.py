@@ -164,3 +164,35 @@ def test_input_that_is_not_utf8_names_the_file_and_line(model_dir, tmp_path, mon
     assert "Traceback" not in res.output and not out.exists()
     res = CliRunner().invoke(app, [*base, "--input", "-"], input="Le café\n".encode("latin-1"))
     assert res.exit_code == 2 and "standard input, line 1: invalid UTF-8" in res.stderr
+
+
+def test_input_lines_are_split_at_newlines_only_as_the_score_stage_reads_them(
+        model_dir, tmp_path, monkeypatch):
+    """Form feed, U+2028, U+0085 and a lone CR are characters of a sentence, not line
+    ends (sacreBLEU's command line and `wc -l` agree): 4 input lines, 4 output lines."""
+    from aiayn.scoring import read_lines
+    from stages.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    params = write_params(tmp_path / "params.yaml", {"decode": {"beam": 1, "max_len_b": 4}})
+    src = tmp_path / "in.txt"
+    src.write_bytes("The dog runs.\r\nPage one\x0cpage two\nA line\u2028with LS\n"
+                    "last\x85x\rend\n".encode())
+    assert src.read_bytes().count(b"\n") == 4
+    out = tmp_path / "out.txt"
+    res = CliRunner().invoke(app, ["translate", "--params", str(params), "--model",
+                                   str(model_dir), "--no-progress", "--input", str(src),
+                                   "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert out.read_bytes().count(b"\n") == 4 and len(read_lines(out)) == 4
+
+
+def test_a_line_break_in_a_translation_becomes_a_space(model_dir):
+    """The byte-level vocabulary holds the newline byte, and a model may write it; the
+    output stays one line per input line."""
+    from aiayn.tokenizer import encode_ids
+
+    tr = load_translator(model_dir)
+    ids = encode_ids(tr.tokenizer, ["der Hund \nläuft\r\n schnell"])[0]
+    tr.decode_batch = lambda sources, cfg: [ids for _ in sources]
+    assert tr.translate(["a", "b"], BeamConfig()) == ["der Hund läuft schnell"] * 2
