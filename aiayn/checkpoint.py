@@ -75,14 +75,16 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def save_checkpoint(folder: Path, step: int, state: dict, keep: int,
-                    protect: set[int] | frozenset[int] = frozenset()) -> Path:
+                    protect: set[int] | frozenset[int] = frozenset(),
+                    replaced: set[int] | frozenset[int] = frozenset()) -> Path:
     """Write ``state`` as the checkpoint of ``step``, atomically; keep the newest ``keep``.
 
     The file appears complete under its final name or not at all. Afterwards the
-    checkpoints with the lowest step numbers are deleted until at most ``keep`` remain
-    (the one just written always stays), together with temporary files that a killed
-    writer left behind (one trainer process writes a folder at a time). The steps in
-    ``protect`` (say, the best by validation BLEU) are kept beyond those.
+    checkpoints of the steps in ``replaced`` are deleted (a checkpoint written only to stop
+    a run, which this one supersedes), then those with the lowest step numbers until at
+    most ``keep`` remain (the one just written always stays), together with temporary files
+    that a killed writer left behind (one trainer process writes a folder at a time). The
+    steps in ``protect`` (say, the best by validation BLEU) are kept beyond those.
     """
     if keep < 1:
         raise ValueError(f"keep must be at least 1, not {keep}")
@@ -99,7 +101,15 @@ def save_checkpoint(folder: Path, step: int, state: dict, keep: int,
 
     for stale in folder.glob(TEMP_GLOB):
         stale.unlink(missing_ok=True)
-    others = [p for p in list_checkpoints(folder) if p.name != final.name]
+    others = []
+    for path in list_checkpoints(folder):
+        if path.name == final.name:
+            continue
+        if checkpoint_step(path) in replaced:
+            path.unlink(missing_ok=True)
+            log.debug("removed checkpoint %s, written only to stop the run", path)
+        else:
+            others.append(path)
     for old in others[:max(len(others) - (keep - 1), 0)]:
         if checkpoint_step(old) in protect:
             continue

@@ -12,8 +12,11 @@ save; everything else about the folder is decided here:
 * **branch point**: with ``train.cooldown``, a run whose end (``train.steps``,
   ``train.max_minutes``) moved after its cooldown began goes on from its last checkpoint
   taken at the full rate, where the longer run from scratch would be (the warmup-stable-
-  decay branching of Hagele et al. 2024); the store keeps that checkpoint for it;
-* **rotation**: the newest ``train.keep_checkpoints`` stay, plus the ones the loop protects.
+  decay branching of Hagele et al. 2024); the store keeps that checkpoint for it. A run
+  whose ``train.steps`` was lowered below its checkpoints goes back to its last checkpoint
+  within the new end in the same way;
+* **rotation**: the newest ``train.keep_checkpoints`` stay, plus the ones the loop protects;
+  a checkpoint written only to stop a run (Ctrl-C, SIGTERM) goes when the next is written.
 
 Only rank 0 moves files; every rank reads the same folder and waits at the same barriers.
 """
@@ -147,11 +150,13 @@ class RunStore:
 
     # -- while training --------------------------------------------------------------------
 
-    def save(self, step: int, state: dict, keep: int, protect: set[int]) -> Path:
-        """Write the checkpoint of ``step`` (rank 0), rotate the old ones except ``protect``,
-        and mirror the folder."""
+    def save(self, step: int, state: dict, keep: int, protect: set[int],
+             replaced: set[int] = frozenset()) -> Path:
+        """Write the checkpoint of ``step`` (rank 0), delete those of ``replaced``, rotate
+        the old ones except ``protect``, and mirror the folder."""
         try:
-            path = save_checkpoint(self.folder, step, state, keep=keep, protect=protect)
+            path = save_checkpoint(self.folder, step, state, keep=keep, protect=protect,
+                                   replaced=replaced)
         except OutputError as exc:
             found = list_checkpoints(self.folder)
             resume = f"step {checkpoint_step(found[-1])}" if found else "the start"
@@ -299,16 +304,18 @@ class RunStore:
         the old MLflow run's id) are moved aside. None: no such checkpoint, the run is set
         aside and a new one starts.
         """
-        if not self._schedule_moved(ckpt):
-            return path, ckpt
         step = checkpoint_step(path)
+        last = self.end.get("steps")
+        beyond = last is not None and step > last  # train.steps lowered below the run
+        if not (beyond or self._schedule_moved(ckpt)):
+            return path, ckpt
         old = ckpt["meta"].get("schedule") or {}
         ends = (f"train.steps {old.get('steps')} -> {self.end.get('steps')}, "
                 f"train.max_minutes {old.get('max_minutes')} -> {self.end.get('max_minutes')}")
         stable = ckpt["run"].get("stable_step")
         for earlier in reversed(list_checkpoints(self.folder)):
             at = checkpoint_step(earlier)
-            if at >= step or (stable is not None and at > stable):
+            if at >= step or (stable is not None and at > stable) or (beyond and at > last):
                 continue
             try:
                 found = load_checkpoint(earlier, self.device)
@@ -321,7 +328,14 @@ class RunStore:
             later = [q for q in list_checkpoints(self.folder) if checkpoint_step(q) > at]
             run_file = [q for q in (self.folder / RUN_FILE,) if q.exists()]
             dest = self._move_aside(later + run_file)
-            if self.world.is_main:
+            if self.world.is_main and beyond:
+                log.warning(
+                    "train: the run in %s trained to step %d, beyond train.steps %d (%s). "
+                    "It goes back to step %d, its last checkpoint within the new end, where "
+                    "the shorter run from scratch would be; the %d later checkpoint(s) were "
+                    "moved to %s (delete them when no longer needed), and a new MLflow run "
+                    "continues it.", self.folder, step, last, ends, at, len(later), dest)
+            elif self.world.is_main:
                 log.warning(
                     "train: the end of the run in %s moved (%s) after its cooldown began, "
                     "so its checkpoints since took rates for the old end. It goes on from "
@@ -333,7 +347,9 @@ class RunStore:
                                   "step": at}
             found["meta"]["mlflow_run_id"] = None
             return earlier, found
-        self._set_aside(f"took its cooldown's rates for another end of training ({ends}) and "
+        self._set_aside(f"trained beyond train.steps ({ends}) and keeps no checkpoint "
+                        "within the new end" if beyond else
+                        f"took its cooldown's rates for another end of training ({ends}) and "
                         "keeps no checkpoint from before its cooldown")
         return None
 

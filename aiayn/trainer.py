@@ -326,6 +326,15 @@ class Trainer:
         # Device-side sums of [target tokens, loss, NLL] since the last flush (_flush).
         self._pending = torch.zeros(3, dtype=torch.float64, device=self.device)
         self._pending_from = 1  # first step the pending sums cover
+        # The open log row: [target tokens, loss sum, NLL sum] flushed since the last row
+        # (a checkpoint flushes too), and the training seconds it covers; saved with each
+        # checkpoint, so that the row after a resume holds what an unbroken run's would.
+        self._window = [0.0, 0.0, 0.0]
+        self._window_s = 0.0
+        # The step of a checkpoint written only to stop (Ctrl-C, SIGTERM), not by the
+        # checkpoint rule: the next checkpoint replaces it, so that a resumed run keeps the
+        # checkpoints (and averages those) that an unbroken run keeps.
+        self._interim: set[int] = set()
         self._grad_norm: torch.Tensor | None = None
         self._lr = 0.0
         if (found := self.store.resume_point()) is not None:
@@ -375,10 +384,9 @@ class Trainer:
     def _load(self, path: Path, ckpt: dict) -> None:
         """Go on from checkpoint ``ckpt``: weights, optimizer, schedule, data cursor, RNG
         states and the run's history."""
-        if ckpt["meta"].get("world_size") != self.world.size:
-            log.warning("resuming a run made with %s processes on %d: the data order changes "
-                        "from here on", ckpt["meta"].get("world_size"), self.world.size)
-            ckpt["data"] = None
+        saved_world = ckpt["meta"].get("world_size")
+        if saved_world != self.world.size:
+            ckpt["data"] = self._rescale_cursor(ckpt["data"], saved_world)
         self.model.load_state_dict(ckpt["model"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
         self.scheduler.load_state_dict(ckpt["scheduler"])
@@ -393,10 +401,39 @@ class Trainer:
                               bleu_seconds=run.get("bleu_seconds", 0.0),
                               stable_step=run.get("stable_step"))
         self.log = RunLog.from_saved(run)
+        self._window = [float(x) for x in run.get("window", [0.0, 0.0, 0.0])]
+        self._window_s = float(run.get("window_s", 0.0))
+        if ckpt["meta"].get("interim"):
+            self._interim = {run["step"]}
         rngs = ckpt["rng"]
-        set_rng_state(rngs[self.world.rank] if self.world.rank < len(rngs) else rngs[0])
+        if self.world.rank < len(rngs):
+            set_rng_state(rngs[self.world.rank])
+        else:  # a rank the run did not have: its own dropout stream, not rank 0's again
+            set_rng_state(rngs[0])
+            torch.manual_seed(self.p.seed + 1 + self.world.rank + 7919 * run["step"])
         log.info("resumed from %s (step %d, %d target tokens seen)", path, self.state.step,
                  self.state.tokens_seen)
+
+    def _rescale_cursor(self, cursor: dict | None, saved_world: int | None) -> dict | None:
+        """The data cursor of a run saved with ``saved_world`` processes, for this world.
+
+        Every epoch's order is one permutation of all batches whatever the world size (rank
+        r takes positions r, r + N, ...), so the batches taken so far are the first
+        position x N of it: the run goes on from there, none repeated (up to N - 1 skipped).
+        """
+        if cursor is None or not saved_world:
+            log.warning("resuming a run made with %s processes on %d: the data order changes "
+                        "from here on", saved_world, self.world.size)
+            return None
+        size = self.world.size
+        per_rank = -(-self.train_data.num_batches // size)
+        position = min(-(-int(cursor["position"]) * saved_world // size), per_rank)
+        if self.world.is_main:
+            log.warning("resuming a run made with %d processes on %d: the data goes on from "
+                        "the same place in epoch %d's order (%d batches per process, was %d)",
+                        saved_world, size, int(cursor["epoch"]), per_rank,
+                        -(-self.train_data.num_batches // saved_world))
+        return {"epoch": int(cursor["epoch"]), "position": position}
 
     # -- one optimizer step -----------------------------------------------------------
 
@@ -574,8 +611,12 @@ class Trainer:
         torch.distributed.all_gather_object(gathered, mine)
         return gathered
 
-    def checkpoint(self) -> Path | None:
-        self._flush()  # collective; refuses to write after a non-finite loss
+    def checkpoint(self, interim: bool = False) -> Path | None:
+        """Save the run (every rank calls it). ``interim``: a checkpoint only to stop at a
+        step the checkpoint rule did not choose; the next checkpoint replaces it."""
+        # collective; refuses to write after a non-finite loss. The sums go on in the open
+        # log row.
+        self._window = [a + b for a, b in zip(self._window, self._flush(), strict=True)]
         rngs = self._gather_rng()  # collective: every rank calls it
         s, t = self.state, self.p.train
         factor = self.cooldown_factor()  # the next step's, under the end that made this one
@@ -591,22 +632,26 @@ class Trainer:
             "data": self.loader.state_dict(),
             "rng": rngs,
             "run": {"step": s.step, "tokens_seen": s.tokens_seen, "elapsed_s": s.elapsed_s,
-                    **self.log.to_saved(),
+                    **self.log.to_saved(), "window": list(self._window),
+                    "window_s": self._window_s,
                     "bleu_seconds": s.bleu_seconds, "stable_step": s.stable_step},
             "meta": {**self.fingerprint, "identity": self.identity,
                      "mlflow_run_id": s.mlflow_run_id, "step": s.step,
                      "tokens_seen": s.tokens_seen, "world_size": self.world.size,
-                     "valid_bleu": self.log.bleu_at(s.step),
+                     "valid_bleu": self.log.bleu_at(s.step), "interim": interim,
                      "schedule": {"steps": t.steps, "max_minutes": t.max_minutes,
                                   "lr_factor": factor}},
         }
         # train.average "best": the best-BLEU checkpoints stay for the average stage; with a
         # cooldown, the last checkpoint before it stays: a run whose end moves later goes on
         # from there (aiayn.run_store).
-        protect = self.log.best_bleu_steps(t.average_last) if t.average == "best" else set()
+        # The average stage may try up to max(train.average_candidates) of the best.
+        wanted = max(t.average_candidates or [t.average_last])
+        protect = self.log.best_bleu_steps(wanted) if t.average == "best" else set()
         if t.cooldown > 0 and s.stable_step is not None:
             protect |= {s.stable_step}
-        return self.store.save(s.step, state, t.keep_checkpoints, protect)
+        replaced, self._interim = self._interim - {s.step}, {s.step} if interim else set()
+        return self.store.save(s.step, state, t.keep_checkpoints, protect, replaced)
 
     # -- the run --------------------------------------------------------------------------
 
@@ -632,8 +677,8 @@ class Trainer:
                        dynamic_ncols=True, mininterval=1.0)
         it = iter(self.loader)
         session_start, elapsed_at_start = time.perf_counter(), s.elapsed_s
-        last_ckpt_time, window_start = time.monotonic(), time.perf_counter()
-        window = [0.0, 0.0, 0.0]  # target tokens, loss sum, NLL sum since the last log row
+        # The open log row's training seconds from before a resume count in its rate.
+        last_ckpt_time, window_start = time.monotonic(), time.perf_counter() - self._window_s
         paused = 0.0  # validation and checkpoints in the window: not the training rate's
         self.model.train()
         try:
@@ -652,10 +697,10 @@ class Trainer:
                 out_of_time = s.elapsed_s >= budget_s
                 finished = s.step == p.steps or out_of_time
                 if self._logs_at(s.step) or out_of_time:
-                    window = [a + b for a, b in zip(window, self._flush(), strict=True)]
+                    window = [a + b for a, b in zip(self._window, self._flush(), strict=True)]
                     now = time.perf_counter()
                     self._log_train_row(window, now - window_start - paused, bar)
-                    window, window_start, paused = [0.0, 0.0, 0.0], now, 0.0
+                    self._window, window_start, paused = [0.0, 0.0, 0.0], now, 0.0
                 bleu = bool(p.valid_bleu_every) and (s.step % p.valid_bleu_every == 0 or finished)
                 validating = s.step % p.valid_every == 0 or finished or bleu
                 saving = bool(due) or finished
@@ -663,13 +708,17 @@ class Trainer:
                 between = time.perf_counter() if (validating or saving) and not finished else None
                 if validating:
                     self._log_valid_row(bleu)
-                if finished:  # the last validation's time is the run's too (bleu_seconds is
-                    # counted inside elapsed_s); rank 0's clock, as above
+                if finished or saving or bool(stop):  # the validation's time is the run's
+                    # too (bleu_seconds is counted inside elapsed_s), and a checkpoint holds
+                    # it: a resumed run's time budget goes on from there. Rank 0's clock.
                     (s.elapsed_s,) = distributed.broadcast_values(
                         [elapsed_at_start + time.perf_counter() - session_start], self.device,
                         self.world)
                 if bar is not None:
                     bar.update(1)
+                if saving or (bool(stop) and not finished):
+                    # the open log row's training time so far (resumed with it)
+                    self._window_s = (between or time.perf_counter()) - window_start - paused
                 if saving:
                     self.write_logs()
                     self.checkpoint()
@@ -685,8 +734,9 @@ class Trainer:
                     break
                 if bool(stop):
                     if not finished:  # interrupted: keep every finished step
-                        self.write_logs()
-                        self.checkpoint()
+                        if not saving:  # (this step's checkpoint is written already)
+                            self.write_logs()
+                            self.checkpoint(interim=True)
                         s.stopped_by = "interrupted"
                         if self.world.is_main:
                             log.info("stopped at step %d; checkpoint written, run the same "

@@ -177,8 +177,97 @@ def test_an_interrupted_run_resumes_bitwise(toy_workspace, tmp_path, split, prec
     last = "checkpoints/step-00000012.pt"
     a, b = load_checkpoint(tmp_path / "full" / last), load_checkpoint(tmp_path / "part" / last)
     assert_bitwise_equal(a["model"], b["model"])
-    assert a["run"]["train_rows"][-1][:6] == b["run"]["train_rows"][-1][:6]
+    # every log row (step, loss, NLL, lr, grad norm, tokens), the one the stop cut included
+    assert [r[:6] for r in a["run"]["train_rows"]] == [r[:6] for r in b["run"]["train_rows"]]
     assert a["run"]["valid_rows"] == b["run"]["valid_rows"]
+    # the checkpoint written only to stop is gone: the same ones as the unbroken run's
+    assert ([c.name for c in list_checkpoints(tmp_path / "part/checkpoints")]
+            == [c.name for c in list_checkpoints(tmp_path / "full/checkpoints")])
+
+
+def test_checkpoints_leave_the_log_rows_as_they_are(toy_workspace, tmp_path):
+    """A checkpoint between two log rows (every 3 steps, rows every 2) reads the loss sums
+    of its steps; they still go into the next row, which holds what it holds with a single
+    checkpoint at the end: each row's loss is the mean over its own steps."""
+    rows = {}
+    for every in (3, 12):
+        trainer = make_trainer(toy_workspace, tmp_path / str(every),
+                               {"train": {"checkpoint_every_steps": every, **FP32}})
+        trainer.fit()
+        rows[every] = [(r.step, r.loss, r.nll, r.tokens) for r in trainer.log.train]
+    assert rows[3] == rows[12] and len(rows[3]) == 6
+
+
+def test_a_stop_at_a_checkpoint_step_writes_it_once(toy_workspace, tmp_path, monkeypatch):
+    trainer = make_trainer(toy_workspace, tmp_path)
+    saved = []
+    save = trainer.store.save
+    monkeypatch.setattr(trainer.store, "save",
+                        lambda step, *a, **k: saved.append(step) or save(step, *a, **k))
+    trainer.fit(should_stop=lambda: trainer.state.step == 6)
+    assert saved == [3, 6] and trainer.state.stopped_by == "interrupted"
+    assert load_checkpoint(list_checkpoints(tmp_path / "checkpoints")[-1])["meta"][
+        "interim"] is False
+
+
+def test_repeated_stops_keep_only_the_newest_stop_checkpoint(toy_workspace, tmp_path):
+    for stop in (4, 5):
+        trainer = make_trainer(toy_workspace, tmp_path)
+        trainer.fit(should_stop=lambda t=trainer, s=stop: t.state.step == s)
+    steps = [checkpoint_step(c) for c in list_checkpoints(tmp_path / "checkpoints")]
+    assert steps == [3, 5]  # 4, written only to stop, went when 5 replaced it
+    make_trainer(toy_workspace, tmp_path).fit()
+    assert [checkpoint_step(c) for c in list_checkpoints(tmp_path / "checkpoints")] == [
+        3, 6, 9, 12]
+
+
+def test_a_resume_on_another_number_of_processes_goes_on_in_the_same_data_order(
+        toy_workspace, tmp_path):
+    """Each epoch's order is one permutation of all batches for any world size, rank r
+    taking every N-th from r; a run saved by 2 processes after p batches each has taken the
+    first 2p of it, and one process goes on from the (2p+1)-th."""
+    from aiayn.sampler import TokenBudgetSampler
+
+    trainer = make_trainer(toy_workspace, tmp_path, {"train": {"steps": 40}})
+    trainer.fit(should_stop=lambda: trainer.state.step == 5)
+    path = list_checkpoints(tmp_path / "checkpoints")[-1]
+    ckpt = load_checkpoint(path)
+    position = ckpt["data"]["position"]
+    ckpt["meta"]["world_size"] = 2  # as a run under torchrun with 2 processes saves it
+    ckpt["data"] = {"epoch": 0, "position": position // 2}
+    torch.save(ckpt, path)
+    resumed = make_trainer(toy_workspace, tmp_path, {"train": {"steps": 40}})
+    n = resumed.train_data.num_batches
+    order = TokenBudgetSampler(n, seed=resumed.p.seed).order(0)
+    assert resumed.loader.state_dict() == {"epoch": 0, "position": 2 * (position // 2)}
+    first = next(iter(resumed.loader))
+    expected = resumed.train_data.batch(int(order[2 * (position // 2)]))
+    assert torch.equal(first.tgt_in, expected.tgt_in)
+
+
+def test_a_checkpoint_holds_the_time_of_the_validation_before_it(toy_workspace, tmp_path):
+    """The time budget of a resumed run goes on from the checkpoint's elapsed time, which
+    includes the validation BLEU pass of its step (bleu_seconds is part of elapsed_s)."""
+    trainer = make_trainer(toy_workspace, tmp_path, {"train": {"valid_bleu_every": 3}})
+    trainer.valid_bleu = lambda model, device, amp: time.sleep(0.5) or 10.0
+    trainer.fit(should_stop=lambda: trainer.state.step == 3)
+    run = load_checkpoint(list_checkpoints(tmp_path / "checkpoints")[-1])["run"]
+    assert run["step"] == 3 and run["bleu_seconds"] >= 0.5
+    assert run["elapsed_s"] >= run["bleu_seconds"]
+
+
+def test_a_run_resumed_with_fewer_steps_goes_back_to_its_checkpoint_at_the_new_end(
+        toy_workspace, tmp_path, caplog):
+    make_trainer(toy_workspace, tmp_path).fit()
+    six = load_checkpoint(tmp_path / "checkpoints/step-00000006.pt")
+    short = make_trainer(toy_workspace, tmp_path, {"train": {"steps": 6}})
+    assert short.state.step == 6
+    assert "beyond train.steps 6" in caplog.text
+    summary = short.fit()
+    assert summary["steps"] == 6 and summary["stopped_by"] == "steps"
+    assert [checkpoint_step(c) for c in list_checkpoints(tmp_path / "checkpoints")] == [3, 6]
+    assert_bitwise_equal(load_checkpoint(tmp_path / "checkpoints/step-00000006.pt")["model"],
+                         six["model"])
 
 
 def test_fp16_learns_as_fp32_does_with_its_loss_scale_in_the_checkpoint(toy_workspace,
@@ -1089,6 +1178,19 @@ def test_average_best_takes_the_best_bleu_checkpoints_and_training_keeps_them(
         if w.is_floating_point():
             torch.testing.assert_close(w, (six[name].double() + nine[name].double()).div(2)
                                        .to(w.dtype))
+
+
+def test_average_best_with_candidates_keeps_as_many_best_checkpoints_as_it_may_try(
+        toy_workspace, tmp_path):
+    scores = {3: 40.0, 6: 30.0, 9: 5.0, 12: 1.0}
+    trainer = make_trainer(toy_workspace, tmp_path, {"train": {
+        "average": "best", "valid_bleu_every": 3, "average_last": 1, "keep_checkpoints": 2,
+        "average_candidates": [1, 2]}})
+    trainer.valid_bleu = lambda model, device, amp: scores[trainer.state.step]
+    trainer.fit()
+    # the average stage may try the best 2 (3 and 6): they stay beyond the newest two
+    assert [checkpoint_step(c) for c in list_checkpoints(tmp_path / "checkpoints")] == [
+        3, 6, 9, 12]
 
 
 def test_average_best_needs_scored_checkpoints(toy_workspace, tmp_path):
