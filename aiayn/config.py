@@ -451,7 +451,8 @@ PARAM_EFFECTS: dict[str, Affects] = {
     "train.activation_dropout": TRAINS,
     "train.subword_split": TRAINS,
     "decode": Affects(("translate", "score")),
-    "decode.batch_size": Affects(("average",)),  # the average's candidates are decoded
+    # validation BLEU while training and the average's candidates decode in batches of it
+    "decode.batch_size": VALIDATION_BLEU,
     "decode.beam": Affects(("export",)),  # the exported model's default decoding
     "decode.alpha": Affects(("export",)),
 }
