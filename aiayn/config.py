@@ -463,15 +463,30 @@ def stage_params(stage: str) -> list[str]:
     return [key for key, affects in PARAM_EFFECTS.items() if stage in affects.stages]
 
 
-def shapes_training(key: str) -> bool:
-    """Whether the setting ``key`` (dotted, e.g. ``train.lr_scale``) shapes a training run's
-    steps: its own declaration or its section's."""
+def declared_effects(key: str) -> Affects:
+    """What the setting ``key`` (dotted, e.g. ``train.lr_scale``) affects: its own
+    declaration or its section's."""
     name = key
     while name:
         if name in PARAM_EFFECTS:
-            return PARAM_EFFECTS[name].shapes_training
+            return PARAM_EFFECTS[name]
         name = name.rpartition(".")[0]
     raise KeyError(f"{key!r} is not declared in aiayn.config.PARAM_EFFECTS")
+
+
+def shapes_training(key: str) -> bool:
+    """Whether the setting ``key`` (dotted, e.g. ``train.lr_scale``) shapes a training run's
+    steps: its own declaration or its section's."""
+    return declared_effects(key).shapes_training
+
+
+def after_training(key: str) -> bool:
+    """Whether the setting ``key`` is read after training only (averaging, decoding,
+    scoring, export): a changed value re-runs later stages on the same training run."""
+    try:
+        return "train" not in declared_effects(key).stages
+    except KeyError:
+        return False
 
 
 def flatten(d: dict | None, prefix: str = "") -> dict[str, Any]:

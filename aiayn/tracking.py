@@ -28,10 +28,11 @@ import tempfile
 import time
 import urllib.request
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from aiayn.config import after_training
 from aiayn.io import write_json
 
 log = logging.getLogger("aiayn")
@@ -132,6 +133,21 @@ def load_run_id(path: Path, tracking_uri: str | None = None) -> str | None:
     return run_id if isinstance(run_id, str) and run_id else None
 
 
+# The tag of a child run that holds the scores of other decoding or averaging settings than
+# its training run's, made by `dvc repro` (an experiment's child runs carry dvc_experiment).
+VARIANT_TAG = "aiayn_variant"
+
+
+def variant_name(logged: Mapping[str, str], flat: Mapping[str, str],
+                 keys: Collection[str]) -> str | None:
+    """The settings among ``keys`` whose value in ``flat`` differs from the one a run
+    ``logged`` (keys it never logged do not count), as a run name ("decode.beam=1,
+    decode.alpha=1.0"); None where none differs."""
+    changed = [f"{k}={flat[k]}" for k in sorted(keys)
+               if k in flat and k in logged and logged[k] != flat[k]]
+    return _truncate(", ".join(changed).replace("'", ""), 250) if changed else None
+
+
 def same_store(a: str, b: str) -> bool:
     """Whether two tracking URIs name one store: equal, or SQLite URIs of one database file
     (``sqlite:///mlflow.db`` run in the repository and the absolute URI a DVC stage saved)."""
@@ -180,6 +196,7 @@ class Tracker:
         tags: dict[str, str] | None = None,
         run_id: str | None = None,
         child: str | None = None,
+        variants: Collection[str] = (),
     ) -> str | None:
         """Resume run ``run_id`` if it exists, else create a run named ``run_name``.
 
@@ -187,10 +204,14 @@ class Tracker:
         experiment, the run started is instead the child run of ``run_id`` named ``child``
         (found again by later stages of the same experiment): an experiment that changes
         only decoding or averaging reuses the training run's checkpoints, but its scores are
-        its own and must not overwrite the training run's. Logs ``params`` flattened (on
-        resume, only the keys the run does not have yet) and ``tags`` plus the git commit
-        and the DVC experiment name. Returns the run id, or None when disabled or MLflow is
-        unreachable.
+        its own and must not overwrite the training run's. Without ``child`` (`dvc repro`, no
+        experiment), ``variants`` names the settings (flattened keys) that do not shape
+        training: where the run ``run_id`` logged other values for some of them, the run
+        started is its child run named after the new values (`dvc repro` after a change of
+        decode.beam: a score of other settings than the training run's). Logs ``params``
+        flattened (on resume, only the keys the run does not have yet) and ``tags`` plus the
+        git commit and the DVC experiment name. Returns the run id, or None when disabled or
+        MLflow is unreachable.
         """
         if not self._enabled:
             return None
@@ -213,10 +234,17 @@ class Tracker:
                 return None
             try:
                 with _mlflow_env(_PROBE_ENV):
-                    run = (_retry_locked(self._resume, client, run_id, reopen=not child)
-                           if run_id else None)
+                    run = (_retry_locked(self._resume, client, run_id,
+                                         reopen=not (child or variants)) if run_id else None)
                     if run is not None and child:
                         run = _retry_locked(self._child_of, client, run, child)
+                    elif run is not None and variants:
+                        name = variant_name(run.data.params, flatten_params(params), variants)
+                        if name:
+                            run = _retry_locked(self._child_of, client, run, name,
+                                                VARIANT_TAG)
+                        elif run.info.status != "RUNNING":
+                            _retry_locked(client.update_run, run.info.run_id, status="RUNNING")
                     if run is None:
                         run = _retry_locked(client.create_run, _retry_locked(
                             self._experiment_id, client), run_name=run_name)
@@ -366,26 +394,32 @@ class Tracker:
             client.update_run(run_id, status="RUNNING")
         return run
 
-    def _child_of(self, client: Any, parent: Any, name: str) -> Any:
-        """``parent`` itself if experiment ``name`` made it, else its child run ``name``."""
+    def _child_of(self, client: Any, parent: Any, name: str,
+                  tag: str = "dvc_experiment") -> Any:
+        """``parent`` itself if its ``tag`` is ``name`` (experiment ``name`` made it), else
+        its child run ``name``, tagged so."""
         parent_id = parent.info.run_id
-        if parent.data.tags.get("dvc_experiment") == name:
+        if parent.data.tags.get(tag) == name:
             if parent.info.status != "RUNNING":
                 client.update_run(parent_id, status="RUNNING")
             return parent
         found = client.search_runs(
             [parent.info.experiment_id], max_results=1,
             filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}' and "
-                          f"tags.dvc_experiment = '{name}'")
+                          f"tags.{tag} = '{name}'")
         if found:
             run = found[0]
             if run.info.status != "RUNNING":
                 client.update_run(run.info.run_id, status="RUNNING")
             return run
-        log.info("MLflow: experiment %s reuses the training of run %s; its scores go to a "
-                 "child run of it", name, parent_id)
+        if tag == VARIANT_TAG:
+            log.info("MLflow: settings of run %s changed (%s); these scores go to a child run "
+                     "of it", parent_id, name)
+        else:
+            log.info("MLflow: experiment %s reuses the training of run %s; its scores go to "
+                     "a child run of it", name, parent_id)
         return client.create_run(parent.info.experiment_id, run_name=name,
-                                 tags={"mlflow.parentRunId": parent_id, "dvc_experiment": name})
+                                 tags={"mlflow.parentRunId": parent_id, tag: name})
 
     def _log_params(self, run: Any, flat: dict[str, str]) -> None:
         from mlflow.entities import Param
@@ -459,9 +493,13 @@ def log_into_run(run_file: Path, stage: str, metrics: Mapping[str, float] | None
                  tracker.tracking_uri, run_file)
         return None
     experiment = default_run_name()
+    # Under `dvc repro` (no experiment), scores of changed decoding or averaging settings go
+    # to a child run named after them, not over the training run's own.
+    variants = ([] if experiment else
+                [k for k in flatten_params(params or {}) if after_training(k)])
     with tracker:
         if tracker.start(run_name=experiment, params=params or {}, run_id=run_id,
-                         child=experiment) is None:
+                         child=experiment, variants=variants) is None:
             return None  # the tracker has said why (one warning)
         if experiment is None and tracker.run_id != run_id:
             log.warning("%s: MLflow run %s is gone; logged into a new run %s", stage, run_id,

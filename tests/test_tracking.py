@@ -578,6 +578,42 @@ def test_an_experiment_does_not_take_over_a_run_that_dvc_repro_made(tmp_path, mo
     assert kid.data.metrics == {"test/sacrebleu": 29.0}
 
 
+def test_dvc_repro_with_other_decoding_settings_scores_into_a_child_run(tmp_path,
+                                                                         monkeypatch):
+    # `dvc repro` trained with beam 4; decode.beam: 1 then re-runs translate and score on
+    # the same training. That score is not the training run's (whose params say beam 4):
+    # it goes to a child run named after the change, found again by the same change.
+    from aiayn.tracking import VARIANT_TAG, log_into_run
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.delenv("DVC_EXP_NAME", raising=False)
+    run_file = tmp_path / "mlflow_run.json"
+    beam4 = {"decode": {"beam": 4, "alpha": 0.6}, "train": {"steps": 600}}
+    train = Tracker()
+    base = train.start("aiayn", beam4)
+    train.end()
+    save_run_id(run_file, base, uri)
+    assert log_into_run(run_file, "score", {"test/sacrebleu": 30.0}, params=beam4) == base
+    # a longer training is the same run (train.steps shapes training: not a variant)
+    longer = {**beam4, "train": {"steps": 1200}}
+    assert log_into_run(run_file, "score", {"test/sacrebleu": 31.0}, params=longer) == base
+
+    beam1 = {**longer, "decode": {"beam": 1, "alpha": 0.6}}
+    child = log_into_run(run_file, "score", {"test/sacrebleu": 27.0}, params=beam1)
+    assert child not in (None, base)
+    assert log_into_run(run_file, "score", {"test/chrf": 50.0}, params=beam1) == child
+    assert log_into_run(run_file, "score", {"test/sacrebleu": 31.5}, params=longer) == base
+    client = MlflowClient(uri)
+    parent, kid = client.get_run(base), client.get_run(child)
+    assert kid.info.run_name == "decode.beam=1" and kid.data.tags[VARIANT_TAG] == "decode.beam=1"
+    assert kid.data.tags["mlflow.parentRunId"] == base and "dvc_experiment" not in kid.data.tags
+    assert kid.data.params["decode.beam"] == "1"
+    assert kid.data.metrics == {"test/sacrebleu": 27.0, "test/chrf": 50.0}
+    assert parent.data.metrics["test/sacrebleu"] == 31.5
+    assert parent.info.status == kid.info.status == "FINISHED"
+
+
 def test_a_resumed_run_that_goes_on_ends_at_its_new_end(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     first = Tracker(uri)
