@@ -56,6 +56,11 @@ FORMAT = "aiayn-shards"
 FORMAT_VERSION = 1
 SRC_EXTRA = 1  # stored source = ids + [EOS]
 TGT_EXTRA = 2  # stored target = [BOS] + ids + [EOS]; decoder sees len + 1 on each of in/out
+# Beside the splits: the tokenizer the shards' ids come from (its sha256), so that training
+# refuses shards of another tokenizer of the same size. Outside the splits' files on purpose:
+# a run's identity hashes those (aiayn.run_store.run_identity), and a new file there would
+# set aside every run made before it.
+SOURCE_FILE = "source.json"
 FILL_CHUNK = 100_000  # pairs gathered per step: a few MB of ids and index arrays
 
 
@@ -468,4 +473,24 @@ def build_shards(survey_dir: str | Path, tokenizer: str | Path, out: str | Path,
             report = (lambda n, s=split: progress(s, n)) if progress else None
             metrics[split] = build_split(survey_dir, meta, split, tmp / split, cfg,
                                          src_lang, tgt_lang, report)
+        write_json(tmp / SOURCE_FILE, {"tokenizer_sha256": meta["tokenizer_sha256"],
+                                       "vocab_size": meta["vocab_size"]})
     return metrics
+
+
+def check_tokenizer(shards: str | Path, tokenizer_sha256: str) -> None:
+    """Refuse shards built with another tokenizer than the one of ``tokenizer_sha256`` (the
+    sha256 that ``SOURCE_FILE`` records; shards from before it was written pass)."""
+    path = Path(shards) / SOURCE_FILE
+    if not path.is_file():
+        return
+    try:
+        recorded = read_json(path).get("tokenizer_sha256")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise DataError(f"{path}: not readable ({exc}); re-run `aiayn shard`") from None
+    if recorded != tokenizer_sha256:
+        raise DataError(
+            f"{path}: the shards hold the token ids of the tokenizer of sha256 "
+            f"{str(recorded)[:12]}…, but training was given the one of sha256 "
+            f"{tokenizer_sha256[:12]}… (the vocabulary changed since); re-run `aiayn survey` "
+            "and `aiayn shard` (or `dvc repro`)")

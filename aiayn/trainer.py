@@ -69,6 +69,7 @@ from aiayn.precision import (
 from aiayn.run_log import RunLog, TrainRow, ValidRow
 from aiayn.run_store import RunStore, run_identity
 from aiayn.sampler import Batch, BatchLoader, PrefetchLoader, ShardDataset, TokenBudgetSampler
+from aiayn.shards import check_tokenizer
 from aiayn.subword import SubwordSplitter, split_closure
 
 log = logging.getLogger("aiayn")
@@ -293,6 +294,7 @@ class Trainer:
         self.train_data = ShardDataset(paths.shards / "train")
         self.valid_data = ShardDataset(paths.shards / "valid")
         self._check_vocab(vocab_size)
+        check_tokenizer(paths.shards, tokenizer_sha256)
         self.identity = run_identity(p, self.cfg, tokenizer_sha256, paths.shards)
         self.store = RunStore(paths.checkpoints, world, self.device, self.identity,
                               lr_factor=functools.partial(lr_multiplier, p.train),

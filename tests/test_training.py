@@ -7,6 +7,7 @@ import itertools
 import json
 import logging
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -450,6 +451,29 @@ def test_shards_from_another_vocabulary_are_refused(toy_workspace, tmp_path):
     p = load_params(write_params(tmp_path / "params.yaml"))
     with pytest.raises(DataError, match="re-run `aiayn survey` and `aiayn shard`"):
         Trainer(p, 999, "x", paths(toy_workspace, tmp_path), World(), progress=False)
+
+
+def test_shards_from_another_tokenizer_of_the_same_size_are_refused(toy_workspace, tmp_path):
+    """The vocabulary retrained (same size, other merges) and training run by hand without
+    the survey and shard stages: the shards' ids are the old tokenizer's."""
+    from aiayn.shards import SOURCE_FILE
+    from aiayn.tokenizer import save_tokenizer, train_bpe
+
+    tok = toy_workspace / "data/vocab/tokenizer.json"
+    size = load_tokenizer(tok).get_vocab_size()
+    assert json.loads((toy_workspace / "data/shards" / SOURCE_FILE).read_text())[
+        "tokenizer_sha256"] == file_sha256(tok)
+    other = tmp_path / "tokenizer.json"
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnop") for _ in range(6)) for _ in range(300)]
+    save_tokenizer(train_bpe(iter(" ".join(rng.sample(words, 8)) for _ in range(2000)),
+                             size, 1), other)
+    assert load_tokenizer(other).get_vocab_size() == size
+    p = load_params(write_params(tmp_path / "params.yaml"))
+    with pytest.raises(DataError, match=rf"{SOURCE_FILE}: the shards hold the token ids of "
+                                        r"the tokenizer of sha256 .*re-run `aiayn survey`"):
+        Trainer(p, size, file_sha256(other), paths(toy_workspace, tmp_path), World(),
+                progress=False)
 
 
 # --------------------------------------------------------------------------- subprocesses
