@@ -220,6 +220,7 @@ def model_card(fmt: str, model_config: dict, *, src_lang: str, tgt_lang: str, be
             "```python",
             "import ctranslate2, tokenizers",
             "tok = tokenizers.Tokenizer.from_file(\"DIR/tokenizer.json\")",
+            "tok.encode_special_tokens = True  # \"<pad>\" in a sentence is text, as in training",
             "translator = ctranslate2.Translator(\"DIR\")  # compute_type=\"int8\" for speed",
             "out = translator.translate_batch([tok.encode(\"The house is small.\").tokens + "
             "[\"</s>\"]], beam_size=4, length_penalty=0.6, min_decoding_length=0)",

@@ -7,6 +7,8 @@ Byte-level BPE is lossless: there is no normalisation and no whitespace pre-toke
 that throws information away, so ``decode(encode(text)) == text`` for every UTF-8 string
 (repeated spaces, quotes, umlauts, hyphenated compounds included). Detokenisation then
 needs no Moses-style guessing, and sacreBLEU scores exactly the text the model produced.
+That holds for text that spells a special token too ("<pad>", "</s>"): it is encoded as the
+bytes it is written with, never as the control id (:func:`literal_special_tokens`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,16 @@ def new_tokenizer() -> Tokenizer:
     # add_prefix_space=False keeps the first word as written: no invented leading space.
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
+    return literal_special_tokens(tok)
+
+
+def literal_special_tokens(tok: Tokenizer) -> Tokenizer:
+    """``tok``, set to encode the text of a special token as text. By default `tokenizers`
+    matches "<pad>", "<s>", "</s>" and "<unk>" inside any text, even with
+    ``add_special_tokens=False``: a sentence that spells one would train with a PAD, BOS or
+    EOS id in its middle (a PAD label ignored by the loss, a target that ends twice). The
+    setting is not saved in tokenizer.json, so every load sets it again."""
+    tok.encode_special_tokens = True
     return tok
 
 
@@ -76,7 +88,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
                 f"{path}: special token {token!r} must have id {token_id}, has "
                 f"{tok.token_to_id(token)}; this tokenizer was not made by `aiayn vocab`"
             )
-    return tok
+    return literal_special_tokens(tok)
 
 
 def encode_ids(tok: Tokenizer, texts: list[str]) -> list[list[int]]:

@@ -42,6 +42,18 @@ def test_decode_gives_back_the_exact_text(tok, text):
     assert decode(tok, [BOS_ID, *ids, EOS_ID, PAD_ID, PAD_ID]) == text
 
 
+def test_text_that_spells_a_special_token_is_text(tok, tmp_path):
+    """`tokenizers` matches added special tokens inside text unless told not to: "<pad>" in
+    a sentence would become PAD (id 0) in the middle of a training pair."""
+    texts = ["A <pad> dog runs.", "Die Katze </s> schläft <s> x<unk>y", "<pad>"]
+    path = tmp_path / "tokenizer.json"
+    save_tokenizer(tok, path)
+    for t in (tok, load_tokenizer(path)):
+        for text, ids in zip(texts, encode_ids(t, texts), strict=True):
+            assert not set(ids) & {PAD_ID, BOS_ID, EOS_ID, UNK_ID}
+            assert decode(t, ids) == text
+
+
 def test_special_tokens_have_fixed_ids(tok):
     assert [tok.id_to_token(i) for i in (PAD_ID, BOS_ID, EOS_ID, UNK_ID)] == [
         "<pad>", "<s>", "</s>", "<unk>"]
