@@ -16,7 +16,7 @@ from aiayn.checkpoint import (
     load_checkpoint,
 )
 from aiayn.errors import DataError
-from aiayn.io import file_sha256, write_json
+from aiayn.io import check_output_path, file_sha256, write_json
 from aiayn.model import Transformer, TransformerConfig
 from stages.common import ParamsPath, log, read_params, single_command_app, stage
 
@@ -54,6 +54,8 @@ def average(
     tags and the candidates' scores as metrics.
     """
     p = read_params(params)
+    check_output_path(out, directory=True)
+    check_output_path(metrics)
     how, candidates = p.train.average, sorted(set(p.train.average_candidates))
     found = list_checkpoints(checkpoints)
     if not found:

@@ -14,7 +14,7 @@ import typer
 from aiayn import distributed
 from aiayn.distributed import world_from_env
 from aiayn.errors import AiaynError
-from aiayn.io import file_sha256
+from aiayn.io import check_output_path, file_sha256
 from aiayn.plots import plot_training_curves
 from aiayn.precision import hardware, precision_name
 from aiayn.run_store import RUN_FILE
@@ -142,6 +142,9 @@ def train(
     -m stages.train` (the variable makes restarts work: pytorch/pytorch#135712).
     """
     p = read_params(params)
+    for path in (metrics, train_log, valid_log, curves):  # written at the end: check now
+        check_output_path(path)
+    check_output_path(checkpoints, directory=True)
     world = world_from_env()
     relaunch_with_allocator(p)
     if p.train.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
