@@ -124,8 +124,11 @@ def params(
     if check:
         current = out.read_text(encoding="utf-8") if out.is_file() else ""
         if yaml.safe_load(current) != yaml.safe_load(text):
-            typer.secho(f"{out} differs from the composition of {conf}/; run `aiayn params "
-                        f"{experiment or ''}` to regenerate it", fg=typer.colors.RED, err=True)
+            preset = experiment or default_experiment(conf) or "<preset>"
+            typer.secho(f"{out} differs from the composition of {conf}/ with preset {preset}; "
+                        f"run `aiayn params {preset}` to regenerate it (or `aiayn params "
+                        "<preset> --check` to compare with another preset)",
+                        fg=typer.colors.RED, err=True)
             raise typer.Exit(code=1)
         log.info("%s is up to date with %s/", out, conf)
         return

@@ -66,8 +66,10 @@ def results(
         echo(f"  valid sacreBLEU {valid['sacrebleu']['score']:6.2f}  the same model on the "
              f"{valid['sentences']} valid sentences (choose recipes by this, not by test)")
     if train:
-        echo(f"  training        {train['steps']} steps, valid perplexity "
-             f"{train['valid_ppl']:.2f}, {train['wall_time_s'] / 60:.1f} min, "
+        ppl = ("no validation yet" if train.get("valid_ppl") is None
+               else f"valid perplexity {train['valid_ppl']:.2f}")
+        echo(f"  training        {train['steps']} steps, {ppl}, "
+             f"{train['wall_time_s'] / 60:.1f} min, "
              f"{train['tokens_per_s']:,.0f} target tokens/s ({train['precision']}, "
              f"{train['device']}, {train.get('kernels', 'plain')} kernels)")
         if train.get("stopped_by") == "time budget":

@@ -23,7 +23,7 @@ def translate(
     text: Annotated[list[str] | None, typer.Argument(help="Sentences to translate (each argument is one). Without them: --input, --split, or standard input.")] = None,
     params: ParamsPath = Path("params.yaml"),
     input_file: Annotated[Path | None, typer.Option("--input", "-i", help="A file of sentences, one per line ('-': standard input).")] = None,
-    split: Annotated[str | None, typer.Option(help="Translate the source side of a raw split (the DVC stage uses test).")] = None,
+    split: Annotated[str | None, typer.Option(help="Translate the source side of a raw split (the DVC stage translates valid and test).")] = None,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Output file (default: standard output; with --split: data/translations/{split}.{tgt}).")] = None,
     model: Annotated[Path | None, typer.Option(help="Model folder: from `aiayn average` for --engine aiayn (default data/model), from `aiayn export` for the others (default data/export/ENGINE).")] = None,
     engine: Annotated[Literal["aiayn", "ctranslate2", "transformers"], typer.Option(help="Decoder: aiayn (our beam search, the default), ctranslate2 or transformers (an exported model; `pip install 'aiayn[export]'`).")] = "aiayn",
@@ -37,7 +37,7 @@ def translate(
     batch_size: Annotated[int | None, typer.Option(min=1, help="Sentences decoded together (default: decode.batch_size).")] = None,
     truncate: Annotated[bool, typer.Option(help="Cut inputs longer than the model's limit instead of stopping with an error.")] = False,
     device: Annotated[Literal["auto", "cpu", "cuda"], typer.Option(help="auto (cuda if a GPU is visible), cpu or cuda.")] = "auto",
-    precision: Annotated[Literal["fp32", "bf16", "fp16", "auto"], typer.Option(help="--engine aiayn: fp32; bf16 (autocast); fp16 (autocast, for GPUs without bf16); or auto: bf16 on a GPU or CPU with native bf16 (Ampere+; AVX512-BF16, AMX, Arm BF16), else fp32.")] = "fp32",
+    precision: Annotated[Literal["fp32", "bf16", "fp16", "auto"], typer.Option(help="--engine aiayn: fp32; bf16 (the weights converted to bf16); fp16 (the same, for GPUs without bf16); or auto: bf16 on a GPU or CPU with native bf16 (Ampere+; AVX512-BF16, AMX, Arm BF16), else fp32.")] = "fp32",
     progress: Annotated[bool, typer.Option(help="Show a progress bar (sentences/s) on standard error.")] = True,
 ) -> None:
     """Translate with beam search (paper Section 6.1: beam 4, alpha 0.6, max length input + 50).

@@ -123,8 +123,10 @@ def test_results_say_when_the_scores_are_not_those_of_the_last_training(
         "direction": "en-de", "split": "test", "sentences": 10, "hypotheses": "h",
         "sacrebleu": {"score": 30.0, "signature": "s"}, "chrf": {"score": 50.0, "signature": "c"},
         "tokenized_bleu": {"score": 30.0}})
+    # stopped before its first validation: no perplexity yet
+    ppl = None if stopped_by == "interrupted" else 5.0
     write_json(metrics / "train.json", {
-        "steps": 1683, "valid_ppl": 5.0, "wall_time_s": 60.0, "tokens_per_s": 1000.0,
+        "steps": 1683, "valid_ppl": ppl, "wall_time_s": 60.0, "tokens_per_s": 1000.0,
         "precision": "fp32", "device": "cpu", "stopped_by": stopped_by, "max_minutes": 55})
     write_json(metrics / "average.json", {
         "average": "last", "averaged": 1, "first_step": last_step, "last_step": last_step,
@@ -134,6 +136,8 @@ def test_results_say_when_the_scores_are_not_those_of_the_last_training(
                                       "--model", str(tmp_path / "none")])
     assert result.exit_code == 0, result.output
     assert "chosen by beam-4 valid sacreBLEU of each count" in result.output
+    assert ("1683 steps, no validation yet" if ppl is None
+            else "1683 steps, valid perplexity 5.00") in result.output
     if note is None:
         assert "note:" not in result.output
     else:
