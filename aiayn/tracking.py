@@ -291,6 +291,18 @@ class Tracker:
             if not self._call("log_metrics", self._client.log_batch, self._run_id, metrics=chunk):
                 return
 
+    def last_step(self, key: str) -> int | None:
+        """The highest step the run holds for metric ``key``; None if none (or inactive)."""
+        if not self.active:
+            return None
+        try:
+            with _mlflow_env(_CALL_ENV):
+                history = _retry_locked(self._client.get_metric_history, self._run_id, key)
+        except Exception as e:
+            self._fail("last_step", e)
+            return None
+        return max((m.step for m in history), default=None)
+
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         """Upload a file or (recursively) a folder into the run's artifacts."""
         if not self.active:

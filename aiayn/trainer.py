@@ -337,6 +337,9 @@ class Trainer:
         # checkpoint rule: the next checkpoint replaces it, so that a resumed run keeps the
         # checkpoints (and averages those) that an unbroken run keeps.
         self._interim: set[int] = set()
+        # The last step whose rows the MLflow run already holds, by row type: a run killed
+        # after its last checkpoint logged the rows after it, and repeats them on resuming.
+        self.tracked_until: dict[str, int] = {}
         self._grad_norm: torch.Tensor | None = None
         self._lr = 0.0
         if (found := self.store.resume_point()) is not None:
@@ -572,6 +575,8 @@ class Trainer:
 
     def _track(self, row: TrainRow | ValidRow) -> None:
         if self.tracker is not None and self.world.is_main:
+            if row.step <= self.tracked_until.get(type(row).__name__, -1):
+                return  # logged before a kill: the resumed run computes the same row again
             self.tracker.log_metrics(row.metrics(), step=row.step)
 
     def _log_train_row(self, window: list[float], seconds: float, bar) -> None:

@@ -17,6 +17,7 @@ from aiayn.errors import AiaynError
 from aiayn.io import check_output_path, file_sha256
 from aiayn.plots import plot_training_curves
 from aiayn.precision import hardware, precision_name
+from aiayn.run_log import TrainRow, ValidRow
 from aiayn.run_store import RUN_FILE
 from aiayn.subword import merge_parents
 from aiayn.tokenizer import load_tokenizer
@@ -219,8 +220,13 @@ def start_tracking(tracker: Tracker, trainer: Trainer, p, run_file: Path) -> Non
         run_id=trainer.state.mlflow_run_id or load_run_id(run_file))
     if not world.is_main:
         return
+    resumed = run_id is not None and run_id == trainer.state.mlflow_run_id
     trainer.state.mlflow_run_id = run_id
     save_run_id(run_file, run_id)
+    if resumed:  # rows logged after the checkpoint, before a kill, are not sent again
+        for row_type, key in ((TrainRow, "train/loss"), (ValidRow, "valid/loss")):
+            if (last := tracker.last_step(key)) is not None:
+                trainer.tracked_until[row_type.__name__] = last
     if trainer.branched_from is not None and run_id is not None:
         # A run that goes on from before its cooldown: the new MLflow run gets the curves
         # up to there, and names the run it branched from.

@@ -698,6 +698,30 @@ def test_train_stage_logs_one_mlflow_run_and_a_resume_continues_it(toy_workspace
     assert "MKL_ENABLE_INSTRUCTIONS=AVX2" in logged.data.tags["instruction_caps"].split()
 
 
+def test_rows_logged_after_the_last_checkpoint_are_not_logged_twice_on_resuming(
+        toy_workspace, tmp_path):
+    """A run killed after it logged step 6's rows but before the checkpoint of step 6 was
+    on disk resumes from step 3 and computes the rows of steps 4 and 6 again: MLflow's
+    history holds each step once."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    env = {**env_for_subprocess(), "MLFLOW_TRACKING_URI": uri}
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "stages.train",
+           *[a for a in train_cmd(write_params(tmp_path / "p.yaml", {"train": {"steps": 6}}),
+                                  run, toy_workspace) if a != "--no-mlflow"]]
+    subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=300, cwd=tmp_path)
+    (run / "checkpoints/step-00000006.pt").unlink()  # as if killed before it was written
+    (run / "checkpoints.progress/step-00000006.pt").unlink(missing_ok=True)
+    subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=300, cwd=tmp_path)
+    run_id = json.loads((run / "checkpoints/mlflow_run.json").read_text())["run_id"]
+    client = MlflowClient(uri)
+    assert [m.step for m in client.get_metric_history(run_id, "train/loss")] == [2, 4, 6]
+    assert [m.step for m in client.get_metric_history(run_id, "valid/loss")] == [6]
+    assert client.get_run(run_id).data.metrics["final/steps"] == 6
+
+
 @pytest.mark.slow
 def test_a_run_that_goes_on_from_before_its_cooldown_gets_a_new_mlflow_run_with_its_curves(
         toy_workspace, tmp_path):
