@@ -514,9 +514,12 @@ def fast_tokenizer(tokenizer: Tokenizer, max_positions: int) -> Any:
     tok = Tokenizer.from_str(tokenizer.to_str())  # a copy: the post-processor is ours to set
     tok.post_processor = processors.TemplateProcessing(
         single=f"$A {EOS}", pair=f"$A $B {EOS}", special_tokens=[(EOS, EOS_ID)])
+    # split_special_tokens: "<pad>" in a sentence is text, as our tokenizer reads it
+    # (aiayn.tokenizer.literal_special_tokens); saved in tokenizer_config.json.
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=BOS, eos_token=EOS, unk_token=UNK, pad_token=PAD,
-        model_max_length=max_positions - 1, clean_up_tokenization_spaces=False)
+        model_max_length=max_positions - 1, clean_up_tokenization_spaces=False,
+        split_special_tokens=True)
 
 
 def write_transformers(model: Transformer, tokenizer: Tokenizer, directory: Path,

@@ -206,7 +206,8 @@ def test_the_transformers_folder_loads_with_no_custom_code(exports, model_dir):
     assert type(model).__name__ == "MarianMTModel"
     assert tokenizer.is_fast and tokenizer.eos_token_id == EOS_ID
     ours = load_tokenizer(model_dir / "tokenizer.json")
-    for text in ("The small dog sees the cat.", "Zwei  Leerzeichen, „Anführungszeichen“ — 3,14"):
+    for text in ("The small dog sees the cat.", "Zwei  Leerzeichen, „Anführungszeichen“ — 3,14",
+                 "A <pad> dog </s> runs."):  # text that spells a special token is text
         ids = ours.encode(text, add_special_tokens=False).ids
         assert tokenizer(text)["input_ids"] == ids + [EOS_ID]  # EOS on the source, as ours
         assert tokenizer.decode(ids + [EOS_ID], skip_special_tokens=True) == text  # lossless
