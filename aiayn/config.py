@@ -545,6 +545,23 @@ def parse_params(raw: Any, source: str = "params.yaml") -> Params:
         raise ParamsError(head + " | ".join(" ".join(x.split()) for x in lines)) from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key written twice in one mapping (YAML would keep the
+    last silently, and a stage would run with a value the user may not have meant)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice in one section (lines "
+                    f"{seen[key] + 1} and {key_node.start_mark.line + 1}); keep one",
+                    key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_params(path: str | Path = "params.yaml") -> Params:
     """Read and validate a params file; every stage calls this once, before any work."""
     path = Path(path)
@@ -553,7 +570,7 @@ def load_params(path: str | Path = "params.yaml") -> Params:
             f"{path}: no such params file; run from the repository root or pass --params PATH"
         )
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         raise ParamsError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
     except UnicodeDecodeError:

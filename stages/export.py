@@ -45,8 +45,7 @@ def export(
     p = read_params(params)
     check_request(fmt, quantization)  # a missing package or a bad pair of options: no work
     out = out or Path("data/export") / fmt
-    found = {name: read_json(metrics / f"{name}.json") if (metrics / f"{name}.json").is_file()
-             else None for name in METRICS}
+    found = {name: _metrics_file(metrics / f"{name}.json") for name in METRICS}
     folder = load_model_folder(model)
 
     def card(check: float) -> str:
@@ -58,6 +57,20 @@ def export(
     result = export_folder(folder, out, fmt, quantization=quantization, beam=p.decode.beam,
                            alpha=p.decode.alpha, card=card)
     log.info("export: wrote %s (%s)", result.directory, ", ".join(result.files))
+
+
+def _metrics_file(path: Path) -> dict | None:
+    """A metrics file for the model card; None where it is missing or unreadable (the card
+    then says "not measured" for its figures), with a warning for the latter."""
+    if not path.is_file():
+        return None
+    try:
+        found = read_json(path)
+    except (OSError, ValueError) as exc:
+        log.warning("export: %s is not readable JSON (%s); the model card leaves its figures "
+                    "out (re-run the stage that writes it to put them in)", path, exc)
+        return None
+    return found if isinstance(found, dict) else None
 
 
 app = single_command_app(export, "Export the trained model to CTranslate2 or transformers.")

@@ -122,8 +122,11 @@ def params(
     text = compose(conf, experiment, overrides or [])
     parse_params(yaml.safe_load(text), f"composition of {conf}/ {experiment or ''}".strip())
     if check:
-        current = out.read_text(encoding="utf-8") if out.is_file() else ""
-        if yaml.safe_load(current) != yaml.safe_load(text):
+        try:
+            current = yaml.safe_load(out.read_text(encoding="utf-8")) if out.is_file() else None
+        except (yaml.YAMLError, UnicodeDecodeError):
+            current = None  # not YAML or not UTF-8: it differs, and the message says how
+        if current != yaml.safe_load(text):
             preset = experiment or default_experiment(conf) or "<preset>"
             typer.secho(f"{out} differs from the composition of {conf}/ with preset {preset}; "
                         f"run `aiayn params {preset}` to regenerate it (or `aiayn params "

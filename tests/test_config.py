@@ -134,6 +134,31 @@ def test_negative_sizes_are_refused():
     assert "data.toy.train_pairs" in msg
 
 
+def test_a_key_written_twice_is_refused(tmp_path):
+    text = (REPO / "params.yaml").read_text()
+    assert text.startswith("seed: 1\n")
+    text = "seed: 1\nseed: 2\n" + text.removeprefix("seed: 1\n")
+    (tmp_path / "params.yaml").write_text(text)
+    with pytest.raises(ParamsError, match=r"params.yaml: not valid YAML: .*key 'seed' appears "
+                                          r"twice in one section \(lines \d+ and \d+\)"):
+        load_params(tmp_path / "params.yaml")
+
+
+def test_params_check_on_a_file_that_is_not_yaml_says_it_differs(tmp_path):
+    from typer.testing import CliRunner
+
+    from stages.params import app
+
+    out = tmp_path / "params.yaml"
+    for broken in (b"a: [\n", b"seed: \xe9\n"):
+        out.write_bytes(broken)
+        result = CliRunner().invoke(app, ["--check", "--conf", str(REPO / "conf"),
+                                          "--out", str(out)])
+        assert result.exit_code == 1, result.output
+        assert "differs from the composition" in result.output
+        assert "Traceback" not in result.output
+
+
 def test_heads_must_divide_d_model():
     msg = bad(lambda r: r["model"].update(d_model=100, heads=8))
     assert msg.endswith(": model: d_model (100) must be divisible by heads (8); e.g. heads=10")

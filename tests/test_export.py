@@ -367,6 +367,7 @@ def test_the_export_command_writes_a_model_card(model_dir, toy_workspace, tmp_pa
         "split": "test", "sentences": 40,
         "sacrebleu": {"score": 12.345, "signature": "nrefs:1|case:mixed|eff:no|tok:13a"},
         "chrf": {"score": 40.0, "signature": "nrefs:1|nc:6"}}))
+    (metrics / "vocab.json").write_text('{"size": 40')  # cut short: left out, with a warning
     out = tmp_path / "hf"
     result = invoke("export", "--format", "transformers", "--params",
                     str(toy_workspace / "params.yaml"), "--model", str(model_dir), "--out",
