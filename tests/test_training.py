@@ -1333,7 +1333,8 @@ def test_average_candidates_are_scored_as_a_plain_decode_of_each_average(toy_wor
     metrics = read_json(tmp_path / "average.json")
     assert metrics == {"average": "last", "averaged": best,
                        "first_step": [3, 6, 9, 12][-best], "last_step": 12,
-                       "candidates": {str(n): round(v, 4) for n, v in expected.items()}}
+                       "candidates": {str(n): round(v, 4) for n, v in expected.items()},
+                       "candidates_beam": 1}  # train.valid_bleu_beam, as decoded above
 
 
 @pytest.mark.parametrize(("scripted", "chosen"), [
