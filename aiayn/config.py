@@ -480,11 +480,14 @@ def shapes_training(key: str) -> bool:
     return declared_effects(key).shapes_training
 
 
+AFTER_TRAINING = frozenset({"average", "translate", "score", "export"})
+
+
 def after_training(key: str) -> bool:
     """Whether the setting ``key`` is read after training only (averaging, decoding,
     scoring, export): a changed value re-runs later stages on the same training run."""
     try:
-        return "train" not in declared_effects(key).stages
+        return set(declared_effects(key).stages) <= AFTER_TRAINING
     except KeyError:
         return False
 

@@ -589,14 +589,16 @@ def test_dvc_repro_with_other_decoding_settings_scores_into_a_child_run(tmp_path
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.delenv("DVC_EXP_NAME", raising=False)
     run_file = tmp_path / "mlflow_run.json"
-    beam4 = {"decode": {"beam": 4, "alpha": 0.6}, "train": {"steps": 600}}
+    beam4 = {"decode": {"beam": 4, "alpha": 0.6}, "train": {"steps": 600},
+             "data": {"local": {"dir": "corpus"}}}
     train = Tracker()
     base = train.start("aiayn", beam4)
     train.end()
     save_run_id(run_file, base, uri)
     assert log_into_run(run_file, "score", {"test/sacrebleu": 30.0}, params=beam4) == base
     # a longer training is the same run (train.steps shapes training: not a variant)
-    longer = {**beam4, "train": {"steps": 1200}}
+    # nor is a data setting (it comes before training; the same run's data here)
+    longer = {**beam4, "train": {"steps": 1200}, "data": {"local": {"dir": "../corpus"}}}
     assert log_into_run(run_file, "score", {"test/sacrebleu": 31.0}, params=longer) == base
 
     beam1 = {**longer, "decode": {"beam": 1, "alpha": 0.6}}
