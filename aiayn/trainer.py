@@ -339,7 +339,7 @@ class Trainer:
         self._interim: set[int] = set()
         # The last step whose rows the MLflow run already holds, by row type: a run killed
         # after its last checkpoint logged the rows after it, and repeats them on resuming.
-        self.tracked_until: dict[str, int] = {}
+        self.tracked_until: dict[type, int] = {}
         self._grad_norm: torch.Tensor | None = None
         self._lr = 0.0
         if (found := self.store.resume_point()) is not None:
@@ -575,7 +575,7 @@ class Trainer:
 
     def _track(self, row: TrainRow | ValidRow) -> None:
         if self.tracker is not None and self.world.is_main:
-            if row.step <= self.tracked_until.get(type(row).__name__, -1):
+            if row.step <= self.tracked_until.get(type(row), -1):
                 return  # logged before a kill: the resumed run computes the same row again
             self.tracker.log_metrics(row.metrics(), step=row.step)
 

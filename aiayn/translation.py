@@ -81,7 +81,7 @@ def one_line(text: str) -> str:
     """A translation as one line: the line breaks a model may write (the byte-level
     vocabulary holds them; an undertrained model does emit them) become spaces, or the
     output file would no longer hold one line per input line."""
-    return _BREAKS.sub(" ", text) if "\n" in text or "\r" in text else text
+    return _BREAKS.sub(" ", text)
 
 
 _BREAKS = re.compile(r"[ \t]*[\r\n]+[ \t]*")

@@ -226,7 +226,7 @@ def start_tracking(tracker: Tracker, trainer: Trainer, p, run_file: Path) -> Non
     if resumed:  # rows logged after the checkpoint, before a kill, are not sent again
         for row_type, key in ((TrainRow, "train/loss"), (ValidRow, "valid/loss")):
             if (last := tracker.last_step(key)) is not None:
-                trainer.tracked_until[row_type.__name__] = last
+                trainer.tracked_until[row_type] = last
     if trainer.branched_from is not None and run_id is not None:
         # A run that goes on from before its cooldown: the new MLflow run gets the curves
         # up to there, and names the run it branched from.
