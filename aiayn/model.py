@@ -575,7 +575,12 @@ class Transformer(nn.Module):
 
     def reset_parameters(self) -> None:
         # Embedding ~ N(0, d^-1/2), so that after the sqrt(d) scaling inputs have unit
-        # variance; Xavier-uniform linear layers with zero biases (as tensor2tensor).
+        # variance; Xavier-uniform linear layers with zero biases (the paper does not say
+        # how it initialised). Xavier takes each matrix's own shape and some projections are
+        # fused, so with d_k = d_v = d / h self-attention's q, k and v (one (3d, d) matrix)
+        # start at 1/sqrt(2) of a separate d x d matrix's scale (fairseq's gain for them),
+        # cross-attention's k and v (one (2d, d)) at sqrt(2/3), and cross-attention's q, the
+        # output and the feed-forward projections at Xavier's own (tensor2tensor's).
         nn.init.normal_(self.embedding.weight, mean=0.0, std=self.cfg.d_model ** -0.5)
         with torch.no_grad():
             self.embedding.weight[self.cfg.pad_id].zero_()

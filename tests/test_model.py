@@ -482,3 +482,29 @@ def test_config_checks_d_k_d_v_and_positions():
     assert (cfg.key_size, cfg.value_size) == (8, 6)
     base = TransformerConfig(vocab_size=10)
     assert (base.d_k, base.key_size, base.value_size) == (0, 64, 64)  # 0 kept: old configs
+
+
+def test_initial_scales_are_xavier_of_each_fused_matrix():
+    """Each linear layer starts Xavier-uniform over its own (fused) shape, biases zero: the
+    bound sqrt(6 / (fan_in + fan_out)), i.e. std sqrt(2 / (fan_in + fan_out)); so
+    self-attention's q, k, v start at 1/sqrt(2) of a separate d x d matrix's std and
+    cross-attention's k, v at sqrt(2/3). The embedding ~ N(0, d^-1/2), its PAD row zero."""
+    torch.manual_seed(0)
+    d = 256
+    model = Transformer(TransformerConfig(vocab_size=3000, d_model=d, heads=4, encoder_layers=1,
+                                          decoder_layers=1, d_ff=1024, max_positions=64))
+    separate = math.sqrt(2 / (2 * d))
+    layer = model.decoder[0]
+    for weight, ratio in [(layer.self_attn.qkv_proj.weight, 1 / math.sqrt(2)),
+                          (layer.cross_attn.kv_proj.weight, math.sqrt(2 / 3)),
+                          (layer.cross_attn.q_proj.weight, 1.0),
+                          (layer.self_attn.out_proj.weight, 1.0)]:
+        bound = math.sqrt(6 / sum(weight.shape))
+        assert weight.abs().max() <= bound
+        assert weight.std().item() == pytest.approx(separate * ratio, rel=0.02)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            assert not module.bias.any()
+    emb = model.embedding.weight
+    assert not emb[PAD].any()
+    assert emb[PAD + 1:].std().item() == pytest.approx(d ** -0.5, rel=0.02)
