@@ -228,7 +228,10 @@ class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
             grad_rows = torch.empty_like(rows) if need_grad else None
             grad_weight = torch.zeros(width, weight.shape[1], dtype=torch.float32,
                                       device=weight.device) if need_grad else None
-            buf_rows = min(n, max(chunk_rows, tail_window(n % chunk_rows, n, rows.device)))
+            # The buffer holds a whole chunk, or the last chunk's window where that is more
+            # (its real length is in [1, chunk_rows]: chunk_rows when n is a multiple).
+            last = n - (n - 1) // chunk_rows * chunk_rows
+            buf_rows = min(n, max(chunk_rows, tail_window(last, n, rows.device)))
             buf = torch.empty(buf_rows, width, dtype=dtype, device=rows.device)
             # The mean logit of a row is its dot product with the mean embedding row.
             mean_all = rows.float() @ weight.float().mean(dim=0)  # (N,)
@@ -371,9 +374,9 @@ def projected_label_smoothed_loss(hidden: Tensor, weight: Tensor, labels: Tensor
 def keep_threshold(p: float) -> tuple[int, float]:
     """(int16 threshold, scale): keep an element when its int16 >= threshold, whose
     probability is 1 - k / 65536 for k = round(p * 65536); scale = its inverse."""
-    k = round(p * 65536)
-    if not 0 <= k < 65536:
+    if not 0 <= p < 1:
         raise ValueError(f"dropout probability {p} must lie in [0, 1)")
+    k = min(round(p * 65536), 65535)  # p within 2^-17 of 1 drops all but 1 in 65536
     return k - 32768, 65536 / (65536 - k)
 
 

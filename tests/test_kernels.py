@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -261,6 +262,37 @@ def test_keep_threshold_gives_the_probability_it_claims():
         assert scale == pytest.approx(65536 / kept)
     with pytest.raises(ValueError):
         kernels.keep_threshold(1.0)
+    with pytest.raises(ValueError):
+        kernels.keep_threshold(-0.1)
+    # Within 2^-17 of 1 (the config accepts any p < 1): all but one int16 value dropped.
+    threshold, scale = kernels.keep_threshold(0.999995)
+    assert (32767 - threshold + 1, scale) == (1, 65536.0)
+
+
+@pytest.mark.parametrize("softmax", ["c++", "eager"])
+def test_projected_loss_of_a_whole_number_of_chunks_writes_in_its_buffer(softmax, monkeypatch):
+    """n rows, a multiple of chunk_rows (100, not a multiple of the CPU's 64-row windows):
+    the last chunk's window (128 rows) fits the logits buffer, so torch.mm never resizes its
+    output (a deprecated behaviour it warns of), and the loss is the plain one."""
+    if softmax == "eager":
+        eager_softmax(monkeypatch)
+    elif kernels.cpu_extension() is None:
+        pytest.skip("the C++ extension could not be built here")
+    else:
+        monkeypatch.setattr(kernels, "SOFTMAX_KERNEL_DTYPES", (torch.float32, torch.bfloat16))
+    torch.manual_seed(0)
+    hidden = torch.randn(1, 300, 8, requires_grad=True)
+    weight = torch.randn(40, 8, requires_grad=True)
+    labels = torch.randint(1, 40, (1, 300))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss, _, n = kernels.projected_label_smoothed_loss(hidden, weight, labels, 0.1, PAD,
+                                                           chunk_rows=100)
+        loss.backward()
+    ref, _, _ = label_smoothed_loss(hidden.detach().double() @ weight.detach().double().t(),
+                                    labels, 0.1, PAD)
+    assert n == 300
+    torch.testing.assert_close(loss.double(), ref.double(), rtol=1e-5, atol=1e-4)
 
 
 def test_random_int16_is_uniform_in_every_lane():
