@@ -520,6 +520,18 @@ def test_table_totals_and_goals(stages, wall_ok, rss_ok, all_ok, capsys):
     assert f"peak RSS: {'MET' if rss_ok else 'MISSED'}" in out
 
 
+def test_goals_are_not_judged_on_a_smaller_corpus(capsys):
+    """The goals are for WMT14's 4.5M training pairs: a quick run on fewer pairs, however
+    fast and small, reports them as not judged rather than met."""
+    results = [_result("vocab", 10, 9, 0.5), _result("survey", 5, 4, 0.5),
+               _result("shard", 5, 4, 0.5)]
+    summary = dp.print_table(results, 20, pairs=5000)
+    assert summary["wall_goal_met"] is None and summary["rss_goal_met"] is None
+    assert summary["all_stages_ok"] is True
+    out = capsys.readouterr().out
+    assert "MET" not in out and "not judged" in out and "5,000" in out
+
+
 # --------------------------------------------------------------------------- a full run
 
 
