@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import statistics
 import time
 from pathlib import Path
@@ -72,8 +73,11 @@ CONFIGS = {
                  dropout=0.1),  # a smoke test of this script, on any device
 }
 PAPER_STEPS = {"base": 100_000, "big": 300_000, "tiny": 1000}
-PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.4, "H200": 989.4, "GH200": 989.4,
-                    "A100": 312.0, "A800": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
+# Dense (not sparse) bf16 peaks, by the words of torch.cuda.get_device_name: "NVIDIA H100
+# 80GB HBM3" is the SXM part, "NVIDIA H100 NVL" and "NVIDIA H200 NVL" the lower-clocked ones.
+PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.4, "H200 NVL": 835.0,
+                    "H200": 989.4, "GH200": 989.4, "A100": 312.0, "A800": 312.0,
+                    "L40S": 362.0, "L40": 181.0, "L4": 121.0, "A10": 125.0}
 MEAN_LENGTH = 30.0  # BPE tokens per WMT14 sentence incl. EOS (~27 words, 37k BPE)
 
 
@@ -116,19 +120,32 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def _synthetic_cut(rng: np.random.Generator, max_tokens: int, multiple: int) -> tuple:
+    """The synthetic corpus's lengths (200,000 WMT-like pairs), their order and the batch
+    bounds the shard stage's cut gives, on lengths + EOS / + BOS rounded up to ``multiple``."""
+    pairs = 200_000
+    src = np.clip(np.round(rng.lognormal(np.log(26), 0.55, pairs)), 2, 254).astype(int)
+    tgt = np.clip(np.round(src * rng.normal(1.0, 0.1, pairs)), 2, 254).astype(int)
+    order = np.lexsort((tgt, src))
+    src_cost, tgt_cost = (-(-(x[order] + 1) // multiple) * multiple for x in (src, tgt))
+    return src, tgt, order, cut_batches(src_cost, tgt_cost, max_tokens)
+
+
+def available_batches(max_tokens: int, multiple: int = 1, seed: int = 1) -> int:
+    """How many batches :func:`make_batches` can draw (each at most once)."""
+    return len(_synthetic_cut(np.random.default_rng(seed), max_tokens, multiple)[3]) - 2
+
+
 def make_batches(n: int, max_tokens: int, seed: int, device: torch.device,
                  multiple: int = 1) -> list[Batch]:
     """Token-bucket batches of WMT-like lengths, as the shard stage cuts them. ``multiple``:
     every length counted, and every batch's widths padded, up to a multiple of it, so that
     batch shapes repeat (the rows of a full batch follow from its padded width)."""
     rng = np.random.default_rng(seed)
-    pairs = 200_000
-    src = np.clip(np.round(rng.lognormal(np.log(26), 0.55, pairs)), 2, 254).astype(int)
-    tgt = np.clip(np.round(src * rng.normal(1.0, 0.1, pairs)), 2, 254).astype(int)
-    order = np.lexsort((tgt, src))
-    # The shard stage's cut, on lengths + EOS / + BOS rounded up to the multiple.
-    src_cost, tgt_cost = (-(-(x[order] + 1) // multiple) * multiple for x in (src, tgt))
-    bounds = cut_batches(src_cost, tgt_cost, max_tokens)
+    src, tgt, order, bounds = _synthetic_cut(rng, max_tokens, multiple)
+    if n > len(bounds) - 2:
+        raise ValueError(f"{n} batches asked, but the synthetic corpus holds "
+                         f"{len(bounds) - 2} of <= {max_tokens} tokens")
     out = []
     # Drawn from all batches but the last (the longest pairs' remainder), as before.
     for b in rng.choice(len(bounds) - 2, size=n, replace=False):
@@ -330,9 +347,18 @@ def count_launches(run_step, group: list[Batch], device: torch.device) -> dict:
     return {"ops": sum(1 for e in events if e.name.startswith("aten::") and from_python(e))}
 
 
+def _words(name: str) -> list[str]:
+    return re.split(r"[\s_-]+", name.strip().upper())
+
+
 def peak_tflops(device_name: str) -> float | None:
-    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):  # "H100 PCIe" before "H100"
-        if key in device_name:
+    """The table's peak for a device name, matched by whole words ("NVIDIA A100-SXM4-80GB"
+    is an A100, "NVIDIA L40" not an L4, "NVIDIA RTX A1000" nothing), the longest key
+    first ("H100 PCIe" before "H100"); None for a GPU the table does not hold."""
+    words = _words(device_name)
+    for key in sorted(PEAK_BF16_TFLOPS, key=lambda k: len(_words(k)), reverse=True):
+        k = _words(key)
+        if any(words[i:i + len(k)] == k for i in range(len(words) - len(k) + 1)):
             return PEAK_BF16_TFLOPS[key]
     return None
 
@@ -393,10 +419,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "pad_multiple")
     if args.compile_mode and not args.compile:
         ap.error("--compile-mode applies to --compile: give both")
-    if args.profile and args.steps < 2:
-        ap.error("--profile takes the last step out of the measured ones: give --steps 2 or more")
+    unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
+    if unknown:
+        ap.error(f"--configs: unknown {', '.join(map(repr, unknown))}; "
+                 f"choose among {', '.join(CONFIGS)}")
+    if args.profile and args.steps < 2 + (args.warmup == 0):
+        ap.error("--profile takes the first and the last step out of the measured ones: give "
+                 + ("--steps 2 or more" if args.warmup else "--steps 3 or more with --warmup 0"))
     if args.reuse and args.warmup < 1:
         ap.error("--reuse cycles through the warm-up's batches: give --warmup 1 or more")
+    accum = max(1, -(-args.tokens_per_step // args.max_tokens))
+    needed = (args.warmup + (0 if args.reuse else args.steps)) * accum
+    if not args.estimate and needed > (have := available_batches(args.max_tokens,
+                                                                  args.pad_multiple)):
+        ap.error(f"{args.warmup} warm-up + {args.steps} measured steps of {accum} batch(es) need "
+                 f"{needed} distinct batches; the synthetic corpus holds {have} of "
+                 f"<= {args.max_tokens} tokens: give fewer --steps/--warmup, --reuse, or a "
+                 "smaller --max-tokens")
     if args.ddp and "LOCAL_RANK" not in os.environ:
         ap.error("--ddp needs torchrun: torchrun --standalone --nproc-per-node N "
                  "-m bench.gpu_step --ddp ...")

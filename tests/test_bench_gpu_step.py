@@ -147,6 +147,12 @@ def test_without_a_gpu_it_says_so_and_prints_the_estimate_only(capsys):
     (["--device", "cpu", "--ddp"], "--ddp needs torchrun"),
     (["--device", "cpu", "--compile-mode", "reduce-overhead"], "give both"),
     (["--device", "cpu", "--pad-multiple", "0"], "--pad-multiple (0) must be at least 1"),
+    (["--device", "cpu", "--configs", "tiny,smal"], "unknown 'smal'; choose among base, big"),
+    (["--device", "cpu", "--profile", "--warmup", "0", "--steps", "2"],
+     "--steps 3 or more with --warmup 0"),
+    # 276 steps of one 25,000-token batch: more than the corpus's 281 such batches
+    (["--device", "cpu", "--max-tokens", "25000", "--warmup", "5", "--steps", "277"],
+     "need 282 distinct batches; the synthetic corpus holds 281"),
 ])
 def test_bad_arguments_stop_with_the_fix(argv, message, capsys, monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
@@ -154,3 +160,25 @@ def test_bad_arguments_stop_with_the_fix(argv, message, capsys, monkeypatch):
         gpu_step.main(argv)
     assert stop.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989.4), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0),
+    ("NVIDIA H200", 989.4), ("NVIDIA H200 NVL", 835.0), ("NVIDIA GH200 480GB", 989.4),
+    ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA A100 80GB PCIe", 312.0), ("NVIDIA L40S", 362.0),
+    ("NVIDIA L40", 181.0), ("NVIDIA L4", 121.0), ("NVIDIA A10", 125.0),
+    ("NVIDIA RTX A1000", None), ("NVIDIA A10G", None), ("Tesla V100-SXM2-16GB", None),
+])
+def test_peaks_are_found_by_whole_words_of_the_device_name(name, peak):
+    """A name holding another GPU's name as a part of a word (L40 and L4, RTX A1000 and
+    A100) is not that GPU: an unknown GPU gets no peak (--peak-tflops) rather than a
+    wrong one."""
+    assert gpu_step.peak_tflops(name) == peak
+
+
+def test_the_corpus_limit_is_what_make_batches_can_draw():
+    cpu = torch.device("cpu")
+    have = gpu_step.available_batches(25_000)
+    assert len(gpu_step.make_batches(have, 25_000, seed=1, device=cpu)) == have
+    with pytest.raises(ValueError, match=f"holds {have} of <= 25000"):
+        gpu_step.make_batches(have + 1, 25_000, seed=1, device=cpu)
