@@ -247,6 +247,14 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm 
 $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 torch.cuda.get_device_name(), 'bf16', torch.cuda.is_bf16_supported())"
 nproc
+# Every part measures a GPU: without one, stop here rather than write CPU records under the
+# GPU parts' names. GPU_SESSION_ALLOW_CPU=1 runs the parts anyway (a check of this script).
+if [ -z "${GPU_SESSION_ALLOW_CPU:-}" ] \
+        && ! $PY -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
+    echo "NO GPU: torch sees no CUDA device here (a CPU build, no driver, or" \
+         "CUDA_VISIBLE_DEVICES empty); stopping before any part." >&2
+    exit 1
+fi
 
 if want 1a; then
 part "1a. gpu_step: base and big, bf16, eager, new batch shapes every step"
@@ -261,7 +269,9 @@ fi
 if want 1c; then
 part "1c. base on shapes met before (--reuse), first and last step profiled"
 timeout 120 $PY -m bench.gpu_step --configs base --warmup 30 --steps 10 --reuse --profile \
-    --json "$OUT/gpu_step_reuse.json" | grep -v "^USDT" || echo "PART 1c FAILED ($?)"
+    --json "$OUT/gpu_step_reuse.json" | grep -v "^USDT"
+rc=${PIPESTATUS[0]}  # the benchmark's status, not grep's
+[ "$rc" -eq 0 ] || echo "PART 1c FAILED ($rc)"
 fi
 if want 1d; then
 part "1d. the same shapes with the loss in the CPU's 256-row blocks (the baseline of loss_blocks)"

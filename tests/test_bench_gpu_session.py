@@ -58,3 +58,24 @@ def own_data(settings: str) -> list[str]:
 ])
 def test_an_arm_that_sets_the_data_stages_gets_its_own_data(settings, expected):
     assert own_data(settings) == expected
+
+
+def _cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(_cuda_available(), reason="the check lets a machine with a GPU through")
+def test_without_a_gpu_the_script_stops_before_any_part(tmp_path):
+    """Where torch sees no CUDA device, the script says so and exits 1 before part 1a,
+    instead of writing CPU measurements under the GPU parts' names."""
+    import sys
+    out = tmp_path / "out"
+    run = subprocess.run(["bash", str(SCRIPT)], cwd=SCRIPT.parent.parent, capture_output=True,
+                         text=True, timeout=120,
+                         env={"PATH": "/usr/bin:/bin", "PY": sys.executable, "OUT": str(out),
+                              "PARTS": "1a", "HOME": str(tmp_path)})
+    assert run.returncode == 1
+    log = (out / "session.log").read_text()
+    assert "NO GPU: torch sees no CUDA device here" in log
+    assert "=== 1a." not in log and not list(out.glob("gpu_step*.json"))
