@@ -29,9 +29,23 @@ class World:
 
 
 def world_from_env() -> World:
-    """Rank and size from the variables torchrun exports (RANK, LOCAL_RANK, WORLD_SIZE)."""
-    return World(int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)),
-                 int(os.environ.get("WORLD_SIZE", 1)))
+    """Rank and size from the variables torchrun exports (RANK, LOCAL_RANK, WORLD_SIZE),
+    checked: whole numbers, 0 <= RANK < WORLD_SIZE, LOCAL_RANK >= 0 (a rank outside the world
+    would wait for its process group for ever)."""
+    values = {}
+    for name, default in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)):
+        text = os.environ.get(name, str(default))
+        try:
+            values[name] = int(text)
+        except ValueError:
+            raise ValueError(f"environment variable {name}={text!r}: not a whole number; "
+                             "torchrun sets it (unset it to run one process)") from None
+    rank, local, size = values["RANK"], values["LOCAL_RANK"], values["WORLD_SIZE"]
+    if size < 1 or not 0 <= rank < size or local < 0:
+        raise ValueError(f"environment variables RANK={rank}, LOCAL_RANK={local}, "
+                         f"WORLD_SIZE={size}: need WORLD_SIZE >= 1, 0 <= RANK < WORLD_SIZE and "
+                         "LOCAL_RANK >= 0; torchrun sets them (unset them to run one process)")
+    return World(rank, local, size)
 
 
 def init(world: World, device: torch.device) -> None:

@@ -161,7 +161,7 @@ def step_budget_warning(tokens_per_step: int, world_size: int, max_tokens: int) 
     planned = accum * world_size * max_tokens
     if planned <= 1.1 * tokens_per_step:
         return None
-    fits = tokens_per_step // (world_size * accum)
+    fits = -(-tokens_per_step // (world_size * accum))  # the same accumulation, within budget
     return (f"train: {world_size} process(es) x {accum} batch(es) of up to {max_tokens} "
             f"tokens (shard.max_tokens) make steps of up to {planned:,} tokens, "
             f"{planned / tokens_per_step:.2f}x train.tokens_per_step ({tokens_per_step:,}); "

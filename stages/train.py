@@ -44,7 +44,15 @@ TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def relaunch_under_torchrun(nproc: int, max_restarts: int) -> None:
-    """Replace this process by torchrun running this command in N processes."""
+    """Replace this process by torchrun running this command in N processes. Only `aiayn
+    train` itself may: a script or notebook that calls the stage function would be replaced
+    by torchrun running the script's own command line."""
+    if not launched_as_command():
+        raise AiaynError(f"train.nproc_per_node is {nproc}, but the train stage was called "
+                         "from Python, whose process it cannot re-launch under torchrun; run "
+                         "`aiayn train`, or start your script under torchrun "
+                         f"(torchrun --nproc-per-node {nproc} script.py), or set "
+                         "train.nproc_per_node: 1")
     args = torchrun_command(nproc, max_restarts, sys.argv)
     log.info("train: %d processes per node, re-launching under torchrun (%d restart%s after "
              "a lost process)", nproc, max_restarts, "" if max_restarts == 1 else "s")
@@ -146,7 +154,10 @@ def train(
     for path in (metrics, train_log, valid_log, curves):  # written at the end: check now
         check_output_path(path)
     check_output_path(checkpoints, directory=True)
-    world = world_from_env()
+    try:
+        world = world_from_env()
+    except ValueError as exc:
+        raise AiaynError(str(exc)) from None
     relaunch_with_allocator(p)
     if p.train.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
         relaunch_under_torchrun(p.train.nproc_per_node, p.train.max_restarts)

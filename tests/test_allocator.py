@@ -227,3 +227,20 @@ def test_auto_on_glibc_tells_how_to_get_the_faster_allocator(monkeypatch, tmp_pa
         monkeypatch.setattr("torch.cuda.is_available", lambda: True)
         train_stage.relaunch_with_allocator(params(tmp_path, "auto", device="auto"))
     assert "apt install" not in caplog.text
+
+
+def test_torchrun_re_launches_the_command_only(monkeypatch, fake_exec):
+    """train.nproc_per_node > 1: `aiayn train` replaces itself by torchrun running it; a
+    script that calls the stage function is not replaced by torchrun running the script's
+    own command line, but told how to run it."""
+    monkeypatch.setattr(train_stage, "launched_as_command", lambda: False)
+    with pytest.raises(AiaynError, match="called from Python.*torchrun --nproc-per-node 2"):
+        train_stage.relaunch_under_torchrun(2, 0)
+    assert fake_exec == []
+    monkeypatch.setattr(train_stage, "launched_as_command", lambda: True)
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/aiayn", "train", "--no-mlflow"])
+    with pytest.raises(Exec):
+        train_stage.relaunch_under_torchrun(2, 0)
+    (path, args, env), = fake_exec
+    assert args[1:] == ["--standalone", "--nproc-per-node=2", "--max-restarts=0", "-m",
+                        "stages.train", "--no-mlflow"]

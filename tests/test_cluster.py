@@ -337,3 +337,29 @@ def test_every_rank_gets_rank_0s_decisions_and_clock(tmp_path):
     torch.multiprocessing.spawn(_broadcast_worker, args=(free_port(), tmp_path), nprocs=2)
     for rank in (0, 1):
         assert (tmp_path / f"rank{rank}.txt").read_text() == repr([1.0, 0.0, 1234.5678])
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"RANK": "abc"}, "RANK='abc': not a whole number"),
+    ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two': not a whole number"),
+    ({"LOCAL_RANK": "x"}, "LOCAL_RANK='x': not a whole number"),
+    ({"RANK": "1"}, "RANK=1, LOCAL_RANK=0, WORLD_SIZE=1"),  # outside a world of one
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2"),  # would wait for its group for ever
+    ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK=-1"),
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0"),
+    ({"LOCAL_RANK": "-1", "WORLD_SIZE": "2"}, "LOCAL_RANK=-1"),
+])
+def test_torchruns_variables_are_checked_with_their_names(monkeypatch, env, message):
+    from aiayn.distributed import World, world_from_env
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert world_from_env() == World(0, 0, 1)  # none set: one process
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        world_from_env()
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert world_from_env() == World(1, 1, 2)

@@ -101,9 +101,18 @@ def test_accumulation_keeps_the_global_budget():
     assert step_budget_warning(25_000, 3, 4096) == (  # 3 x 3 x 4096 = 36,864
         "train: 3 process(es) x 3 batch(es) of up to 4096 tokens (shard.max_tokens) make "
         "steps of up to 36,864 tokens, 1.47x train.tokens_per_step (25,000); for the budget, "
-        "set shard.max_tokens to 2777 and re-run the shard stage (on a GPU, one batch a step "
+        "set shard.max_tokens to 2778 and re-run the shard stage (on a GPU, one batch a step "
         "is the fastest: tokens_per_step / processes)")
     assert "set shard.max_tokens to 3125" in step_budget_warning(25_000, 8, 6250)
+    # The value named fits: taken, it never warns again (brute force over realistic budgets).
+    for tokens in (4096, 8192, 25_000, 25_600, 50_000, 100_003):
+        for world in range(1, 17):
+            for max_tokens in range(tokens // 40, 2 * tokens, max(1, tokens // 97)):
+                said = step_budget_warning(tokens, world, max_tokens)
+                if said is not None:
+                    fits = int(said.split("set shard.max_tokens to ")[1].split()[0])
+                    assert step_budget_warning(tokens, world, fits) is None, (tokens, world,
+                                                                              max_tokens)
 
 
 def test_a_tiny_model_memorises_a_handful_of_toy_pairs(toy_workspace):
