@@ -198,6 +198,9 @@ def select_rows(spec: str | None) -> list[PaperRow]:
     if not spec:
         return list(PAPER_ROWS)
     wanted = [s.strip() for s in spec.split(",") if s.strip()]
+    if not wanted:
+        raise ValueError(f"--rows {spec!r} names no row; give groups ({', '.join(GROUPS)}) "
+                         "or row names (e.g. C-N2), or leave it out for all 20")
     names = {r.name for r in PAPER_ROWS}
     unknown = [w for w in wanted if w not in GROUPS and w not in names
                and PREFIX + w not in names]
@@ -270,7 +273,8 @@ def build_rows(raw: dict, rows: list[PaperRow], common: dict[str, Any] | None = 
     """Each row's overrides on top of the current params ``raw`` (params.yaml, parsed), with
     ``common`` (a budget, the user's --set) applied to every row, the base included. A row
     wins over ``common`` where both set a key, except for the training's length: where
-    ``common`` sets train.steps or train.max_minutes, big trains that long too."""
+    ``common`` sets train.steps or train.max_minutes, big takes that value too (and keeps
+    its own for the one ``common`` does not set)."""
     common = common or {}
     base = parse_params(merge(raw, nested(common)), "params.yaml with the common overrides")
     base_dict = _effective(base)
@@ -281,8 +285,9 @@ def build_rows(raw: dict, rows: list[PaperRow], common: dict[str, Any] | None = 
         except RowError as exc:
             planned.append(PlannedRow(row, {}, f"{exc}"))
             continue
-        if LENGTH & common.keys():  # a common budget holds for big too
-            own = {k: v for k, v in own.items() if k not in LENGTH}
+        # A length common sets holds for big too; the other stays big's (--set
+        # train.max_minutes=0, no time budget, keeps big's 3x the steps).
+        own = {k: v for k, v in own.items() if k not in LENGTH or k not in common}
         overrides = {**common, **own}
         try:
             built = parse_params(merge(raw, nested(overrides)), f"row {row.name}")
@@ -327,6 +332,27 @@ def results_from_exp_show(shown: list[dict]) -> dict[str, RowResult]:
     return found
 
 
+STATES = {None: "Success", "success": "Success", "queued": "Queued", "running": "Running",
+          "failed": "Failed"}
+
+
+def states_from_exp_show(shown: list[dict]) -> dict[str, str]:
+    """The status of each experiment in ``dvc exp show --json`` output (HEAD's only: DVC's
+    queue lists the tasks of every commit, whose results a later HEAD does not show): Queued,
+    Running, Failed or Success (a finished experiment has no executor); of two with one
+    name, the first (dvc lists the newest first)."""
+    found: dict[str, str] = {}
+    for baseline in shown or []:
+        for exp in baseline.get("experiments") or []:
+            name = exp.get("name")
+            if not name or name in found:
+                continue
+            state = (exp.get("executor") or {}).get("state")
+            failed = any(rev.get("error") for rev in exp.get("revs") or [])
+            found[name] = "Failed" if failed else STATES.get(state, str(state).title())
+    return found
+
+
 def results_from_folders(folders: list[Path]) -> dict[str, RowResult]:
     """The table's runs from run folders named after their rows (``table3-A-h1/``), each
     holding the params.yaml it ran with and the metrics/ its stages wrote (train.json,
@@ -353,6 +379,14 @@ def _num(x: Any, digits: int = 2) -> str:
     return str(x)
 
 
+def _probability(x: Any) -> str:
+    """A probability as it was set, to 3 decimals, one at least (0.1, 0.0, 0.25)."""
+    if not isinstance(x, (int, float)):
+        return _num(x)
+    text = f"{x:.3f}".rstrip("0")
+    return text + "0" if text.endswith(".") else text
+
+
 def _score(d: dict, key: str) -> float | None:
     value = d.get(key)
     return value.get("score") if isinstance(value, dict) else None
@@ -373,7 +407,7 @@ def our_columns(r: RowResult) -> list[str]:
     params, steps = r.train.get("parameters"), r.train.get("steps")
     return [n, _num(d), _num(p.get("model.d_ff")), _num(h),
             _num(p.get("model.d_k") or default), _num(p.get("model.d_v") or default),
-            _num(p.get("model.dropout"), 1), _num(p.get("train.label_smoothing"), 1),
+            _probability(p.get("model.dropout")), _probability(p.get("train.label_smoothing")),
             {"learned": "learned"}.get(p.get("model.positions"), "sin"),
             "–" if steps is None else f"{steps:,}", _num(r.train.get("valid_ppl")),
             _num(_score(r.bleu_valid, "tokenized_bleu"), 1),

@@ -136,6 +136,17 @@ def _table3(out: Path, runs: list[Path] | None = None) -> None:
     from aiayn import table3 as t3
 
     if runs:
+        names = {row.name for row in t3.PAPER_ROWS}
+        for folder in runs:
+            if not folder.is_dir():
+                typer.secho(f"error: --runs {folder}: no such folder (give the run folders, "
+                            "table3-<row>/, that hold params.yaml and metrics/)",
+                            fg=typer.colors.RED, err=True)
+                raise typer.Exit(code=2)
+            if folder.name not in names:
+                typer.secho(f"warning: --runs {folder}: not named after a row of the table "
+                            f"(table3-base, table3-A-h1, ...; see `aiayn table3 --dry-run`): "
+                            "left out", fg=typer.colors.YELLOW, err=True)
         _write_table3(out, t3.results_from_folders(runs))
         return
     try:
@@ -158,7 +169,8 @@ def _write_table3(out: Path, found: dict) -> None:
     text = t3.render_table(found)
     write_text(out, text)
     typer.echo(text, nl=False)
-    typer.echo(f"({len(found)} of {len(t3.PAPER_ROWS)} rows have run; written to {out})")
+    ran = sum(row.name in found for row in t3.PAPER_ROWS)
+    typer.echo(f"({ran} of {len(t3.PAPER_ROWS)} rows have run; written to {out})")
 
 
 app = single_command_app(results, "Print the last run's results and where they are.")

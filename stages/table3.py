@@ -6,6 +6,7 @@ per row (`dvc queue start` runs them; `aiayn results --table3` shows the table).
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -73,16 +74,17 @@ def dvc(args: list[str], check: bool = True) -> subprocess.CompletedProcess:
 
 
 def existing() -> dict[str, str]:
-    """Experiments of HEAD by name and status: Success for finished ones (`dvc exp list`),
-    Queued / Running / Failed / Success from `dvc queue status`."""
-    found = {name: "Success" for name in dvc(["exp", "list", "--name-only"]).stdout.split()}
-    for line in dvc(["queue", "status"]).stdout.splitlines():
-        parts = line.split()
-        if len(parts) >= 3 and parts[-1] in ("Queued", "Running", "Failed", "Success"):
-            found.setdefault(parts[1], parts[-1])
-            if parts[-1] in ("Queued", "Running"):
-                found[parts[1]] = parts[-1]
-    return found
+    """Experiments of HEAD by name and status (Queued, Running, Failed, Success), from `dvc
+    exp show --json`: `dvc queue status` lists the tasks of every commit, and a row queued
+    or run on an earlier commit is not in HEAD's table (`aiayn results --table3`)."""
+    from aiayn.table3 import states_from_exp_show
+
+    shown = dvc(["exp", "show", "--json"]).stdout
+    try:
+        return states_from_exp_show(json.loads(shown))
+    except json.JSONDecodeError:
+        raise AiaynError(f"dvc exp show --json printed no JSON: {' '.join(shown.split())[:300]}"
+                         ) from None
 
 
 @stage

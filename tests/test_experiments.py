@@ -385,3 +385,11 @@ def test_table3_queues_every_row_once_and_a_tiny_row_runs_into_the_table(tmp_pat
                 root, env)
     assert "table3-E-learned already finished" in later.stderr
     assert "queued 1 experiment(s)" in later.stdout  # base: removed above, never run
+
+    # On a later commit the earlier commit's rows (finished or queued) are not in HEAD's
+    # table: they are queued again, for this commit.
+    run(["git", "commit", "-q", "--allow-empty", "-m", "a later commit"], root, env)
+    newer = run(["aiayn", "table3", "--queue", "--rows", "E,base", "--budget-steps", "4"],
+                root, env)
+    assert "queued 2 experiment(s)" in newer.stdout, newer.stdout + newer.stderr
+    assert "already" not in newer.stderr

@@ -113,6 +113,8 @@ def test_rows_are_chosen_by_group_or_name():
     assert len(t3.select_rows(None)) == 20
     with pytest.raises(ValueError, match="unknown F, C-N3"):
         t3.select_rows("F,C-N3")
+    with pytest.raises(ValueError, match="names no row"):
+        t3.select_rows(" , ")
     with pytest.raises(ValueError, match="not both"):
         t3.budget(steps=5, minutes=2)
 
@@ -145,10 +147,10 @@ def test_parameter_counts_against_the_papers_column():
 
     What is true: with V = 37,000 the base counts 63.1M, not the paper's 65M, and big
     214.2M, not 213M. No vocabulary size makes every printed count: base, (B) and (C) all
-    print as ours for any V in [40,931, 41,161) (41k rows of d_model, the only term that
-    depends on V), while big needs V in [35,296, 36,272). So the paper's column is not one
-    count of this architecture over one vocabulary; we pin our counts and the vocabulary-
-    free facts instead:
+    print as the paper's for any V from 40,932 to 41,160 (41k rows of d_model, the only
+    term that depends on V), while big needs V from 35,296 to 36,272. So the paper's column
+    is not one count of this architecture over one vocabulary; we pin our counts and the
+    vocabulary-free facts instead:
 
     - every row that keeps d_model differs from the base by what the paper's row differs, to
       its rounding (both printed numbers round by at most 0.5M: the differences agree within
@@ -156,7 +158,7 @@ def test_parameter_counts_against_the_papers_column():
     - rows that change d_model differ from the base by their embedding too (V x Δd_model),
       so there the comparison is the V each printed count implies, above; (A), (D), (E)
       have no printed count ((A) keeps h x d_k = d_model: the base's count; (E) adds
-      max_positions x d_model learned rows, 524,288 at max_positions 1024).
+      max_positions x d_model learned parameters, 524,288 at max_positions 1024).
     """
     c = counts()
     ours = {name: n for name, (n, _, _) in c.items()}
@@ -367,3 +369,70 @@ def test_run_folders_give_the_same_rows_as_the_experiments(tmp_path):
     assert result.exit_code == 0, result.output
     assert out.read_text() == t3.render_table(shown)
     assert "3 of 20 rows have run" in result.output
+
+
+def test_the_table_shows_probabilities_as_they_were_set():
+    """P_drop and eps_ls of a base off the 0.1 grid print as set (0.25, 0.15), not rounded
+    to a paper value; the paper's own values keep one decimal (0.1, 0.0)."""
+    found = t3.results_from_exp_show(copy.deepcopy(SHOWN))
+    base = found["table3-base"]
+    odd = t3.RowResult({**base.params, "model.dropout": 0.25, "train.label_smoothing": 0.15},
+                       base.train, base.bleu_valid)
+    zero = t3.RowResult({**base.params, "model.dropout": 0.0, "train.label_smoothing": 0.1},
+                        base.train, base.bleu_valid)
+    assert t3.our_columns(odd)[6:8] == ["0.25", "0.15"]
+    assert t3.our_columns(zero)[6:8] == ["0.0", "0.1"]
+
+
+def test_a_common_length_replaces_that_length_of_big_only():
+    """--set train.max_minutes=0 (no time budget) leaves big its 3x the steps; a common
+    train.steps gives big those steps and leaves it 3x the minutes; --budget-steps (both
+    keys) makes big train what every row trains."""
+    raw = composed("multi30k", "train.max_minutes=30")
+    steps = parse_params(raw).train.steps
+
+    def big(common: dict) -> dict:
+        (plan,) = t3.build_rows(raw, t3.select_rows("big"), common)
+        return {k: v for k, v in plan.overrides.items() if k in t3.LENGTH}
+
+    assert big({}) == {"train.steps": 3 * steps, "train.max_minutes": 90}
+    assert big({"train.max_minutes": 0}) == {"train.steps": 3 * steps, "train.max_minutes": 0}
+    assert big({"train.steps": 1000}) == {"train.steps": 1000, "train.max_minutes": 90}
+    assert big(t3.budget(steps=40)) == {"train.steps": 40, "train.max_minutes": 0}
+
+
+def test_experiment_states_are_those_of_heads_experiments():
+    """`dvc exp show --json` (as DVC 3 prints it): a finished experiment has no executor,
+    a queued or running one its executor's state, a failed one "failed" or an error."""
+    def exp(name, state=None, error=None):
+        return {"name": name, "executor": None if state is None else {"state": state},
+                "revs": [{"rev": name, "name": name, "error": error}]}
+
+    shown = [{"rev": "workspace", "name": None, "experiments": None},
+             {"rev": "0123abc", "name": "main", "experiments": [
+                 exp("table3-base"), exp("table3-A-h1", "queued"),
+                 exp("table3-A-h4", "running"), exp("table3-B-dk16", "failed"),
+                 exp("table3-E-learned", error={"msg": "failed"}), exp("table3-C-N2", "success")]}]
+    assert t3.states_from_exp_show(shown) == {
+        "table3-base": "Success", "table3-A-h1": "Queued", "table3-A-h4": "Running",
+        "table3-B-dk16": "Failed", "table3-E-learned": "Failed", "table3-C-N2": "Success"}
+    assert t3.states_from_exp_show([]) == {}
+
+
+def test_results_runs_name_a_missing_folder_and_count_rows_only(tmp_path):
+    from stages.cli import app
+
+    missing = CliRunner().invoke(app, ["results", "--table3", "--metrics", str(tmp_path),
+                                       "--runs", str(tmp_path / "table3-base")])
+    assert missing.exit_code == 2 and "no such folder" in missing.output
+    assert not (tmp_path / "table3.md").exists()
+    other = tmp_path / "table3-Z"
+    (other / "metrics").mkdir(parents=True)
+    (other / "params.yaml").write_text("model: {}\n")
+    for f in ("train.json", "bleu_valid.json"):
+        (other / "metrics" / f).write_text('{"steps": 1}')
+    shown = CliRunner().invoke(app, ["results", "--table3", "--metrics", str(tmp_path),
+                                     "--runs", str(other)])
+    assert shown.exit_code == 0, shown.output
+    assert "not named after a row" in shown.output
+    assert "(0 of 20 rows have run" in shown.output
