@@ -49,6 +49,17 @@ def _need(directory: Path, names: tuple[str, ...], fmt: str) -> None:
                         f"`aiayn export --format {fmt}` (run it, or give --model that folder)")
 
 
+def _exported_shape(directory: Path, fmt: str) -> tuple[int, int]:
+    """(vocab_size, max_positions) of the model an export folder was made from."""
+    try:
+        model = read_json(directory / METADATA_FILE)["source"]["model"]
+        return int(model["vocab_size"]), int(model["max_positions"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DataError(f"{directory / METADATA_FILE}: unreadable or without source.model "
+                        f"({type(exc).__name__}: {exc}); re-run `aiayn export --format "
+                        f"{fmt}`") from None
+
+
 def _check_norm(cfg: BeamConfig, engine: str) -> None:
     if cfg.beam > 1 and cfg.alpha != 0 and cfg.length_norm != "length":
         raise DataError(f"--length-norm {cfg.length_norm}: {engine} normalises beam scores by "
@@ -77,14 +88,9 @@ class CTranslate2Translator(BatchTranslator):
                     threads: int = 0, patience: float = 1.0) -> CTranslate2Translator:
         ct2 = require("ctranslate2", "--engine ctranslate2")
         directory = Path(directory)
-        _need(directory, ("model.bin", "tokenizer.json", METADATA_FILE), "ctranslate2")
-        try:
-            model = read_json(directory / METADATA_FILE)["source"]["model"]
-            vocab_size, max_positions = int(model["vocab_size"]), int(model["max_positions"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise DataError(f"{directory / METADATA_FILE}: unreadable or without source.model "
-                            f"({type(exc).__name__}: {exc}); re-run `aiayn export --format "
-                            "ctranslate2`") from None
+        _need(directory, ("model.bin", "shared_vocabulary.json", "tokenizer.json",
+                          METADATA_FILE), "ctranslate2")
+        vocab_size, max_positions = _exported_shape(directory, "ctranslate2")
         tokenizer = load_tokenizer(directory / "tokenizer.json")
         translator = ct2.Translator(str(directory), device=device, compute_type=compute_type,
                                     inter_threads=1, intra_threads=threads)
@@ -127,9 +133,13 @@ class TransformersTranslator(BatchTranslator):
     def from_folder(cls, directory: Path, device: str = "cpu") -> TransformersTranslator:
         transformers = quiet_transformers()
         directory = Path(directory)
-        _need(directory, ("config.json", "model.safetensors", "tokenizer.json"), "transformers")
+        _need(directory, ("config.json", "model.safetensors", "tokenizer.json", METADATA_FILE),
+              "transformers")
+        vocab_size, _ = _exported_shape(directory, "transformers")
+        tokenizer = load_tokenizer(directory / "tokenizer.json")
+        token_strings(tokenizer, vocab_size)  # the tokenizer belongs to the model, or an error
         model = transformers.AutoModelForSeq2SeqLM.from_pretrained(str(directory)).to(device)
-        return cls(model, load_tokenizer(directory / "tokenizer.json"))
+        return cls(model, tokenizer)
 
     @property
     def max_source_tokens(self) -> int:

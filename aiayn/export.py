@@ -549,9 +549,12 @@ def probe(model: Transformer, max_target: int = 12) -> tuple[list[list[int]], li
     """Deterministic probe sources (ids, without EOS) and our greedy outputs for them."""
 
     content = model.cfg.vocab_size - len(SPECIAL_TOKENS)
+    # A source with its EOS, and BOS + a target, within the model's positions.
+    limit = model.cfg.max_positions - 1
     sources = [[len(SPECIAL_TOKENS) + (7 * i + 3 * n) % content for i in range(n)]
-               for n in PROBE_LENGTHS]
-    targets = greedy_search(model, source_batch(sources), max_len_a=0.0, max_len_b=max_target)
+               for n in (min(n, limit) for n in PROBE_LENGTHS)]
+    targets = greedy_search(model, source_batch(sources), max_len_a=0.0,
+                            max_len_b=min(max_target, limit))
     return sources, targets
 
 
@@ -663,6 +666,21 @@ def check_request(fmt: str, quantization: str = "none") -> None:
     require(fmt, f"the {fmt} format")  # the package is named as the format
 
 
+def check_out(out: Path, model_dir: Path) -> None:
+    """Refuse an ``out`` that replacing as a whole would lose data: the model folder or a
+    folder holding it (``--out data``), or an existing folder that is not an earlier export
+    (no aiayn.json in it, e.g. ``--out .``)."""
+    target, model = Path(out).resolve(), Path(model_dir).resolve()
+    if target == model or target in model.parents:
+        raise DataError(f"--out {out}: {'is' if target == model else 'holds'} the model folder "
+                        f"{model_dir}, and the export replaces --out whole; choose another "
+                        "folder (default: data/export/FORMAT)")
+    if target.is_dir() and any(target.iterdir()) and not (target / METADATA_FILE).is_file():
+        raise DataError(f"--out {out}: an existing folder that is not an export (no "
+                        f"{METADATA_FILE} in it), and the export replaces --out whole; choose "
+                        "a new folder, or move this one away yourself")
+
+
 def export(model: Path | ModelFolder, out: Path, fmt: str, *, quantization: str = "none",
            beam: int = 4, alpha: float = 0.6, card: Callable[[float], str] | None = None
            ) -> ExportResult:
@@ -678,8 +696,7 @@ def export(model: Path | ModelFolder, out: Path, fmt: str, *, quantization: str 
     model_dir = folder.path
     check_exportable(folder.cfg, fmt)
     out = Path(out)
-    if out.resolve() == folder.path.resolve():
-        raise DataError(f"--out {out} is the model folder itself; choose another folder")
+    check_out(out, folder.path)
     with atomic_path(out, directory=True) as tmp:
         if fmt == "ctranslate2":
             vocab = token_strings(folder.tokenizer, folder.cfg.vocab_size)

@@ -137,8 +137,9 @@ def model_card(fmt: str, model_config: dict, *, src_lang: str, tgt_lang: str, be
         "and the output projection"
         + ("" if m.get("output_vocab", "shared") == "shared" else
            ", whose softmax spans only the tokens that occur on the target side of the "
-           f"training data ({_fmt((train or {}).get('output_vocab_size'))} tokens; the others "
-           "are never generated)")
+           "training and valid data "
+           f"({_fmt((train or {}).get('output_vocab_size'))} tokens; the others are never "
+           "generated)")
         + ("; learned positional embeddings (Table 3 row (E))"
            if m.get("positions", "sinusoidal") == "learned" else "; sinusoidal positions")
         + "; ReLU.",
@@ -184,8 +185,14 @@ def model_card(fmt: str, model_config: dict, *, src_lang: str, tgt_lang: str, be
     lines += [
         "",
         f"{engine} normalises beam scores by |Y|^alpha, aiayn by GNMT's ((5 + |Y|) / 6)^alpha: "
-        "with alpha > 0 a few outputs can differ from aiayn's. At alpha 0, or with "
-        "`aiayn translate --length-norm length`, the outputs are the same.",
+        "with alpha > 0 a few outputs can differ from aiayn's. At alpha 0 the outputs are "
+        "the same"
+        + (", and with `aiayn translate --length-norm length` too but where CTranslate2 "
+           "stops a beam early: it ends once `beam_size` hypotheses have finished (patience "
+           "1, its default), where aiayn searches on while a live one can still win; "
+           "`patience=1000` in `translate_batch` makes its search exact."
+           if fmt == "ctranslate2" else
+           ", and with `aiayn translate --length-norm length` too."),
         "",
         "## Use",
         "",
@@ -223,13 +230,15 @@ def model_card(fmt: str, model_config: dict, *, src_lang: str, tgt_lang: str, be
             "tok.encode_special_tokens = True  # \"<pad>\" in a sentence is text, as in training",
             "translator = ctranslate2.Translator(\"DIR\")  # compute_type=\"int8\" for speed",
             "out = translator.translate_batch([tok.encode(\"The house is small.\").tokens + "
-            "[\"</s>\"]], beam_size=4, length_penalty=0.6, min_decoding_length=0)",
+            "[\"</s>\"]], beam_size=4, length_penalty=0.6, min_decoding_length=0,",
+            f"    max_decoding_length={m.get('max_positions')})  # the model's max_positions",
             "print(tok.decode([tok.token_to_id(t) for t in out[0].hypotheses[0]]))",
             "```",
             "",
             "The source gets `</s>` appended; `min_decoding_length=0` allows an empty output "
-            "as aiayn does. `<pad>` and `<s>` are never generated (the output layer's bias is "
-            "-inf there, aiayn's beam search rule).",
+            "as aiayn does; `max_decoding_length` stops where the model's positions end "
+            "(CTranslate2's default, 256, fails past them). `<pad>` and `<s>` are never "
+            "generated (the output layer's bias is -inf there, aiayn's beam search rule).",
         ]
     lines += [
         "",

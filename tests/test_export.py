@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 import sys
 from pathlib import Path
 
@@ -463,6 +464,7 @@ def test_a_failed_export_leaves_the_old_folder_as_it_was(model_dir, tmp_path, mo
     out = tmp_path / "ct2"
     out.mkdir()
     (out / "old.txt").write_text("the previous export")
+    (out / "aiayn.json").write_text("{}")
 
     def broken(*args, **kwargs):
         raise DataError("the check failed")
@@ -470,7 +472,7 @@ def test_a_failed_export_leaves_the_old_folder_as_it_was(model_dir, tmp_path, mo
     monkeypatch.setattr(export_module, "check_export", broken)
     with pytest.raises(DataError, match="the check failed"):
         export(model_dir, out, "ctranslate2")
-    assert [p.name for p in out.iterdir()] == ["old.txt"]
+    assert sorted(p.name for p in out.iterdir()) == ["aiayn.json", "old.txt"]
     assert leftovers(tmp_path) == []
 
 
@@ -590,3 +592,81 @@ def test_the_model_card_names_the_head_sizes_and_positions():
                      src_lang="de", tgt_lang="en", beam=4, alpha=0.6, parameters=1234,
                      metrics={})  # a folder from before d_k, d_v, positions
     assert "| 512 | 8 | 64 | 64 |" in old and "sinusoidal positions" in old
+
+
+def test_an_out_that_would_lose_data_is_refused_and_nothing_is_touched(model_dir, tmp_path):
+    """The export replaces --out whole: a folder holding the model (`--out data` beside
+    data/model), the model folder itself, or a folder that is not an earlier export is
+    refused before any work, and stays as it was."""
+    data = tmp_path / "data"
+    shutil.copytree(model_dir, data / "model")
+    (data / "raw").mkdir()
+    (data / "raw" / "train.parquet").write_text("precious")
+    before = sorted(str(p.relative_to(tmp_path)) for p in data.rglob("*"))
+    for out, message in [(data, "holds the model folder"), (data / "model", "is the model folder"),
+                         (data / "raw", "not an export")]:
+        with pytest.raises(DataError, match=message):
+            export(data / "model", out, "ctranslate2")
+        assert sorted(str(p.relative_to(tmp_path)) for p in data.rglob("*")) == before
+    # An earlier export (aiayn.json in it) is replaced; an empty folder is written into.
+    first = export(data / "model", tmp_path / "ct2", "ctranslate2")
+    export(data / "model", first.directory, "ctranslate2")
+    (tmp_path / "empty").mkdir()
+    assert (export(data / "model", tmp_path / "empty", "ctranslate2").directory
+            / "aiayn.json").is_file()
+
+
+@pytest.mark.parametrize("max_positions", [8, 12, 32])
+def test_a_model_with_few_positions_exports_and_its_card_snippet_runs(toy_workspace, tmp_path,
+                                                                       max_positions):
+    """The export's probe fits the model's positions; the model card's CTranslate2 snippet
+    caps decoding there (CTranslate2's default of 256 steps fails past the table: an
+    untrained model writes no EOS), for a source that fits them."""
+    import re
+    import subprocess
+
+    torch.manual_seed(0)
+    tok = load_tokenizer(toy_workspace / "data/vocab/tokenizer.json")
+    cfg = TransformerConfig(vocab_size=tok.get_vocab_size(), d_model=16, heads=2,
+                            encoder_layers=1, decoder_layers=1, d_ff=32,
+                            max_positions=max_positions)
+    folder = save_model_folder(Transformer(cfg).eval(), toy_workspace, tmp_path / "model")
+    for fmt in ("ctranslate2", "transformers"):
+        assert export(folder, tmp_path / fmt, fmt).max_logprob_difference < 1e-4
+    card = model_card("ctranslate2", load_model_folder(folder).config, src_lang="en",
+                      tgt_lang="de", beam=4, alpha=0.6, parameters=1)
+    snippet = re.search(r"```python\n(.*?)```", card, re.S).group(1)
+    assert f"max_decoding_length={max_positions})" in snippet
+    if len(tok.encode("The house is small.").ids) + 1 > max_positions:
+        return  # the snippet's source itself does not fit
+    code = snippet.replace("DIR", str(tmp_path / "ctranslate2"))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_an_engine_given_another_kind_of_folder_or_tokenizer_says_so(model_dir, exports,
+                                                                    toy_workspace, tmp_path):
+    """One line, no traceback: an `aiayn average` folder given to the transformers engine, a
+    CTranslate2 export without its vocabulary, a transformers export whose tokenizer is
+    another's."""
+    from aiayn.tokenizer import save_tokenizer, train_bpe
+
+    params = str(toy_workspace / "params.yaml")
+    ct2_dir = tmp_path / "ct2"
+    shutil.copytree(exports["ctranslate2"], ct2_dir)
+    (ct2_dir / "shared_vocabulary.json").unlink()
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(exports["transformers"], hf_dir)
+    save_tokenizer(train_bpe(["ganz andere woerter hier, viele"] * 50, 300, 2),
+                   hf_dir / "tokenizer.json")
+    for engine, folder, message in [
+            ("transformers", model_dir, "no aiayn.json; this is not a folder of `aiayn export "
+                                        "--format transformers`"),
+            ("ctranslate2", ct2_dir, "no shared_vocabulary.json"),
+            ("transformers", hf_dir, "do not belong together")]:
+        result = invoke("translate", "Hello", "--params", params, "--engine", engine,
+                        "--model", str(folder))
+        assert result.exit_code == 2, (engine, result.output)
+        assert message in " ".join(result.output.split()), (engine, result.output)
+        assert "Traceback" not in result.output
