@@ -355,7 +355,7 @@ class DecodeConfig(Strict):
 
 
 class Params(Strict):
-    seed: int = 1
+    seed: int = Field(1, ge=0)  # numpy's generators take no negative seed
     data: DataConfig = DataConfig()
     vocab: VocabConfig = VocabConfig()
     survey: SurveyConfig = SurveyConfig()

@@ -43,6 +43,10 @@ def compose(conf_dir: Path, experiment: str | None, overrides: list[str]) -> str
         if experiment and f"Could not find 'experiment/{experiment}'" in str(exc):
             raise ParamsError(f"{conf_dir}/experiment/{experiment}.yaml: no such preset; known "
                               f"experiments: {', '.join(presets)}") from None
+        unknown = re.search(r"Could not override '([^']+)'", str(exc))
+        if unknown:
+            raise ParamsError(f"{unknown.group(1)}: no such key in {conf_dir}/ (misspelt? the "
+                              "keys are those of params.yaml, e.g. model.heads)") from None
         raise ParamsError(f"{conf_dir}: cannot compose {all_overrides}: "
                           f"{' '.join(str(exc).split())}; known experiments: "
                           f"{', '.join(presets)}") from None
@@ -119,7 +123,17 @@ def params(
     Examples: `aiayn params multi30k`, `aiayn params demo train.lr_scale=2`,
     `aiayn params --check`. Under `dvc exp run -S experiment=NAME` DVC does this itself.
     """
-    text = compose(conf, experiment, overrides or [])
+    overrides = list(overrides or [])
+    if experiment and "=" in experiment:  # overrides alone: the default preset
+        experiment, overrides = None, [experiment, *overrides]
+    chosen = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") == "experiment"]
+    if len(chosen) == 1 and experiment is None:  # as `dvc exp run -S experiment=NAME` says it
+        experiment = chosen[0].split("=", 1)[1]
+        overrides.remove(chosen[0])
+    elif chosen:
+        raise ParamsError(f"{' '.join(chosen)}: name one preset, as the first argument, e.g. "
+                          f"`aiayn params {chosen[-1].split('=', 1)[1]} key=value`")
+    text = compose(conf, experiment, overrides)
     parse_params(yaml.safe_load(text), f"composition of {conf}/ {experiment or ''}".strip())
     if check:
         try:

@@ -40,7 +40,7 @@ def vocab(
 
     Reads: params `vocab.vocab_size`, `vocab.min_frequency`, `vocab.max_pairs` (train on an
     evenly spread sample of that many pairs; 0: all); RAW/train.parquet (both columns).
-    Writes: OUT (a Hugging Face `tokenizers` JSON; ids 0-3 are <pad> <s> </s> <unk>) and
+    Writes: OUT (a Hugging Face `tokenizers` JSON; ids 0-3 are `<pad>` `<s>` `</s>` `<unk>`) and
     METRICS with the vocabulary size and, on the held-out valid split, the unknown-token
     rate and the mean tokens per sentence for each language. Decoding is lossless.
     """

@@ -295,3 +295,34 @@ def test_only_settings_the_train_stage_reads_can_shape_a_training_run():
         assert not shapes_training(key), key
     with pytest.raises(KeyError, match="nothing.here"):
         shapes_training("nothing.here")
+
+
+def test_params_takes_overrides_alone_or_experiment_as_the_preset(tmp_path):
+    """`aiayn params key=value` composes the default preset with it; `experiment=NAME` (as
+    `dvc exp run -S` writes it) names the preset; two presets, or a misspelt key, stop with
+    one line saying what to do."""
+    from typer.testing import CliRunner
+
+    from stages.params import app
+
+    conf, out = str(REPO / "conf"), tmp_path / "p.yaml"
+
+    def run(*args):
+        return CliRunner().invoke(app, [*args, "--conf", conf, "--out", str(out)])
+
+    assert run("train.steps=5").exit_code == 0
+    assert yaml.safe_load(out.read_text()) == yaml.safe_load(
+        compose(REPO / "conf", None, ["train.steps=5"]))
+    assert run("experiment=multi30k", "train.steps=5").exit_code == 0
+    assert yaml.safe_load(out.read_text()) == yaml.safe_load(
+        compose(REPO / "conf", "multi30k", ["train.steps=5"]))
+    two = run("demo", "experiment=multi30k")
+    assert two.exit_code == 2 and "name one preset, as the first argument" in two.output
+    typo = run("demo", "modle.heads=4")
+    assert typo.exit_code == 2 and "modle.heads: no such key" in typo.output
+    assert "Traceback" not in two.output + typo.output
+
+
+def test_a_negative_seed_is_refused_when_params_load():
+    msg = bad(lambda r: r.update(seed=-1))
+    assert "seed = -1" in msg and "greater than or equal to 0" in msg
