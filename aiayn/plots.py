@@ -90,10 +90,12 @@ def plot_training_curves(train_log: Path, valid_log: Path, path: Path) -> None:
         bleu_ax.set(title="validation sacreBLEU", xlabel="step")
         bleu_ax.grid(alpha=0.3)
     if len(train):
-        loss_ax.plot(train["step"], train["loss"], label="train loss", color="tab:blue")
-        loss_ax.plot(train["step"], train["nll"], label="train NLL", color="tab:blue", ls="--")
-        lr_ax.plot(train["step"], train["lr"], color="tab:green")
-        speed_ax.plot(train["step"], train["tokens_per_s"], color="tab:purple")
+        dot = {"marker": "o"} if len(train) == 1 else {}  # a line of one point draws nothing
+        loss_ax.plot(train["step"], train["loss"], label="train loss", color="tab:blue", **dot)
+        loss_ax.plot(train["step"], train["nll"], label="train NLL", color="tab:blue", ls="--",
+                     **dot)
+        lr_ax.plot(train["step"], train["lr"], color="tab:green", **dot)
+        speed_ax.plot(train["step"], train["tokens_per_s"], color="tab:purple", **dot)
     if len(valid):
         loss_ax.plot(valid["step"], valid["valid_loss"], "o-", label="valid loss",
                      color="tab:orange")

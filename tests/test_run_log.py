@@ -126,3 +126,26 @@ def test_the_best_bleu_legend_keeps_clear_of_a_curve_that_falls_at_the_end(tmp_p
     assert covered == []
     monkeypatch.undo()
     plt.close(fig)
+
+
+def test_a_single_training_row_is_drawn(tmp_path, monkeypatch):
+    """A run stopped after its first log row: its one train point shows in every panel (a
+    matplotlib line of one point without a marker draws nothing)."""
+    import matplotlib.pyplot as plt
+
+    from aiayn.plots import plot_training_curves
+
+    RunLog([TrainRow(25, 5.0, 4.5, 1e-3, 1.0, 1000, 5000.0, 1.0)],
+           [ValidRow(25, 4.0, 3.8, math.exp(3.8), 500, None)]).write(
+        tmp_path / "train.tsv", tmp_path / "valid.tsv", tmp_path / "bleu.tsv")
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    plot_training_curves(tmp_path / "train.tsv", tmp_path / "valid.tsv", tmp_path / "c.png")
+    (fig,) = figures
+    lines = [line for ax in fig.axes for line in ax.get_lines()
+             if line.get_color() in ("tab:blue", "tab:green", "tab:purple")]
+    assert len(lines) == 4  # train loss, train NLL, lr, tokens/s
+    for line in lines:
+        assert list(line.get_xdata()) == [25] and line.get_marker() not in (None, "None", "")
+    monkeypatch.undo()
+    plt.close(fig)
