@@ -311,7 +311,7 @@ class TrainConfig(Strict):
 
     @model_validator(mode="after")
     def _average(self) -> TrainConfig:
-        if self.average_last > self.keep_checkpoints:
+        if not self.average_candidates and self.average_last > self.keep_checkpoints:
             raise ValueError(
                 f"average_last ({self.average_last}) exceeds keep_checkpoints "
                 f"({self.keep_checkpoints}); keep at least as many checkpoints as you average")
@@ -372,7 +372,9 @@ class Params(Strict):
                        if self.model.positions == "learned" else "")
             raise ValueError(
                 f"shard.max_len ({self.shard.max_len}) + 2 exceeds model.max_positions "
-                f"({self.model.max_positions}){learned}"
+                f"({self.model.max_positions}){learned}; raise model.max_positions to "
+                f"{self.shard.max_len + 2} or lower shard.max_len to "
+                f"{self.model.max_positions - 2}"
             )
         return self
 

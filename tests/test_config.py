@@ -326,3 +326,24 @@ def test_params_takes_overrides_alone_or_experiment_as_the_preset(tmp_path):
 def test_a_negative_seed_is_refused_when_params_load():
     msg = bad(lambda r: r.update(seed=-1))
     assert "seed = -1" in msg and "greater than or equal to 0" in msg
+
+
+def test_average_last_is_checked_only_where_it_is_used():
+    """With train.average_candidates the count is chosen among them and average_last is not
+    used: it is not held to keep_checkpoints then; the candidates are."""
+    def with_train(**kw):
+        raw = committed()
+        raw["train"].update(kw)
+        return parse_params(raw)
+
+    p = with_train(keep_checkpoints=5, average_last=10, average_candidates=[1, 3, 5])
+    assert p.train.average_candidates == [1, 3, 5]
+    with pytest.raises(ParamsError, match="average_last \\(10\\) exceeds keep_checkpoints"):
+        with_train(keep_checkpoints=5, average_last=10, average_candidates=[])
+    with pytest.raises(ParamsError, match="keep_checkpoints"):
+        with_train(keep_checkpoints=5, average_last=1, average_candidates=[1, 10])
+
+
+def test_max_len_beyond_the_positions_says_both_fixes():
+    msg = bad(lambda r: (r["shard"].update(max_len=300), r["model"].update(max_positions=256)))
+    assert "raise model.max_positions to 302 or lower shard.max_len to 254" in msg
