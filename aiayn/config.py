@@ -11,6 +11,7 @@ committed ``params.yaml`` is the small demo preset composed from ``conf/``.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -522,6 +523,15 @@ def _lookup(raw: Any, loc: tuple[Any, ...]) -> Any:
     return node
 
 
+# YAML 1.1 (PyYAML) reads 1e5 and 1.0e5 as text: a float needs a dot and a signed exponent.
+_E_NOTATION = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def _plain(x: float) -> str:
+    """x as YAML reads a number: 100000 for 1e5 (a float key takes "1e-9" as text anyway)."""
+    return str(int(x)) if x.is_integer() and abs(x) < 1e15 else f"{x:.1e}"
+
+
 def parse_params(raw: Any, source: str = "params.yaml") -> Params:
     """Validate a parsed YAML mapping; raise ParamsError naming key, value and rule."""
     if raw is None:
@@ -544,6 +554,9 @@ def parse_params(raw: Any, source: str = "params.yaml") -> Params:
                 value = _lookup(raw, err["loc"])
                 # A rule about a whole section names its values itself.
                 shown = f" = {value!r}" if value is not None and not isinstance(value, dict) else ""
+                if isinstance(value, str) and _E_NOTATION.fullmatch(value.strip()):
+                    msg += (f" (YAML reads {value} as text: e-notation needs a dot and a "
+                            f"signed exponent; write {_plain(float(value))})")
                 lines.append(f"{key}{shown}: {msg}")
         # One line, whatever the number of problems (a log or a CI summary keeps it whole).
         head = f"{source}: " if len(lines) == 1 else f"{source}: {len(lines)} invalid parameters: "

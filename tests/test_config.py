@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import yaml
@@ -347,3 +348,21 @@ def test_average_last_is_checked_only_where_it_is_used():
 def test_max_len_beyond_the_positions_says_both_fixes():
     msg = bad(lambda r: (r["shard"].update(max_len=300), r["model"].update(max_positions=256)))
     assert "raise model.max_positions to 302 or lower shard.max_len to 254" in msg
+
+
+def test_e_notation_that_yaml_reads_as_text_says_how_to_write_it(tmp_path):
+    """PyYAML (YAML 1.1) reads 1e5 as a string: a whole-number key says so, with the number
+    written as YAML reads one; a float key takes the string's number (1e-9) as it is."""
+    source = (REPO / "params.yaml").read_text()
+    path = tmp_path / "params.yaml"
+
+    def with_train(key: str, text: str):
+        train = source.index("\ntrain:\n")
+        path.write_text(source[:train] + re.sub(rf"(?m)^(  {key}:) .*$", rf"\1 {text}",
+                                                source[train:], count=1))
+        return path
+
+    with pytest.raises(ParamsError) as err:
+        load_params(with_train("steps", "1e5"))
+    assert "train.steps = '1e5'" in str(err.value) and "write 100000" in str(err.value)
+    assert load_params(with_train("adam_eps", "1e-9")).train.adam_eps == 1e-9
