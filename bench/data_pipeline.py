@@ -724,8 +724,10 @@ def stage_commands(work: Path, params: Path, profile: bool) -> tuple[dict, dict]
         else:
             prefix = [exe]
         commands[name] = prefix + [name] + argv
+        # the data outputs (DVC-cached); the small uncached logs beside the metrics are not
         outs[name] = [relocate(next(iter(o)) if isinstance(o, dict) else o, work)
-                      for o in dvc[name].get("outs", [])]
+                      for o in dvc[name].get("outs", [])
+                      if not (isinstance(o, dict) and next(iter(o.values())).get("cache") is False)]
     return commands, outs
 
 

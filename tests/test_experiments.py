@@ -108,6 +108,10 @@ def test_the_demo_learns_the_toy_task_and_fills_one_mlflow_run(tmp_path, cli_env
     assert [step for step, _ in logged] == [step for step, _ in valid_bleu]
     assert [value for _, value in logged] == pytest.approx([v for _, v in valid_bleu], abs=1e-4)
     plots = json.loads(run(["dvc", "plots", "show", "--json"], root, env).stdout)["data"]
+    # The plots dvc.yaml defines, and no log drawn alone against its row number.
+    assert sorted(plots) == ["learning_rate", "metrics/survey_hist.png",
+                             "metrics/training_curves.png", "sentence_lengths", "throughput",
+                             "train_loss", "valid_bleu"]
     plotted = [(int(v["step"]), float(v["valid_bleu"]))
                for v in plots["valid_bleu"][0]["content"]["data"]["values"] if v["valid_bleu"]]
     assert plotted == valid_bleu
