@@ -59,7 +59,7 @@ from aiayn.objective import make_optimizer
 from aiayn.precision import autocast_dtype, no_autocast, precision_name, step_casts
 from aiayn.sampler import Batch
 from aiayn.shards import cut_batches
-from aiayn.trainer import batch_loss
+from aiayn.trainer import accumulation_steps, batch_loss
 from bench import harness
 from bench.flops import train_flops
 
@@ -205,7 +205,7 @@ def measure(name: str, args, device: torch.device) -> dict:
     amp = autocast_dtype(args.precision, device)
     # fp16: dynamic loss scaling as the trainer does it (a no-op in other precisions)
     scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)
-    accum = max(1, -(-args.tokens_per_step // args.max_tokens))
+    accum = accumulation_steps(args.tokens_per_step, 1, args.max_tokens)  # as the trainer
     # --reuse: the measured steps cycle through the warm-up's batches, whose shapes were met.
     fresh = args.warmup + (0 if args.reuse else args.steps)
     # --cpu-loss-blocks, the baseline: whatever the device, the CPU's blocks
@@ -428,7 +428,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                  + ("--steps 2 or more" if args.warmup else "--steps 3 or more with --warmup 0"))
     if args.reuse and args.warmup < 1:
         ap.error("--reuse cycles through the warm-up's batches: give --warmup 1 or more")
-    accum = max(1, -(-args.tokens_per_step // args.max_tokens))
+    accum = accumulation_steps(args.tokens_per_step, 1, args.max_tokens)  # as the trainer
     needed = (args.warmup + (0 if args.reuse else args.steps)) * accum
     if not args.estimate and needed > (have := available_batches(args.max_tokens,
                                                                   args.pad_multiple)):
