@@ -504,6 +504,55 @@ class _RowPaddedLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None
 
 
+class _RowPaddedFeedForward(torch.autograd.Function):
+    """FFN(x) = ReLU(x W1^T + b1) W2^T + b2 in ``dtype`` on rows padded to ``rows``
+    (section 4): the two :class:`_RowPaddedLinear` layers in one function, whose hidden
+    layer stays padded between the products. Apart, the second layer copied the first's
+    (rows x d_ff) output into a padded buffer of its own, and backward wrote the ReLU's
+    gradient into another. The padded hidden rows hold ReLU(b1), not zeros: their gradient
+    rows are zero, so they add nothing to any weight's or bias's gradient."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None,
+                dtype: torch.dtype, rows: int) -> Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        xp = _pad_rows_into(x2, rows, dtype)
+        w1c, w2c = w1.to(dtype), w2.to(dtype)
+        h = (torch.mm(xp, w1c.t()) if b1 is None
+             else torch.addmm(b1.to(dtype), xp, w1c.t())).relu_()
+        y = torch.mm(h, w2c.t()) if b2 is None else torch.addmm(b2.to(dtype), h, w2c.t())
+        ctx.save_for_backward(xp, w1c, h, w2c)
+        ctx.m, ctx.x_dtype = x2.shape[0], x.dtype
+        ctx.dtypes = (w1.dtype, None if b1 is None else b1.dtype,
+                      w2.dtype, None if b2 is None else b2.dtype)
+        return y[:ctx.m].view(*shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        xp, w1c, h, w2c = ctx.saved_tensors
+        m, (w1_dtype, b1_dtype, w2_dtype, b2_dtype) = ctx.m, ctx.dtypes
+        need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
+        gp = _pad_rows_into(grad.reshape(-1, grad.shape[-1]), xp.shape[0], xp.dtype)
+        grad_x = grad_w1 = grad_b1 = grad_w2 = grad_b2 = None
+        if need_w2:
+            grad_w2 = torch.mm(gp.t(), h).to(w2_dtype)
+        if b2_dtype is not None and need_b2:
+            grad_b2 = gp[:m].sum(dim=0).to(b2_dtype)
+        if need_x or need_w1 or need_b1:
+            gh = torch.mm(gp, w2c)  # zero on the padded rows, as gp is
+            # the ReLU's gradient in place: none where its output was clipped to 0
+            torch.ops.aten.threshold_backward.grad_input(gh, h, 0, grad_input=gh)
+            if need_x:
+                grad_x = (torch.mm(gh, w1c)[:m].to(ctx.x_dtype)
+                          .view(*grad.shape[:-1], w1c.shape[1]))
+            if need_w1:
+                grad_w1 = torch.mm(gh.t(), xp).to(w1_dtype)
+            if b1_dtype is not None and need_b1:
+                grad_b1 = gh[:m].sum(dim=0).to(b1_dtype)
+        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None
+
+
 def _padded_product(x: Tensor, weight: Tensor) -> tuple[torch.dtype, int] | None:
     """(autocast dtype, padded rows) where a linear layer on ``x`` takes
     :class:`_RowPaddedLinear` (CPU autocast to a 16-bit type, fp32 weights, rows to pad);
@@ -539,6 +588,17 @@ def linear_relu(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor
     """``F.relu(F.linear(x, weight, bias))``, fused for fp32 on CPU, on padded rows under
     CPU autocast (see above)."""
     return _linear(x, weight, bias, True)
+
+
+def feed_forward(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor,
+                 b2: Tensor | None) -> Tensor:
+    """``F.linear(F.relu(F.linear(x, w1, b1)), w2, b2)``: under CPU autocast on padded rows,
+    both products in one function whose hidden layer stays padded
+    (:class:`_RowPaddedFeedForward`); elsewhere :func:`linear_relu` then :func:`linear`."""
+    padded = _padded_product(x, w1)
+    if padded and w2.dtype == torch.float32:
+        return _RowPaddedFeedForward.apply(x, w1, b1, w2, b2, *padded)
+    return linear(linear_relu(x, w1, b1), w2, b2)
 
 
 # ---------------------------------- the C++ extension (sections 1, 5 and 6), the residual block

@@ -395,6 +395,11 @@ class FeedForward(nn.Module):
         self.activation_dropout = Dropout(activation_dropout, fast)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.w1.fast and not (self.training and self.activation_dropout.p):
+            # the same, with the ReLU fused into the product, and under CPU autocast the
+            # hidden layer kept on padded rows between the two (aiayn.kernels, section 4)
+            return kernels.feed_forward(x, self.w1.weight, self.w1.bias, self.w2.weight,
+                                        self.w2.bias)
         if self.w1.fast:  # the same, with the ReLU fused into the product
             h = kernels.linear_relu(x, self.w1.weight, self.w1.bias)
         else:
