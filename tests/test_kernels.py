@@ -412,6 +412,57 @@ def test_linear_under_cpu_bf16_autocast_equals_autocast_f_linear(fn, ref, shape)
         torch.testing.assert_close(a, r, rtol=2e-2, atol=5e-2)
 
 
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(2, 515, 24), (1030, 24), (1088, 24), (700, 24)])
+def test_feed_forward_under_cpu_bf16_autocast_equals_autocast_f_linear(shape, bias):
+    """The FFN in one function on padded rows computes what autocast's F.linear, F.relu,
+    F.linear compute (outputs and fp32 gradients of every leaf), and the very numbers of
+    its two padded layers apart: the padded hidden rows (ReLU(b1), not zeros) add nothing."""
+    torch.manual_seed(17)
+    x = torch.randn(*shape, requires_grad=True)
+    w1, w2 = torch.randn(40, 24, requires_grad=True), torch.randn(24, 40, requires_grad=True)
+    b1 = torch.randn(40, requires_grad=True) if bias else None
+    b2 = torch.randn(24, requires_grad=True) if bias else None
+    leaves = [t for t in (x, w1, b1, w2, b2) if t is not None]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with ProductRows() as mode:
+            y = kernels.feed_forward(x, w1, b1, w2, b2)
+        apart = kernels.linear(kernels.linear_relu(x, w1, b1), w2, b2)
+        ref = F.linear(F.relu(F.linear(x, w1, b1)), w2, b2)
+    assert y.dtype == ref.dtype == torch.bfloat16 and y.shape == ref.shape
+    torch.testing.assert_close(y, ref, rtol=1e-2, atol=5e-2)
+    assert torch.equal(y, apart)
+    m = x.numel() // 24
+    assert {a[0] for a, _ in mode.shapes} == {kernels.padded_rows(m)}
+    g = torch.randn_like(y)
+    got = torch.autograd.grad(y, leaves, g)
+    for a, b, r in zip(got, torch.autograd.grad(apart, leaves, g),
+                       torch.autograd.grad(ref, leaves, g), strict=True):
+        assert a.dtype == r.dtype == torch.float32
+        torch.testing.assert_close(a, r, rtol=2e-2, atol=2e-1)
+        assert torch.equal(a, b)
+
+
+def test_feed_forward_keeps_one_padded_hidden_layer_for_backward():
+    """On padded rows the FFN saves its padded input, the hidden layer and the two bf16
+    weights: one (rows x d_ff) tensor, where its two layers apart saved two."""
+    torch.manual_seed(18)
+    x = torch.randn(1030, 24, requires_grad=True)
+    w1, w2 = torch.randn(64, 24, requires_grad=True), torch.randn(24, 64, requires_grad=True)
+    b1, b2 = torch.randn(64, requires_grad=True), torch.randn(24, requires_grad=True)
+
+    def saved_hidden(fn):
+        shapes = []
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                fn()
+        return shapes.count((kernels.padded_rows(1030), 64))
+
+    assert saved_hidden(lambda: kernels.feed_forward(x, w1, b1, w2, b2)) == 1
+    assert saved_hidden(lambda: kernels.linear(kernels.linear_relu(x, w1, b1), w2, b2)) == 2
+
+
 def test_linear_products_under_cpu_bf16_autocast_meet_few_row_counts():
     """Forward and backward of a linear layer on 1,024-1,279 rows run their products on
     multiples of 64 rows: 1,024 itself, then 1,088 for 1,025-1,088 and so on up to 1,280,
