@@ -357,8 +357,9 @@ def test_fast_linear_equals_f_linear_with_gradients(fn, ref):
 
 
 class ProductRows(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the shapes of the matrix products torch runs (mm, addmm, and their
-    operands), to see which row counts oneDNN would have to build primitives for."""
+    """Records the shapes of the matrix products torch runs (mm, addmm, oneDNN's fused
+    linear, and their operands), to see which row counts oneDNN would have to build
+    primitives for."""
 
     def __init__(self):
         super().__init__()
@@ -368,6 +369,8 @@ class ProductRows(torch.utils._python_dispatch.TorchDispatchMode):
         if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
             a, b = args[-2], args[-1]
             self.shapes.append((tuple(a.shape), tuple(b.shape)))
+        elif func == torch.ops.mkldnn._linear_pointwise.default:  # x, weight, ...
+            self.shapes.append((tuple(args[0].shape), tuple(args[1].shape)))
         return func(*args, **(kwargs or {}))
 
 
@@ -441,6 +444,29 @@ def test_feed_forward_under_cpu_bf16_autocast_equals_autocast_f_linear(shape, bi
         assert a.dtype == r.dtype == torch.float32
         torch.testing.assert_close(a, r, rtol=2e-2, atol=2e-1)
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+@pytest.mark.parametrize("relu", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+def test_bias_product_is_addmm_then_relu_on_either_path(monkeypatch, onednn, relu, bias):
+    """The padded layers' product: oneDNN's fused linear (bias and ReLU as its post-ops,
+    where the CPU runs bf16 natively) or addmm then relu_, both against a float64
+    reference of the same bf16 operands, within the bf16 output's rounding."""
+    if onednn and not kernels._onednn_takes(torch.bfloat16):
+        pytest.skip("oneDNN runs no bf16 linear on this CPU (no AVX512-BF16 or AMX)")
+    monkeypatch.setattr(kernels, "_onednn_takes", lambda dtype: onednn)
+    torch.manual_seed(19)
+    xp = torch.randn(1088, 40).bfloat16()
+    w = torch.randn(24, 40).bfloat16()
+    b = torch.randn(24) if bias else None
+    y = kernels._bias_product(xp, w, b, relu)
+    ref = xp.double() @ w.double().t() + (0 if b is None else b.bfloat16().double())
+    ref = ref.relu() if relu else ref
+    assert y.dtype == torch.bfloat16 and y.shape == ref.shape
+    torch.testing.assert_close(y.double(), ref, rtol=2 ** -7, atol=1e-2)
+    if relu:
+        assert (y >= 0).all()
 
 
 def test_feed_forward_keeps_one_padded_hidden_layer_for_backward():
