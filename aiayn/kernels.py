@@ -527,6 +527,20 @@ class _RowPaddedLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None
 
 
+def _relu_backward_(grad: Tensor, out: Tensor) -> Tensor:
+    """``grad`` zeroed in place where the ReLU's output ``out`` is <= 0, as
+    ``aten.threshold_backward(grad, out, 0)``: for 16-bit tensors on CPU by the C++ module's
+    branch-free pass over their bits (0.31 against 0.99 ms for 4,032 x 1,024 bf16 on 2 AMX
+    cores, a plain copy's time), else by aten."""
+    ext = (cpu_extension() if grad.device.type == "cpu"
+           and grad.dtype in (torch.bfloat16, torch.float16) else None)
+    if ext is not None:
+        ext.relu_backward_(grad, out)
+    else:
+        torch.ops.aten.threshold_backward.grad_input(grad, out, 0, grad_input=grad)
+    return grad
+
+
 class _RowPaddedFeedForward(torch.autograd.Function):
     """FFN(x) = ReLU(x W1^T + b1) W2^T + b2 in ``dtype`` on rows padded to ``rows``
     (section 4): the two :class:`_RowPaddedLinear` layers in one function, whose hidden
@@ -563,8 +577,7 @@ class _RowPaddedFeedForward(torch.autograd.Function):
             grad_b2 = gp[:m].sum(dim=0).to(b2_dtype)
         if need_x or need_w1 or need_b1:
             gh = torch.mm(gp, w2c)  # zero on the padded rows, as gp is
-            # the ReLU's gradient in place: none where its output was clipped to 0
-            torch.ops.aten.threshold_backward.grad_input(gh, h, 0, grad_input=gh)
+            _relu_backward_(gh, h)  # none where the ReLU's output was clipped to 0
             if need_x:
                 grad_x = (torch.mm(gh, w1c)[:m].to(ctx.x_dtype)
                           .view(*grad.shape[:-1], w1c.shape[1]))

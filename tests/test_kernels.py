@@ -469,6 +469,29 @@ def test_bias_product_is_addmm_then_relu_on_either_path(monkeypatch, onednn, rel
         assert (y >= 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_relu_backward_in_cpp_is_atens_threshold_backward(extension, dtype):
+    """The C++ pass over the bits zeroes the gradient exactly where aten's
+    threshold_backward(grad, out, 0) does: out <= 0 (+0, -0, negatives), but not NaN of
+    either sign, +inf or the smallest subnormal; odd lengths and a tail past the vector."""
+    torch.manual_seed(20)
+    special = torch.tensor([float("nan"), -float("nan"), 0.0, -0.0, float("inf"),
+                            -float("inf"), -1.0, 1.0], dtype=dtype)
+    tiny = torch.tensor([1, -32767], dtype=torch.int16).view(dtype)  # +-smallest subnormal
+    for n in (1, 7, 1031, 70_001):
+        out = torch.randn(n, dtype=torch.float32).to(dtype)
+        out[:min(n, 8)] = special[:min(n, 8)]
+        if n > 10:
+            out[8:10] = tiny
+        grad = torch.randn(n, dtype=torch.float32).to(dtype)
+        want = torch.ops.aten.threshold_backward(grad, out, 0)
+        got = grad.clone()
+        extension.relu_backward_(got, out)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), n
+    with pytest.raises(RuntimeError, match="bf16 or fp16"):
+        extension.relu_backward_(torch.zeros(4), torch.zeros(4))
+
+
 def test_feed_forward_keeps_one_padded_hidden_layer_for_backward():
     """On padded rows the FFN saves its padded input, the hidden layer and the two bf16
     weights: one (rows x d_ff) tensor, where its two layers apart saved two."""

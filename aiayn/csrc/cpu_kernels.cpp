@@ -729,6 +729,29 @@ void attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const a
                              dk.data_ptr<float>(), ldk, dv.data_ptr<float>(), ldv, s);
 }
 
+// ReLU's gradient in place for a 16-bit ``grad`` and ``out`` (the ReLU's output, >= 0 or
+// NaN): zero where out <= 0, as aten::threshold_backward(grad, out, 0), which runs 2-3x a plain
+// copy's time on bf16 here. On the bits: out > 0 or NaN is a positive int16, or a NaN of
+// either sign (magnitude above the exponent's all-ones). 16-bit grads only: fp32 keeps aten's.
+void relu_backward_(at::Tensor& grad, const at::Tensor& out) {
+  check_rows(grad, "grad");
+  check_rows(out, "out");
+  TORCH_CHECK(grad.sizes() == out.sizes() && grad.scalar_type() == out.scalar_type() &&
+                  (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kHalf),
+              "relu_backward_ takes bf16 or fp16 grad and out of one shape");
+  const int16_t nan_above = out.scalar_type() == at::kBFloat16 ? 0x7F80 : 0x7C00;
+  int16_t* __restrict g = reinterpret_cast<int16_t*>(grad.data_ptr());
+  const int16_t* __restrict h = reinterpret_cast<const int16_t*>(out.data_ptr());
+  at::parallel_for(0, grad.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {  // branch-free, so that it vectorizes
+      const int16_t b = h[i];
+      const int16_t keep = static_cast<int16_t>(
+          -static_cast<int16_t>((b > 0) | (static_cast<int16_t>(b & 0x7FFF) > nan_above)));
+      g[i] = static_cast<int16_t>(g[i] & keep);
+    }
+  });
+}
+
 // How many of torch's threads at::parallel_for hands work to here (tests): 1 when the module
 // was compiled without OpenMP, whose pragmas at::parallel_for's inline code is made of.
 int64_t parallel_threads(int64_t items) {
@@ -744,5 +767,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_backward", &attention_backward, "dq, dk, dv written in place");
   m.def("label_smoothed_softmax_", &label_smoothed_softmax_,
         "loss and nll per row; with grad, the logits become their gradient");
+  m.def("relu_backward_", &relu_backward_, "grad zeroed in place where the ReLU's out <= 0");
   m.def("parallel_threads", &parallel_threads, "threads that at::parallel_for used (tests)");
 }
