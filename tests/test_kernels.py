@@ -416,8 +416,12 @@ def test_linear_under_cpu_bf16_autocast_equals_autocast_f_linear(fn, ref, shape)
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("shape", [(2, 515, 24), (1030, 24), (1088, 24), (700, 24)])
-def test_feed_forward_under_cpu_bf16_autocast_equals_autocast_f_linear(shape, bias):
+@pytest.mark.parametrize("shape,dtype", [((2, 515, 24), torch.bfloat16),
+                                         ((1030, 24), torch.bfloat16),
+                                         ((1088, 24), torch.bfloat16),
+                                         ((700, 24), torch.bfloat16),
+                                         ((1030, 24), torch.float16)])
+def test_feed_forward_under_cpu_autocast_equals_autocast_f_linear(shape, dtype, bias):
     """The FFN in one function on padded rows computes what autocast's F.linear, F.relu,
     F.linear compute (outputs and fp32 gradients of every leaf), and the very numbers of
     its two padded layers apart: the padded hidden rows (ReLU(b1), not zeros) add nothing."""
@@ -427,12 +431,12 @@ def test_feed_forward_under_cpu_bf16_autocast_equals_autocast_f_linear(shape, bi
     b1 = torch.randn(40, requires_grad=True) if bias else None
     b2 = torch.randn(24, requires_grad=True) if bias else None
     leaves = [t for t in (x, w1, b1, w2, b2) if t is not None]
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=dtype):
         with ProductRows() as mode:
             y = kernels.feed_forward(x, w1, b1, w2, b2)
         apart = kernels.linear(kernels.linear_relu(x, w1, b1), w2, b2)
         ref = F.linear(F.relu(F.linear(x, w1, b1)), w2, b2)
-    assert y.dtype == ref.dtype == torch.bfloat16 and y.shape == ref.shape
+    assert y.dtype == ref.dtype == dtype and y.shape == ref.shape
     torch.testing.assert_close(y, ref, rtol=1e-2, atol=5e-2)
     assert torch.equal(y, apart)
     m = x.numel() // 24
