@@ -72,8 +72,9 @@ keeps torch's own operators, readable against the paper (``aiayn/model.py``,
    where the CPU runs bf16 natively, the bias and the ReLU as post-ops of the product
    (``addmm`` copied the bias into the output first, ``relu_`` took a second pass); and the
    ReLU's gradient is one branch-free C++ pass over the bits. The same numbers bit for bit;
-   the ``multi30k`` step on 2 AMX cores 1.02x, 1.02x and 1.05x for the three
-   (bench/README.md, "the FFN in one function").
+   the ``multi30k`` step on 2 AMX cores 1.02x, 1.02x and 1.05x for the three, each
+   against the tree before, and 1.04x for all three in one run (bench/README.md, "the FFN in
+   one function").
 
 5. **The post-LN residual block in one C++ pass each way, on CPU in training**
    (:func:`residual_norm`, ``csrc/cpu_kernels.cpp``). ``LayerNorm(x + Dropout(out))``
