@@ -647,8 +647,8 @@ def feed_forward(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor,
 
 # ---------------------------------- the C++ extension (sections 1, 5 and 6), the residual block
 
-# Set to 0 to keep PyTorch's own ops for the residual block, the loss's softmax and attention
-# (sections 5, 1 and 6) and build nothing.
+# Set to 0 to keep PyTorch's own ops for the residual block, the loss's softmax, attention
+# and the FFN's ReLU gradient (sections 5, 1, 6 and 4) and build nothing.
 EXTENSION_ENV = "AIAYN_CPU_EXTENSION"
 _SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 # What the compiler may target, by the instruction set torch's own kernels dispatch to
@@ -695,8 +695,9 @@ def cpu_extension():
     except Exception as e:  # noqa: BLE001 - any build failure means the eager path
         warnings.warn(
             f"aiayn: could not build the CPU kernels {_SOURCE.name} ({type(e).__name__}: "
-            f"{_build_error(str(e))}); the loss's softmax, attention and the residual "
-            f"blocks run on PyTorch's own ops instead (slower steps on CPU). It "
+            f"{_build_error(str(e))}); the loss's softmax, attention, the residual "
+            f"blocks and the FFN's ReLU gradient run on PyTorch's own ops instead (slower "
+            f"steps on CPU). It "
             f"needs a C++ compiler and Python's headers (Debian/Ubuntu: apt install g++ "
             f"python3-dev); set {EXTENSION_ENV}=0 to skip the build and this warning.",
             RuntimeWarning,

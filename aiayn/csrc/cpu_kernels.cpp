@@ -731,8 +731,9 @@ void attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const a
 
 // ReLU's gradient in place for a 16-bit ``grad`` and ``out`` (the ReLU's output, >= 0 or
 // NaN): zero where out <= 0, as aten::threshold_backward(grad, out, 0), which runs 2-3x a plain
-// copy's time on bf16 here. On the bits: out > 0 or NaN is a positive int16, or a NaN of
-// either sign (magnitude above the exponent's all-ones). 16-bit grads only: fp32 keeps aten's.
+// copy's time on bf16 here. On the bits, the gradient is kept where out is a positive int16
+// (out > 0, +inf, a positive NaN) or any NaN (its magnitude above the exponent's all-ones):
+// NaN <= 0 is false, so aten keeps it too. 16-bit tensors only: fp32 keeps aten's op.
 void relu_backward_(at::Tensor& grad, const at::Tensor& out) {
   check_rows(grad, "grad");
   check_rows(out, "out");
