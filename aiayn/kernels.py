@@ -235,11 +235,8 @@ class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
             loss = torch.empty(n, dtype=torch.float32, device=rows.device)
             nll = torch.empty_like(loss)
             grad_rows = torch.empty_like(rows) if need_grad else None
-            # fp32 products accumulate in place from zeros; 16-bit ones are widened into it
-            # (the first chunk's copied, the others' added), with no fp32 copy of their own
-            grad_weight = (torch.zeros if dtype == torch.float32 else torch.empty)(
-                width, weight.shape[1], dtype=torch.float32,
-                device=weight.device) if need_grad else None
+            grad_weight = torch.zeros(width, weight.shape[1], dtype=torch.float32,
+                                      device=weight.device) if need_grad else None
             # The buffer holds a whole chunk, or the last chunk's window where that is more
             # (its real length is in [1, chunk_rows]: chunk_rows when n is a multiple).
             last = n - (n - 1) // chunk_rows * chunk_rows
@@ -276,10 +273,8 @@ class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
                     grad_rows[start:end] = torch.mm(g, w)[start - first:]
                     if dtype == torch.float32:
                         grad_weight.addmm_(g.t(), a_c)
-                    elif start == 0:
-                        grad_weight.copy_(torch.mm(g.t(), a_c))
                     else:
-                        grad_weight.add_(torch.mm(g.t(), a_c))
+                        grad_weight += torch.mm(g.t(), a_c).float()
         if need_grad and width != vocab:
             grad_weight = grad_weight[:vocab]
         ctx.save_for_backward(grad_rows, grad_weight)
