@@ -453,7 +453,8 @@ def test_feed_forward_under_cpu_autocast_equals_autocast_f_linear(shape, dtype, 
 @pytest.mark.parametrize("onednn", [True, False])
 @pytest.mark.parametrize("relu", [True, False])
 @pytest.mark.parametrize("bias", [True, False])
-def test_bias_product_is_addmm_then_relu_on_either_path(monkeypatch, onednn, relu, bias):
+def test_bias_product_is_the_product_plus_bias_then_relu_on_either_path(monkeypatch, onednn,
+                                                                        relu, bias):
     """The padded layers' product: oneDNN's fused linear (bias and ReLU as its post-ops,
     where the CPU runs bf16 natively) or addmm then relu_, both against a float64
     reference of the same bf16 operands, within the bf16 output's rounding."""
