@@ -21,6 +21,13 @@ compared with the first; the first record in which one differs says where it par
 - ``reduced``: the all-reduce, after identical local gradients;
 - ``param``: the optimizer, after identical gradients.
 
+With ``--kernels``, every call into the C++ CPU kernels (aiayn/csrc/cpu_kernels.cpp) is
+recorded too, in the order of the calls: ``kernel-in`` (each tensor argument before the
+call) and ``kernel-out`` (each tensor returned, and each tensor argument again after it, for
+the kernels that write in place). A run that parts at a ``kernel-out`` after identical
+``kernel-in`` records gave one kernel call the same inputs and got different outputs; one
+that parts at a ``kernel-in`` was handed different inputs by PyTorch's own ops in between.
+
 The cluster tests (tests/test_cluster.py) compare such runs bit for bit; a drift seen here
 makes them fail at random. The printed table and ``--json`` name the machine.
 """
@@ -48,7 +55,7 @@ TOY = ["data.toy.train_pairs=400", "data.toy.valid_pairs=40", "data.toy.test_pai
        "model.encoder_layers=1", "model.decoder_layers=1", "model.d_ff=64",
        "model.dropout=0.1", "model.max_positions=64", "train.tokens_per_step=320",
        "train.warmup_steps=4", "train.lr_scale=1.0", "train.checkpoint_every_minutes=0"]
-KINDS = ("input", "loss", "local", "reduced", "param")
+KINDS = ("input", "loss", "local", "reduced", "param", "kernel-in", "kernel-out")
 WORKER = "worker"  # argv[1] of a process that torchrun starts
 
 
@@ -150,6 +157,8 @@ def worker(argv: list[str]) -> None:
         now["step"] = self.state.step + 1
         return train_step(self, batches)
 
+    if os.environ.get("AIAYN_DRIFT_KERNELS") == "1":
+        record_kernels(write)
     trainer_module.Trainer._forward_loss = recorded_forward_loss
     trainer_module.Trainer.train_step = recorded_train_step
     sys.argv = ["stages.train", *argv]
@@ -157,6 +166,45 @@ def worker(argv: list[str]) -> None:
         runpy.run_module("stages.train", run_name="__main__")
     finally:
         out.close()
+
+
+def record_kernels(write) -> None:
+    """Wrap the C++ extension's functions so that each call writes its tensor arguments
+    (``kernel-in``) and, after it, its results and its arguments again (``kernel-out``)."""
+    import torch
+
+    from aiayn import kernels
+
+    module = kernels.cpu_extension()
+    if module is None:
+        raise SystemExit("error: --kernels needs the C++ extension, which did not build "
+                         f"(or {kernels.EXTENSION_ENV}=0)")
+    calls = {"n": 0}
+    # arguments that a kernel only writes (their contents before the call are garbage)
+    written = {"label_smoothed_softmax_": {3, 4}, "attention_backward": {12, 13, 14}}
+
+    def wrapped(name, fn):
+        def call(*args):
+            calls["n"] += 1
+            tag = f"{name}#{calls['n']}"
+            tensors = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+            for i, a in tensors:
+                if i not in written.get(name, ()):
+                    write("kernel-in", f"{tag}.arg{i}", a)
+            result = fn(*args)
+            for i, r in enumerate(result if isinstance(result, (list, tuple)) else [result]):
+                if isinstance(r, torch.Tensor):
+                    write("kernel-out", f"{tag}.result{i}", r)
+            for i, a in tensors:
+                write("kernel-out", f"{tag}.arg{i}", a)
+            return result
+        return call
+
+    class Recorded:
+        def __getattr__(self, name):
+            return wrapped(name, getattr(module, name))
+
+    kernels._extension = Recorded()
 
 
 # =========================================================================== the runs
@@ -197,6 +245,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                     help="set in every run's environment, e.g. AIAYN_CPU_EXTENSION=0 "
                     "(repeatable)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also record every C++ kernel call's inputs and outputs "
+                    "(kernel-in, kernel-out), to name the call where a run first parts")
     ap.add_argument("--set", "-S", action="append", default=[], metavar="KEY=VALUE",
                     help="Hydra override of the toy-sized demo preset (repeatable)")
     ap.add_argument("--workdir", type=Path,
@@ -216,7 +267,8 @@ def main(argv: list[str] | None = None) -> dict:
              *args.set])
     params, shards, tokenizer = prepare_data(data)
     raw = shards.parent / "raw"
-    env = {**harness.child_env(), "OMP_NUM_THREADS": "1", **extra_env}
+    env = {**harness.child_env(), "OMP_NUM_THREADS": "1", **extra_env,
+           **({"AIAYN_DRIFT_KERNELS": "1"} if args.kernels else {})}
     env.pop("MLFLOW_TRACKING_URI", None)
     print(harness.machine_line())
     print(f"{args.runs} runs of {args.steps} steps, {args.nproc} processes, the toy-sized demo "
@@ -250,6 +302,7 @@ def main(argv: list[str] | None = None) -> dict:
     parted_runs = [r for r in rows if r["parted"]]
     print(f"{len(parted_runs)} of {len(rows)} runs parted from run 1")
     return harness.save({"runs": args.runs, "steps": args.steps, "nproc": args.nproc,
+                         "kernels": args.kernels,
                          "env": extra_env, "set": args.set, "compared": rows,
                          "parted": len(parted_runs)}, args.json)
 

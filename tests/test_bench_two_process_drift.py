@@ -64,6 +64,37 @@ def test_a_malformed_env_is_a_usage_error(capsys):
     assert "--env 'AIAYN_CPU_EXTENSION': give NAME=VALUE" in capsys.readouterr().err
 
 
+def test_kernel_calls_are_recorded_inputs_before_outputs_after(monkeypatch):
+    """--kernels: each call into the C++ module writes its tensor inputs, then its results
+    and its arguments again; arguments a kernel only writes are not read as inputs."""
+    from aiayn import kernels
+
+    if kernels.cpu_extension() is None:
+        pytest.skip("the C++ CPU kernels did not build here")
+    monkeypatch.setattr(kernels, "_extension", kernels._extension)  # restored afterwards
+    written = []
+    drift.record_kernels(lambda kind, name, t: written.append((kind, name, drift.digest(t))))
+    x, out = torch.randn(6, 8), torch.randn(6, 8)
+    w, b = torch.ones(8), torch.zeros(8)
+    y, mask = kernels.residual_norm(x, out, w, b, 0.1, seed=5, return_mask=True)
+    names = [(kind, name) for kind, name, _ in written]
+    assert names[:5] == [("kernel-in", f"forward#1.arg{i}") for i in (0, 1, 2, 3, 7)]
+    assert names[5:9] == [("kernel-out", f"forward#1.result{i}") for i in range(4)]
+    assert written[0][2] == drift.digest(x) and written[1][2] == drift.digest(out)
+    assert written[5][2] == drift.digest(y) and written[7][2] == drift.digest(mask)
+    written.clear()
+    logits = torch.randn(3, 16)
+    loss, nll = torch.empty(3), torch.empty(3)
+    kernels.cpu_extension().label_smoothed_softmax_(
+        logits, torch.tensor([1, 2, 3]), logits.mean(1), loss, nll, 16, 0.1, True)
+    ins = [name for kind, name, _ in written if kind == "kernel-in"]
+    outs = [name for kind, name, _ in written if kind == "kernel-out"]
+    assert ins == [f"label_smoothed_softmax_#2.arg{i}" for i in (0, 1, 2)]
+    assert outs == [f"label_smoothed_softmax_#2.arg{i}" for i in range(5)]
+    assert dict((n, d) for k, n, d in written if k == "kernel-out")[
+        "label_smoothed_softmax_#2.arg3"] == drift.digest(loss)
+
+
 @pytest.mark.slow
 def test_two_runs_are_recorded_step_by_step_and_compared(tmp_path, capsys):
     """Two real torchrun runs of 4 steps: every kind of record at every step on both ranks,
