@@ -42,6 +42,22 @@
 
 namespace {
 
+// Before every loop that reads and writes through pointers into different buffers: the
+// buffers never overlap (fresh outputs, per-call scratch), and saying so keeps the compiler
+// from versioning the loop, i.e. from choosing at run time, by the buffers' addresses,
+// between its vectorized form and a scalar one. The two round differently (a row's sum in
+// another order), so a result depended on where the allocator had put the buffers: on a CPU
+// with AMX, 1 in ~40 two-process runs parted when a residual block's forward call, given
+// identical inputs, returned another y (bench/README.md, "two_process_drift.py").
+// tests/test_kernels.py compiles this file and checks that no loop is versioned so.
+#if defined(__clang__)
+#define KERNEL_LOOP _Pragma("clang loop vectorize(assume_safety)")
+#elif defined(__GNUC__)
+#define KERNEL_LOOP _Pragma("GCC ivdep")
+#else
+#define KERNEL_LOOP
+#endif
+
 constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ULL;
 
 inline uint64_t mix64(uint64_t z) {  // splitmix64's finalizer
@@ -113,6 +129,7 @@ void forward_rows(const float* x, const out_t* out, const float* gamma, const fl
       const int16_t* v = reinterpret_cast<const int16_t*>(b);
       float* zr = z.data();
       float sum = 0.f;
+      KERNEL_LOOP
       for (int64_t j = 0; j < d; ++j) {
         const uint8_t kept = v[j] >= keep.threshold;
         mr[j] = kept;
@@ -130,6 +147,7 @@ void forward_rows(const float* x, const out_t* out, const float* gamma, const fl
       rstd[r] = rs;
       float* yr = y + r * d;
       float* hr = xhat + r * d;
+      KERNEL_LOOP
       for (int64_t j = 0; j < d; ++j) {
         const float h = (zr[j] - mean) * rs;
         hr[j] = h;
@@ -151,6 +169,7 @@ void backward_rows(const float* dy, const float* xhat, const uint8_t* mask, cons
       const float* hr = xhat + r * d;
       const uint8_t* mr = mask + r * d;
       float c1 = 0.f, c2 = 0.f;
+      KERNEL_LOOP
       for (int64_t j = 0; j < d; ++j) {
         const float g = dyr[j] * gamma[j];
         c1 += g * hr[j];
@@ -163,6 +182,7 @@ void backward_rows(const float* dy, const float* xhat, const uint8_t* mask, cons
       const float rs = rstd[r];
       float* dxr = dx + r * d;
       out_t* doutr = dout + r * d;
+      KERNEL_LOOP
       for (int64_t j = 0; j < d; ++j) {
         const float dz = rs * (dyr[j] * gamma[j] - c2 - hr[j] * c1);
         dxr[j] = dz;
@@ -315,6 +335,7 @@ void softmax_rows(scalar_t* logits, const int64_t* labels, const float* mean_log
       const int64_t y = labels[r];
       TORCH_CHECK(y >= 0 && y < vocab, "label ", y, " is outside the vocabulary of ", vocab);
       int64_t j;
+      KERNEL_LOOP
       for (j = 0; j < vocab; ++j) e[j] = load(z[j]);
       const float top = row_max(e, vocab);
       const float target = e[y];
@@ -328,6 +349,7 @@ void softmax_rows(scalar_t* logits, const int64_t* labels, const float* mean_log
       loss[r] = lse - (1.f - eps) * target - eps * mean_logit[r];
       if (!grad) continue;
       const float inv = 1.f / sum;
+      KERNEL_LOOP
       for (j = 0; j < vocab; ++j) store(z + j, e[j] * inv - off);
       for (j = vocab; j < width; ++j) store(z + j, 0.f);
       store(z + y, e[y] * inv - off - (1.f - eps));
@@ -428,10 +450,13 @@ inline void gather_rows(const scalar_t* base, int64_t stride, int64_t rows, int6
                         float* dst, int64_t ld, bool transposed = false) {
   for (int64_t i = 0; i < rows; ++i) {
     const scalar_t* r = base + i * stride;
-    if (transposed)
+    if (transposed) {
+      KERNEL_LOOP
       for (int64_t c = 0; c < n; ++c) dst[c * ld + i] = load(r[c]);
-    else
+    } else {
+      KERNEL_LOOP
       for (int64_t c = 0; c < n; ++c) dst[i * ld + c] = load(r[c]);
+    }
   }
 }
 
@@ -441,6 +466,7 @@ inline void scatter_rows(const float* src, int64_t ld, int64_t rows, int64_t n, 
   for (int64_t i = 0; i < rows; ++i) {
     scalar_t* r = base + i * stride;
     const float* s = src + i * ld;
+    KERNEL_LOOP
     for (int64_t c = 0; c < n; ++c) store(r + c, s[c]);
   }
 }
@@ -551,6 +577,7 @@ void attention_forward_heads(const scalar_t* q, HeadLayout lq, const scalar_t* k
         }
         if (s.dropout) row_keep(s, bh * s.tq + i, bits.data(), m.data());
         float* wi = W.data() + i * s.tk;
+        KERNEL_LOOP
         for (int64_t j = 0; j < s.tk; ++j) wi[j] = p[j] * m[j];
       }
       small_product(W.data(), s.tk, V.data(), z.dvl, O.data(), z.dvl, z.tq4, s.tk, z.dvl);
@@ -589,6 +616,7 @@ void attention_backward_heads(const scalar_t* dout, const scalar_t* q, HeadLayou
       for (int64_t i = 0; i < s.tq; ++i) {
         float* mi = M.data() + i * s.tk;
         if (s.dropout) row_keep(s, bh * s.tq + i, bits.data(), mi);
+        KERNEL_LOOP
         for (int64_t j = 0; j < s.tk; ++j) WT[j * s.tq + i] = P[i * s.tk + j] * mi[j];
       }
       small_product(WT.data(), s.tq, dO.data(), z.dvl, dV.data(), z.dvl, z.tk4, s.tq, z.dvl);
@@ -603,11 +631,13 @@ void attention_backward_heads(const scalar_t* dout, const scalar_t* q, HeadLayou
         const float* mi = M.data() + i * s.tk;
         float* dpi = dP.data() + i * z.tkl;
         float row = 0.f;  // sum_j P_ij dP_ij
+        KERNEL_LOOP
         for (int64_t j = 0; j < s.tk; ++j) {
           dpi[j] = pi[j] == 0.f ? 0.f : dpi[j] * mi[j];  // a masked key's weight has no gradient
           row += pi[j] * dpi[j];
         }
         float* dsi = dS.data() + i * s.tk;
+        KERNEL_LOOP
         for (int64_t j = 0; j < s.tk; ++j) {
           const float ds = any_key ? pi[j] * (dpi[j] - row) * s.scale : 0.f;
           dsi[j] = ds;
@@ -744,6 +774,7 @@ void relu_backward_(at::Tensor& grad, const at::Tensor& out) {
   int16_t* __restrict g = reinterpret_cast<int16_t*>(grad.data_ptr());
   const int16_t* __restrict h = reinterpret_cast<const int16_t*>(out.data_ptr());
   at::parallel_for(0, grad.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
+    KERNEL_LOOP
     for (int64_t i = begin; i < end; ++i) {  // branch-free, so that it vectorizes
       const int16_t b = h[i];
       const int16_t keep = static_cast<int16_t>(
