@@ -502,19 +502,16 @@ class _RowPaddedLinear(torch.autograd.Function):
     on products whose row count recurs."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, twin: Tensor | None, weight: Tensor, bias: Tensor | None,
-                relu: bool, dtype: torch.dtype, rows: int) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, relu: bool,
+                dtype: torch.dtype, rows: int) -> Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        # x's padded copy in dtype: its twin from the residual block (:func:`take_twin`),
-        # whose gradient then goes to the twin, else cast here
-        xp = twin if twin is not None else _pad_rows_into(x2, rows, dtype)
+        xp = _pad_rows_into(x2, rows, dtype)
         w = weight.to(dtype)
         y = _bias_product(xp, w, bias, relu)
         ctx.save_for_backward(xp, w, y if relu else None)
         ctx.m, ctx.x_dtype, ctx.w_dtype = x2.shape[0], x.dtype, weight.dtype
         ctx.b_dtype = None if bias is None else bias.dtype
-        ctx.twin = twin is not None
         return y[:ctx.m].view(*shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -529,16 +526,14 @@ class _RowPaddedLinear(torch.autograd.Function):
         else:
             gp[:m].copy_(g)
         gp[m:].zero_()
-        grad_x = grad_twin = grad_w = grad_b = None
-        if ctx.twin and ctx.needs_input_grad[1]:
-            grad_twin = torch.mm(gp, w)  # padded, in dtype: the residual kernel widens it
-        elif ctx.needs_input_grad[0]:
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
             grad_x = torch.mm(gp, w)[:m].to(ctx.x_dtype).view(*grad.shape[:-1], w.shape[1])
-        if ctx.needs_input_grad[2]:
+        if ctx.needs_input_grad[1]:
             grad_w = torch.mm(gp.t(), xp).to(ctx.w_dtype)
-        if ctx.b_dtype is not None and ctx.needs_input_grad[3]:
+        if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
             grad_b = gp[:m].sum(dim=0).to(ctx.b_dtype)
-        return grad_x, grad_twin, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 def _relu_backward_(grad: Tensor, out: Tensor) -> Tensor:
@@ -564,12 +559,11 @@ class _RowPaddedFeedForward(torch.autograd.Function):
     rows are zero, so they add nothing to any weight's or bias's gradient."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, twin: Tensor | None, w1: Tensor, b1: Tensor | None, w2: Tensor,
-                b2: Tensor | None, dtype: torch.dtype, rows: int) -> Tensor:
+    def forward(ctx, x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None,
+                dtype: torch.dtype, rows: int) -> Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        xp = twin if twin is not None else _pad_rows_into(x2, rows, dtype)  # as in the above
-        ctx.twin = twin is not None
+        xp = _pad_rows_into(x2, rows, dtype)
         w1c, w2c = w1.to(dtype), w2.to(dtype)
         h = _bias_product(xp, w1c, b1, True)
         y = _bias_product(h, w2c, b2, False)
@@ -583,10 +577,9 @@ class _RowPaddedFeedForward(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         xp, w1c, h, w2c = ctx.saved_tensors
         m, (w1_dtype, b1_dtype, w2_dtype, b2_dtype) = ctx.m, ctx.dtypes
-        need_x, need_twin, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:6]
-        need_x = need_twin if ctx.twin else need_x
+        need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
         gp = _pad_rows_into(grad.reshape(-1, grad.shape[-1]), xp.shape[0], xp.dtype)
-        grad_x = grad_twin = grad_w1 = grad_b1 = grad_w2 = grad_b2 = None
+        grad_x = grad_w1 = grad_b1 = grad_w2 = grad_b2 = None
         if need_w2:
             grad_w2 = torch.mm(gp.t(), h).to(w2_dtype)
         if b2_dtype is not None and need_b2:
@@ -594,30 +587,22 @@ class _RowPaddedFeedForward(torch.autograd.Function):
         if need_x or need_w1 or need_b1:
             gh = torch.mm(gp, w2c)  # zero on the padded rows, as gp is
             _relu_backward_(gh, h)  # none where the ReLU's output was clipped to 0
-            if need_x and ctx.twin:
-                grad_twin = torch.mm(gh, w1c)  # padded, in dtype: the residual kernel widens it
-            elif need_x:
+            if need_x:
                 grad_x = (torch.mm(gh, w1c)[:m].to(ctx.x_dtype)
                           .view(*grad.shape[:-1], w1c.shape[1]))
             if need_w1:
                 grad_w1 = torch.mm(gh.t(), xp).to(w1_dtype)
             if b1_dtype is not None and need_b1:
                 grad_b1 = gh[:m].sum(dim=0).to(b1_dtype)
-        return grad_x, grad_twin, grad_w1, grad_b1, grad_w2, grad_b2, None, None
+        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None
 
 
 def _padded_product(x: Tensor, weight: Tensor) -> tuple[torch.dtype, int] | None:
     """(autocast dtype, padded rows) where a linear layer on ``x`` takes
     :class:`_RowPaddedLinear` (CPU autocast to a 16-bit type, fp32 weights, rows to pad);
     else None."""
-    return _padded_rows(x) if weight.dtype == torch.float32 else None
-
-
-def _padded_rows(x: Tensor) -> tuple[torch.dtype, int] | None:
-    """(autocast dtype, padded rows) of a product on ``x`` with fp32 weights: see
-    :func:`_padded_product`."""
     if (x.device.type != "cpu" or not torch.is_autocast_enabled("cpu")
-            or torch.compiler.is_compiling()):
+            or weight.dtype != torch.float32 or torch.compiler.is_compiling()):
         return None
     dtype = torch.get_autocast_dtype("cpu")
     m = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -632,7 +617,7 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, relu: bool) -> Tenso
     if _use_onednn(x, weight):
         return _Linear.apply(x, weight, bias, relu)
     if padded := _padded_product(x, weight):
-        return _RowPaddedLinear.apply(x, take_twin(x, *padded), weight, bias, relu, *padded)
+        return _RowPaddedLinear.apply(x, weight, bias, relu, *padded)
     y = F.linear(x, weight, bias)
     return F.relu(y) if relu else y
 
@@ -656,7 +641,7 @@ def feed_forward(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor,
     (:class:`_RowPaddedFeedForward`); elsewhere :func:`linear_relu` then :func:`linear`."""
     padded = _padded_product(x, w1)
     if padded and w2.dtype == torch.float32:
-        return _RowPaddedFeedForward.apply(x, take_twin(x, *padded), w1, b1, w2, b2, *padded)
+        return _RowPaddedFeedForward.apply(x, w1, b1, w2, b2, *padded)
     return linear(linear_relu(x, w1, b1), w2, b2)
 
 
@@ -795,28 +780,21 @@ def dropout_seed() -> Tensor:
 class _ResidualNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, out: Tensor, weight: Tensor, bias: Tensor, p: float,
-                eps: float, seed: Tensor, twin_rows: int) -> tuple[Tensor, Tensor, Tensor]:
+                eps: float, seed: Tensor) -> tuple[Tensor, Tensor]:
         threshold, scale = keep_threshold(p)
-        y, xhat, mask, rstd, twin = cpu_extension().forward(x, out, weight, bias, threshold,
-                                                            scale, eps, seed, twin_rows)
+        y, xhat, mask, rstd = cpu_extension().forward(x, out, weight, bias, threshold,
+                                                           scale, eps, seed)
         ctx.save_for_backward(xhat, mask, rstd, weight)
         ctx.scale, ctx.out_dtype = scale, out.dtype
         ctx.mark_non_differentiable(mask)
-        if not twin_rows:
-            ctx.mark_non_differentiable(twin)
-        ctx.set_materialize_grads(False)
-        return y, mask, twin
+        return y, mask
 
     @staticmethod
-    def backward(ctx, grad: Tensor | None, _mask_grad, grad_twin: Tensor | None):
+    def backward(ctx, grad: Tensor, _mask_grad):
         xhat, mask, rstd, weight = ctx.saved_tensors
-        if grad is None:  # y itself unused: only its twin was read
-            grad = torch.zeros_like(xhat)
-        if grad_twin is None:
-            grad_twin = xhat.new_empty(0, dtype=torch.bfloat16)
-        dx, dout, dw, db = cpu_extension().backward(grad, grad_twin, xhat, mask, rstd, weight,
-                                                    ctx.scale, ctx.out_dtype)
-        return dx, dout, dw, db, None, None, None, None
+        dx, dout, dw, db = cpu_extension().backward(grad, xhat, mask, rstd, weight,
+                                                         ctx.scale, ctx.out_dtype)
+        return dx, dout, dw, db, None, None, None
 
 
 def residual_norm_applies(x: Tensor, out: Tensor, weight: Tensor) -> bool:
@@ -831,50 +809,16 @@ def residual_norm_applies(x: Tensor, out: Tensor, weight: Tensor) -> bool:
 
 def residual_norm(x: Tensor, out: Tensor, weight: Tensor, bias: Tensor, p: float,
                   eps: float = 1e-5, seed: int | None = None,
-                  return_mask: bool = False, twin: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                  return_mask: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """``F.layer_norm(x + dropout(out, p), weight, bias, eps)`` in one pass each way
     (``csrc/cpu_kernels.cpp``), the post-LN residual block of Section 3.1: fp32 output,
     ``out``'s gradient in ``out``'s dtype. Masks follow :func:`dropout`'s keep rule; their
     bits come from ``seed`` (default: drawn from torch's generator). ``return_mask``: also
-    the uint8 mask (1 = kept), for tests. Check :func:`residual_norm_applies` first.
-
-    ``twin``: where the product that reads the output next pads its rows under CPU bf16
-    autocast (section 4), the kernel also writes that product's input, the output's rows
-    rounded to bf16 on the padded rows, and hangs it on the output (:func:`take_twin`). The
-    product then reads it in place of casting the fp32 output into a padded buffer, and its
-    input's gradient (bf16, padded) comes back here, where the kernel adds it to the
-    output's in fp32 as autograd would, in place of a cast back and a sum."""
+    the uint8 mask (1 = kept), for tests. Check :func:`residual_norm_applies` first."""
     seed = dropout_seed() if seed is None else torch.tensor(seed, dtype=torch.int64)
-    rows = _twin_rows(x) if twin else 0
-    y, mask, copy = _ResidualNorm.apply(x.contiguous(), out.contiguous(), weight, bias,
-                                        float(p), float(eps), seed, rows)
-    if rows:
-        setattr(y, _TWIN, copy)
+    y, mask = _ResidualNorm.apply(x.contiguous(), out.contiguous(), weight, bias, float(p),
+                                  float(eps), seed)
     return (y, mask) if return_mask else y
-
-
-# The attribute of a residual block's output that holds its padded bf16 twin until a product
-# takes it.
-_TWIN = "_aiayn_padded_bf16"
-
-
-def _twin_rows(x: Tensor) -> int:
-    """Rows of the padded bf16 twin of a residual block's output shaped as ``x``: those of
-    the product that reads it (:func:`_padded_product`) under CPU bf16 autocast; else 0."""
-    padded = _padded_rows(x)
-    return padded[1] if padded and padded[0] == torch.bfloat16 else 0
-
-
-def take_twin(x: Tensor, dtype: torch.dtype, rows: int) -> Tensor | None:
-    """The padded ``dtype`` twin that :func:`residual_norm` hung on ``x``, if it has one of
-    ``rows`` rows, taken off ``x``: the first product to read ``x`` reads the twin and sends
-    its gradient to it; any other reads ``x`` (each twin's gradient is one product's, so
-    that no gradients are summed in bf16)."""
-    twin = x.__dict__.pop(_TWIN, None)
-    if (twin is None or twin.dtype != dtype or twin.dim() != 2 or twin.shape[0] != rows
-            or twin.shape[1] != x.shape[-1]):
-        return None
-    return twin
 
 
 # --------------------------------------------------------------------------- attention

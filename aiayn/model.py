@@ -414,10 +414,6 @@ class Residual(nn.Module):
         super().__init__()
         self.norm, self.pre_norm, self.fast = nn.LayerNorm(d_model), pre_norm, fast
         self.dropout = Dropout(dropout, fast)
-        # The fast kernel also writes the output's padded bf16 copy that the next product
-        # reads (kernels.residual_norm's twin); the model turns it off where no product is
-        # next (the decoder's last block, read by the loss).
-        self.twin = True
 
     def forward(self, x: Tensor, sublayer) -> tuple[Tensor, Tensor | None]:
         out, weights = sublayer(self.norm(x) if self.pre_norm else x)
@@ -426,8 +422,7 @@ class Residual(nn.Module):
             # Post-LN in training on a CPU: dropout, sum and LayerNorm in one C++ pass each
             # way (aiayn.kernels, section 5), the same math and keep rule.
             return kernels.residual_norm(x, out, self.norm.weight, self.norm.bias,
-                                         self.dropout.p, self.norm.eps,
-                                         twin=self.twin), weights
+                                         self.dropout.p, self.norm.eps), weights
         x = x + self.dropout(out)
         return (x if self.pre_norm else self.norm(x)), weights
 
@@ -574,8 +569,6 @@ class Transformer(nn.Module):
                                      for _ in range(cfg.encoder_layers))
         self.decoder = nn.ModuleList(DecoderLayer(cfg, fast, explicit_keys)
                                      for _ in range(cfg.decoder_layers))
-        if cfg.decoder_layers:  # the loss reads the last block's output, not a product
-            self.decoder[-1].res_ffn.twin = False
         pre = cfg.norm == "pre"
         self.encoder_norm = nn.LayerNorm(cfg.d_model) if pre else nn.Identity()
         self.decoder_norm = nn.LayerNorm(cfg.d_model) if pre else nn.Identity()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import warnings
@@ -729,102 +728,6 @@ def test_residual_norm_masks_follow_the_seed_not_the_threads(extension):
     y4 = kernels.residual_norm(x, out, w, b, 0.3)
     torch.manual_seed(9)
     assert torch.equal(kernels.residual_norm(x, out, w, b, 0.3), y4)
-
-
-def _twin_chain(twin: bool, consumer: str, seed: int = 3):
-    """x -> residual block -> its output read by a product (``consumer``) and by the next
-    block's skip path, under CPU bf16 autocast: outputs and every leaf's gradient."""
-    g = torch.Generator().manual_seed(seed)
-    m, d, f = 37, 16, 24  # 37 rows: padded to kernels.padded_rows(37)
-    x = torch.randn(m, d, generator=g).requires_grad_()
-    out = torch.randn(m, d, generator=g).bfloat16().requires_grad_()
-    w, b = (1 + 0.1 * torch.randn(d, generator=g)).requires_grad_(), torch.randn(
-        d, generator=g).requires_grad_()
-    w1, b1 = torch.randn(f, d, generator=g).requires_grad_(), torch.randn(
-        f, generator=g).requires_grad_()
-    w2, b2 = torch.randn(d, f, generator=g).requires_grad_(), torch.randn(
-        d, generator=g).requires_grad_()
-    g_skip, g_out = torch.randn(m, d, generator=g), torch.randn(m, d if consumer == "ffn" else f,
-                                                                  generator=g)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = kernels.residual_norm(x, out, w, b, 0.2, seed=seed, twin=twin)
-        had_twin = hasattr(y, kernels._TWIN)
-        if consumer == "ffn":
-            z = kernels.feed_forward(y, w1, b1, w2, b2)
-        else:
-            z = kernels.linear(y, w1, b1) if consumer == "linear" else kernels.linear_relu(
-                y, w1, b1)
-        left = hasattr(y, kernels._TWIN)
-    ((y * g_skip).sum() + (z.float() * g_out).sum()).backward()
-    leaves = [x, out, w, b, w1, b1] + ([w2, b2] if consumer == "ffn" else [])
-    return had_twin, left, y, z, [t.grad for t in leaves]
-
-
-@pytest.fixture
-def pad_small(monkeypatch):
-    """Products pad their rows from 16 rows on (not 1,024), so that tiny shapes pad."""
-    monkeypatch.setattr(kernels, "PAD_ROWS_FROM", 16)
-
-
-@pytest.mark.parametrize("consumer", ["linear", "linear_relu", "ffn"])
-def test_a_residual_blocks_bf16_twin_gives_the_same_numbers_bit_for_bit(extension, pad_small,
-                                                                         consumer):
-    """With its twin, the block writes the next product's padded bf16 input and adds that
-    product's input gradient to its own in fp32: the outputs and every leaf's gradient are
-    those of the product casting the output itself, bit for bit; the twin is taken off the
-    output by the product that reads it."""
-    had_twin, left, y, z, grads = _twin_chain(True, consumer)
-    plain_had, _, y0, z0, grads0 = _twin_chain(False, consumer)
-    assert had_twin and not left and not plain_had
-    assert torch.equal(y, y0) and torch.equal(z, z0)
-    for got, want in zip(grads, grads0, strict=True):
-        assert got.dtype == want.dtype and torch.equal(got, want)
-
-
-def test_a_residual_blocks_twin_holds_its_output_in_bf16_on_padded_rows(extension, pad_small):
-    g = torch.Generator().manual_seed(4)
-    x, out = torch.randn(2, 37, 16, generator=g), torch.randn(2, 37, 16, generator=g)
-    out[0, 3, 5] = float("nan")
-    w, b = torch.randn(16, generator=g), torch.randn(16, generator=g)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = kernels.residual_norm(x, out.bfloat16(), w, b, 0.1, seed=1, twin=True)
-        rows = kernels.padded_rows(74)
-        twin = kernels.take_twin(y, torch.bfloat16, rows)
-    assert rows > 74 and twin.shape == (rows, 16) and twin.dtype == torch.bfloat16
-    want = y.reshape(74, 16).bfloat16()
-    assert want[3].isnan().all()  # the NaN's row: NaN in both (its sign bit is the CPU's)
-    nan = want.isnan()
-    assert torch.equal(twin[:74].isnan(), nan)
-    assert torch.equal(twin[:74][~nan].view(torch.int16), want[~nan].view(torch.int16))
-    assert twin[74:].count_nonzero() == 0
-    assert kernels.take_twin(y, torch.bfloat16, rows) is None  # taken once
-    # Outside bf16 autocast, or where the product would not pad, there is no twin.
-    for ctx in (contextlib.nullcontext(), torch.autocast("cpu", dtype=torch.float16)):
-        with ctx:
-            assert not hasattr(kernels.residual_norm(x, out, w, b, 0.1, twin=True),
-                               kernels._TWIN)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = kernels.residual_norm(x, out.bfloat16(), w, b, 0.1, twin=True)
-        assert kernels.take_twin(y, torch.bfloat16, rows + 16) is None  # not that product's
-
-
-def test_a_second_product_reading_a_block_output_casts_it_itself(extension, pad_small):
-    """The twin feeds one product; a second product on the same output (the encoder's
-    output read by every decoder layer) casts it, and its gradient reaches the block in
-    fp32, so that no two gradients are summed in bf16."""
-    g = torch.Generator().manual_seed(6)
-    x, out = torch.randn(37, 16, generator=g).requires_grad_(), torch.randn(37, 16, generator=g)
-    w, b = torch.ones(16), torch.zeros(16)
-    w1, w2 = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
-    grads = []
-    for twin in (True, False):
-        x.grad = None
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = kernels.residual_norm(x, out.bfloat16(), w, b, 0.0, seed=2, twin=twin)
-            z = kernels.linear(y, w1).float().sum() + 2 * kernels.linear(y, w2).float().sum()
-        z.backward()
-        grads.append(x.grad)
-    torch.testing.assert_close(grads[0], grads[1], rtol=1e-6, atol=1e-6)
 
 
 def test_residual_norm_rejects_what_it_cannot_compute(extension):

@@ -114,7 +114,7 @@ void check_rows(const at::Tensor& t, const char* name) {
 template <typename out_t>
 void forward_rows(const float* x, const out_t* out, const float* gamma, const float* beta,
                   float* y, float* xhat, uint8_t* mask, float* rstd, int64_t rows, int64_t d,
-                  Keep keep, float eps, uint64_t seed, c10::BFloat16* twin) {
+                  Keep keep, float eps, uint64_t seed) {
   const int64_t words = (d + 3) / 4;
   on_this_thread(rows, [&](int64_t begin, int64_t end) {
     std::vector<uint64_t> bits(words);
@@ -153,35 +153,19 @@ void forward_rows(const float* x, const out_t* out, const float* gamma, const fl
         hr[j] = h;
         yr[j] = h * gamma[j] + beta[j];
       }
-      if (twin != nullptr) {
-        c10::BFloat16* tr = twin + r * d;
-        KERNEL_LOOP
-        for (int64_t j = 0; j < d; ++j) store(tr + j, yr[j]);
-      }
     }
   });
 }
 
-// With twin_grad (else nullptr), y's gradient is dy plus twin_grad (the gradient of y's bf16
-// twin) widened: the sum autograd would have formed, formed here per row into a scratch row
-// that the same loops then read, so that the results are bit for bit those of that sum.
 template <typename out_t>
-void backward_rows(const float* dy, const c10::BFloat16* twin_grad, const float* xhat,
-                   const uint8_t* mask, const float* rstd, const float* gamma, float* dx,
-                   out_t* dout, float* sums, int64_t rows, int64_t d, float scale) {
+void backward_rows(const float* dy, const float* xhat, const uint8_t* mask, const float* rstd,
+                   const float* gamma, float* dx, out_t* dout, float* sums, int64_t rows,
+                   int64_t d, float scale) {
   on_this_thread(rows, [&](int64_t begin, int64_t end) {
     float* dgamma = sums;
     float* dbeta = dgamma + d;
-    std::vector<float> summed(twin_grad != nullptr ? d : 0);
     for (int64_t r = begin; r < end; ++r) {
       const float* dyr = dy + r * d;
-      if (twin_grad != nullptr) {
-        const c10::BFloat16* tgr = twin_grad + r * d;
-        float* sr = summed.data();
-        KERNEL_LOOP
-        for (int64_t j = 0; j < d; ++j) sr[j] = dyr[j] + load(tgr[j]);
-        dyr = sr;
-      }
       const float* hr = xhat + r * d;
       const uint8_t* mr = mask + r * d;
       float c1 = 0.f, c2 = 0.f;
@@ -210,15 +194,11 @@ void backward_rows(const float* dy, const c10::BFloat16* twin_grad, const float*
 
 }  // namespace
 
-// (y, xhat, mask, rstd, twin): y = LayerNorm(x + Dropout(out)); xhat, mask and rstd are what
-// backward needs. With twin_rows > 0, twin is y's rows rounded to bf16 (as y.to(bf16)) in a
-// (twin_rows, d) tensor whose rows past y's are zero: the padded bf16 input of the product
-// that reads y next (aiayn.kernels, section 4), written here instead of cast from y there;
-// else an empty tensor.
+// (y, xhat, mask, rstd): y = LayerNorm(x + Dropout(out)); the rest is what backward needs.
 std::vector<at::Tensor> residual_norm_forward(const at::Tensor& x, const at::Tensor& out,
                                               const at::Tensor& gamma, const at::Tensor& beta,
                                               int64_t threshold, double scale, double eps,
-                                              const at::Tensor& seed, int64_t twin_rows) {
+                                              const at::Tensor& seed) {
   for (auto [t, name] : {std::pair{&x, "x"}, {&out, "out"}, {&gamma, "weight"}, {&beta, "bias"}})
     check_rows(*t, name);
   TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32, got ", x.scalar_type());
@@ -238,45 +218,27 @@ std::vector<at::Tensor> residual_norm_forward(const at::Tensor& x, const at::Ten
   TORCH_CHECK(seed.device().is_cpu() && seed.scalar_type() == at::kLong && seed.numel() == 1,
               "seed must be one int64 on the CPU");
   const auto s = static_cast<uint64_t>(*seed.data_ptr<int64_t>());
-  TORCH_CHECK(twin_rows == 0 || twin_rows >= rows, "twin_rows ", twin_rows,
-              " must be 0 or at least the ", rows, " rows");
-  at::Tensor twin =
-      at::empty({twin_rows > 0 ? twin_rows : 0, d}, x.options().dtype(at::kBFloat16));
-  if (twin_rows > rows) twin.narrow(0, rows, twin_rows - rows).zero_();
-  c10::BFloat16* tw = twin_rows > 0 ? twin.data_ptr<c10::BFloat16>() : nullptr;
   if (out.scalar_type() == at::kBFloat16)
     forward_rows(x.data_ptr<float>(), out.data_ptr<c10::BFloat16>(), gamma.data_ptr<float>(),
                  beta.data_ptr<float>(), y.data_ptr<float>(), xhat.data_ptr<float>(),
                  mask.data_ptr<uint8_t>(), rstd.data_ptr<float>(), rows, d, keep,
-                 static_cast<float>(eps), s, tw);
+                 static_cast<float>(eps), s);
   else
     forward_rows(x.data_ptr<float>(), out.data_ptr<float>(), gamma.data_ptr<float>(),
                  beta.data_ptr<float>(), y.data_ptr<float>(), xhat.data_ptr<float>(),
                  mask.data_ptr<uint8_t>(), rstd.data_ptr<float>(), rows, d, keep,
-                 static_cast<float>(eps), s, tw);
-  return {y, xhat, mask, rstd, twin};
+                 static_cast<float>(eps), s);
+  return {y, xhat, mask, rstd};
 }
 
-// (dx, dout, dweight, dbias) for the incoming gradient dy of y, plus, where twin_grad is not
-// empty, the gradient of forward's twin (bf16, at least y's rows; rows past them are not
-// read); dout in out_dtype.
-std::vector<at::Tensor> residual_norm_backward(const at::Tensor& dy_in,
-                                               const at::Tensor& twin_grad_in,
-                                               const at::Tensor& xhat,
+// (dx, dout, dweight, dbias) for the incoming gradient dy of y; dout in out_dtype.
+std::vector<at::Tensor> residual_norm_backward(const at::Tensor& dy_in, const at::Tensor& xhat,
                                                const at::Tensor& mask, const at::Tensor& rstd,
                                                const at::Tensor& gamma, double keep_scale,
                                                at::ScalarType out_dtype) {
   const at::Tensor dy = dy_in.contiguous().to(at::kFloat);
   TORCH_CHECK(dy.sizes() == xhat.sizes(), "the gradient's shape ", dy.sizes(),
               " is not the output's ", xhat.sizes());
-  const bool twin = twin_grad_in.numel() > 0;
-  const at::Tensor twin_grad = twin ? twin_grad_in.contiguous() : twin_grad_in;
-  if (twin)
-    TORCH_CHECK(twin_grad.scalar_type() == at::kBFloat16 && twin_grad.dim() == 2 &&
-                    twin_grad.size(1) == dy.size(-1) &&
-                    twin_grad.size(0) * twin_grad.size(1) >= dy.numel(),
-                "the twin's gradient must be bf16 (rows >= y's, ", dy.size(-1), "), got ",
-                twin_grad.scalar_type(), " ", twin_grad.sizes());
   TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16,
               "out must be float32 or bfloat16");
   const int64_t d = dy.size(-1), rows = dy.numel() / d;
@@ -284,13 +246,12 @@ std::vector<at::Tensor> residual_norm_backward(const at::Tensor& dy_in,
   auto dx = at::empty_like(dy);
   auto dout = at::empty(dy.sizes(), dy.options().dtype(out_dtype));
   auto sums = at::zeros({2, d}, dy.options());
-  const c10::BFloat16* tg = twin ? twin_grad.data_ptr<c10::BFloat16>() : nullptr;
   if (out_dtype == at::kBFloat16)
-    backward_rows(dy.data_ptr<float>(), tg, xhat.data_ptr<float>(), mask.data_ptr<uint8_t>(),
+    backward_rows(dy.data_ptr<float>(), xhat.data_ptr<float>(), mask.data_ptr<uint8_t>(),
                   rstd.data_ptr<float>(), gamma.data_ptr<float>(), dx.data_ptr<float>(),
                   dout.data_ptr<c10::BFloat16>(), sums.data_ptr<float>(), rows, d, scale);
   else
-    backward_rows(dy.data_ptr<float>(), tg, xhat.data_ptr<float>(), mask.data_ptr<uint8_t>(),
+    backward_rows(dy.data_ptr<float>(), xhat.data_ptr<float>(), mask.data_ptr<uint8_t>(),
                   rstd.data_ptr<float>(), gamma.data_ptr<float>(), dx.data_ptr<float>(),
                   dout.data_ptr<float>(), sums.data_ptr<float>(), rows, d, scale);
   return {dx, dout, sums[0], sums[1]};
@@ -832,8 +793,7 @@ int64_t parallel_threads(int64_t items) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forward", &residual_norm_forward,
-        "y, xhat, mask, rstd, twin = LayerNorm(x + Dropout(out)), ..., y's padded bf16 copy");
+  m.def("forward", &residual_norm_forward, "y, xhat, mask, rstd = LayerNorm(x + Dropout(out))");
   m.def("backward", &residual_norm_backward, "dx, dout, dweight, dbias");
   m.def("attention_forward", &attention_forward, "out, probs = attention of short sequences");
   m.def("attention_backward", &attention_backward, "dq, dk, dv written in place");
