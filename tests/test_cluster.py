@@ -41,9 +41,12 @@ def cluster_env() -> dict:
     What these tests check is torchrun's: a restarted group, two machines, rank 0 alone
     writing. With the kernels (aiayn.kernels), a two-process run was seen to drift from an
     identical one, rarely and at a random step (2 of 28 runs of 60 steps on an AVX-512 CPU
-    without bf16; 0 of 42 without the residual-block kernel there; 0 of 64 with every kernel
-    on an AVX2-only CPU), which no test of one process has shown; the kernels' own
-    determinism is tested in one process (tests/test_kernels.py, tests/test_training.py)."""
+    without bf16; 3 of 97 runs of 240 steps on AMX). The cause, found on AMX: loops that
+    the compiler had versioned for aliasing, whose rounding depended on the buffers'
+    addresses; since they were marked (csrc/cpu_kernels.cpp, KERNEL_LOOP) 0 of 90 runs
+    parted there (bench/README.md, "two_process_drift.py"). Left out here all the same:
+    the fix is measured on one CPU kind, and the kernels' own determinism is tested in one
+    process (tests/test_kernels.py, tests/test_training.py)."""
     return {**env_for_subprocess(), EXTENSION_ENV: "0"}
 
 
