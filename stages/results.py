@@ -130,9 +130,6 @@ def _stale(train: dict | None, average: dict | None) -> str | None:
 
 
 def _table3(out: Path, runs: list[Path] | None = None) -> None:
-    import json
-    import subprocess
-
     from aiayn import table3 as t3
 
     if runs:
@@ -149,17 +146,15 @@ def _table3(out: Path, runs: list[Path] | None = None) -> None:
                             "left out", fg=typer.colors.YELLOW, err=True)
         _write_table3(out, t3.results_from_folders(runs))
         return
+    from aiayn.errors import AiaynError
+    from stages.table3 import exp_show  # the stage's own call, its errors and messages
+
     try:
-        shown = subprocess.run(["dvc", "exp", "show", "--json"], capture_output=True, text=True)
-    except FileNotFoundError:
-        typer.secho("error: dvc: command not found; activate the virtualenv", fg=typer.colors.RED,
-                    err=True)
+        shown = exp_show()
+    except AiaynError as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(code=2) from None
-    if shown.returncode != 0:
-        typer.secho(f"error: dvc exp show failed: {' '.join(shown.stderr.split())[:600]}",
-                    fg=typer.colors.RED, err=True)
-        raise typer.Exit(code=2)
-    _write_table3(out, t3.results_from_exp_show(json.loads(shown.stdout or "[]")))
+    _write_table3(out, t3.results_from_exp_show(shown))
 
 
 def _write_table3(out: Path, found: dict) -> None:

@@ -73,18 +73,24 @@ def dvc(args: list[str], check: bool = True) -> subprocess.CompletedProcess:
     return result
 
 
+def exp_show() -> list:
+    """`dvc exp show --json`, parsed: HEAD's experiments (this command and `aiayn results
+    --table3` read them)."""
+    shown = dvc(["exp", "show", "--json"]).stdout
+    try:
+        return json.loads(shown or "[]")
+    except json.JSONDecodeError:
+        raise AiaynError(f"dvc exp show --json printed no JSON: {' '.join(shown.split())[:300]}"
+                         ) from None
+
+
 def existing() -> dict[str, str]:
     """Experiments of HEAD by name and status (Queued, Running, Failed, Success), from `dvc
     exp show --json`: `dvc queue status` lists the tasks of every commit, and a row queued
     or run on an earlier commit is not in HEAD's table (`aiayn results --table3`)."""
     from aiayn.table3 import states_from_exp_show
 
-    shown = dvc(["exp", "show", "--json"]).stdout
-    try:
-        return states_from_exp_show(json.loads(shown))
-    except json.JSONDecodeError:
-        raise AiaynError(f"dvc exp show --json printed no JSON: {' '.join(shown.split())[:300]}"
-                         ) from None
+    return states_from_exp_show(exp_show())
 
 
 @stage

@@ -4,6 +4,8 @@ against the paper's column, the `aiayn table3` command and the rendered table.""
 from __future__ import annotations
 
 import copy
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -436,3 +438,18 @@ def test_results_runs_name_a_missing_folder_and_count_rows_only(tmp_path):
     assert shown.exit_code == 0, shown.output
     assert "not named after a row" in shown.output
     assert "(0 of 20 rows have run" in shown.output
+
+
+def test_results_table3_outside_a_dvc_repository_says_so_and_writes_nothing(tmp_path,
+                                                                              monkeypatch):
+    """`aiayn results --table3` reads the experiments through the table3 stage's own call of
+    `dvc exp show --json`: where that fails (no DVC repository here), its error, exit 2."""
+    from stages.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    failed = CliRunner().invoke(app, ["results", "--table3", "--metrics", str(tmp_path)])
+    assert failed.exit_code == 2, failed.output
+    assert "dvc exp show --json ... failed" in failed.output
+    assert "DVC repository" in failed.output  # dvc's own reason
+    assert not (tmp_path / "table3.md").exists()
