@@ -1050,7 +1050,7 @@ def test_a_build_is_named_by_what_it_is_built_from():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("isa", sorted(kernels._ISA_FLAGS))
-def test_no_kernel_loop_is_versioned_by_its_buffers_addresses(tmp_path, isa):
+def test_no_kernel_loop_is_versioned_by_its_buffers_addresses(extension, tmp_path, isa):
     """The compiler's own report: built with the extension's flags, no loop of
     csrc/cpu_kernels.cpp is versioned for aliasing (a run-time choice, by the buffers'
     addresses, between a vectorized and a scalar loop that round differently), and its loops
@@ -1061,7 +1061,7 @@ def test_no_kernel_loop_is_versioned_by_its_buffers_addresses(tmp_path, isa):
 
     from torch.utils import cpp_extension
 
-    compiler = os.environ.get("CXX", "c++")
+    compiler = os.environ.get("CXX", "c++")  # what torch's builder runs (the extension built)
     if shutil.which(compiler) is None:
         pytest.skip(f"no C++ compiler ({compiler}) here")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
