@@ -43,7 +43,7 @@ def cluster_env() -> dict:
     identical one, rarely and at a random step (2 of 28 runs of 60 steps on an AVX-512 CPU
     without bf16; 3 of 97 runs of 240 steps on AMX). The cause, found on AMX: loops that
     the compiler had versioned for aliasing, whose rounding depended on the buffers'
-    addresses; since they were marked (csrc/cpu_kernels.cpp, KERNEL_LOOP) 0 of 90 runs
+    addresses; since they were marked (csrc/cpu_kernels.cpp, KERNEL_LOOP) 0 of 210 runs
     parted there (bench/README.md, "two_process_drift.py"). Left out here all the same:
     the fix is measured on one CPU kind, and the kernels' own determinism is tested in one
     process (tests/test_kernels.py, tests/test_training.py)."""
