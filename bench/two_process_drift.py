@@ -55,13 +55,15 @@ TOY = ["data.toy.train_pairs=400", "data.toy.valid_pairs=40", "data.toy.test_pai
        "model.encoder_layers=1", "model.decoder_layers=1", "model.d_ff=64",
        "model.dropout=0.1", "model.max_positions=64", "train.tokens_per_step=320",
        "train.warmup_steps=4", "train.lr_scale=1.0", "train.checkpoint_every_minutes=0"]
-KINDS = ("input", "loss", "local", "reduced", "param", "kernel-in", "kernel-out")
+KINDS = ("input", "loss", "local", "reduced", "param")  # recorded in every run
+KERNEL_KINDS = ("kernel-in", "kernel-out")  # and these with --kernels
 WORKER = "worker"  # argv[1] of a process that torchrun starts
 
 
 @dataclass(frozen=True)
 class Record:
-    """One digest: at ``step`` (1-based), on ``rank``, of ``kind`` (KINDS) ``name``."""
+    """One digest: at ``step`` (1-based), on ``rank``, of ``kind`` (KINDS, KERNEL_KINDS)
+    ``name``."""
     step: int
     rank: int
     kind: str

@@ -87,6 +87,7 @@ def test_kernel_calls_are_recorded_inputs_before_outputs_after(monkeypatch):
     loss, nll = torch.empty(3), torch.empty(3)
     kernels.cpu_extension().label_smoothed_softmax_(
         logits, torch.tensor([1, 2, 3]), logits.mean(1), loss, nll, 16, 0.1, True)
+    assert {kind for kind, _, _ in written} == set(drift.KERNEL_KINDS)
     ins = [name for kind, name, _ in written if kind == "kernel-in"]
     outs = [name for kind, name, _ in written if kind == "kernel-out"]
     assert ins == [f"label_smoothed_softmax_#2.arg{i}" for i in (0, 1, 2)]
@@ -123,3 +124,22 @@ def test_two_runs_are_recorded_step_by_step_and_compared(tmp_path, capsys):
     last = {r.name: r.digest for r in drift.read_records(run / "records.0")
             if r.step == 4 and r.kind == "param"}
     assert last == {name: drift.digest(t) for name, t in model.items()}
+
+
+@pytest.mark.slow
+def test_kernels_adds_each_kernel_calls_records_to_every_step(tmp_path, capsys):
+    """--kernels on two real runs of 2 steps with the C++ kernels: the kernel calls' records
+    beside the others at every step, in a forward call's order (inputs, then outputs), and
+    identical between the runs."""
+    from aiayn import kernels
+
+    if kernels.cpu_extension() is None:
+        pytest.skip("the C++ CPU kernels did not build here")
+    out = drift.main(["--runs", "2", "--steps", "2", "--kernels", "--workdir", str(tmp_path),
+                      "--keep"])
+    assert "0 of 1 runs parted from run 1" in capsys.readouterr().out and out["kernels"]
+    rec = drift.read_records(next(tmp_path.glob("runs-*/run1")) / "records.0")
+    for step in (1, 2):
+        assert {r.kind for r in rec if r.step == step} == {*drift.KINDS, *drift.KERNEL_KINDS}
+    first = [r for r in rec if r.name.startswith("forward#")][:9]  # a residual block's call
+    assert [r.kind for r in first] == ["kernel-in"] * 5 + ["kernel-out"] * 4
