@@ -113,10 +113,10 @@ keeps torch's own operators, readable against the paper (``aiayn/model.py``,
    (bench/README.md, "attention's products in registers").
 
 Attention splits its (sequence, head) tasks over torch's threads with ``at::parallel_for``,
-whose code is OpenMP pragmas, so the extension is built with ``-fopenmp``; the row kernels
-(sections 1 and 5) run on the calling thread: split over two threads they were faster alone
-but the ``multi30k`` step ran 0.97x (AMX bf16, and AVX2 fp32). With attention, the step runs
-1.16x the tree before both (AMX, bf16, side by side; bench/README.md).
+whose code is OpenMP pragmas, so the extension is built with ``-fopenmp``; so do the row
+kernels (sections 1 and 5) with their rows, each row computed alike whatever the split. With
+attention, the step ran 1.16x the tree before both (AMX, bf16, side by side); the row kernels
+on two threads added 1.08x (bench/README.md, "the row kernels on two threads").
 """
 
 from __future__ import annotations

@@ -665,7 +665,7 @@ def reference_residual_norm(x, out, weight, bias, mask, p, eps=1e-5):
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape,p", [((37, 3, 24), 0.3), ((50, 6), 0.1), ((9, 37), 0.0),
-                                     ((4, 256), 0.2)])
+                                     ((4, 256), 0.2), ((600, 24), 0.2)])
 def test_residual_norm_equals_layer_norm_of_the_sum_with_its_mask(extension, out_dtype, shape,
                                                                    p):
     """Forward and all four gradients against torch's float64 layer norm of
@@ -728,6 +728,52 @@ def test_residual_norm_masks_follow_the_seed_not_the_threads(extension):
     y4 = kernels.residual_norm(x, out, w, b, 0.3)
     torch.manual_seed(9)
     assert torch.equal(kernels.residual_norm(x, out, w, b, 0.3), y4)
+
+
+def on_threads(n, fn):
+    """``fn()`` with torch's thread count set to ``n``, restored after."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(n)
+        return fn()
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_residual_norm_gives_the_same_bits_on_one_thread_and_two(extension, out_dtype):
+    """The row kernels split their rows over torch's threads; every output and gradient,
+    the weight's and bias's sums over 700 rows (blocks of 256) included, is the same bit for
+    bit on one thread and on two."""
+    g = torch.Generator().manual_seed(3)
+    x, out = torch.randn(700, 48, generator=g), torch.randn(700, 48, generator=g).to(out_dtype)
+    weight, bias = 1 + 0.5 * torch.randn(48, generator=g), torch.randn(48, generator=g)
+    grad = torch.randn(700, 48, generator=g)
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (x, out, weight, bias)]
+        y = kernels.residual_norm(*leaves, 0.2, seed=7)
+        y.backward(grad)
+        return [y.detach()] + [t.grad for t in leaves]
+
+    for one, two in zip(on_threads(1, run), on_threads(2, run), strict=True):
+        assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpp_softmax_gives_the_same_bits_on_one_thread_and_two(extension, dtype):
+    g = torch.Generator().manual_seed(4)
+    logits = (4 * torch.randn(500, 80, generator=g)).to(dtype)
+    labels = torch.randint(0, 75, (500,), generator=g)
+    mean = torch.randn(500, generator=g)
+
+    def run():
+        z, loss, nll = logits.clone(), torch.empty(500), torch.empty(500)
+        extension.label_smoothed_softmax_(z, labels, mean, loss, nll, 75, 0.1, True)
+        return z, loss, nll
+
+    for one, two in zip(on_threads(1, run), on_threads(2, run), strict=True):
+        assert torch.equal(one, two)
 
 
 def test_residual_norm_rejects_what_it_cannot_compute(extension):

@@ -22,8 +22,8 @@
 // Built when training starts by torch.utils.cpp_extension (aiayn/kernels.py), compiled for
 // the instruction set torch itself dispatches to, and vectorized by the compiler: the
 // reductions need -fassociative-math (the sums' order is the compiler's, not the loop's).
-// Attention's (sequence, head) tasks are split over torch's threads by at::parallel_for,
-// OpenMP pragmas that need -fopenmp; the row kernels run on the calling thread (below).
+// Attention's (sequence, head) tasks and the row kernels' rows are split over torch's threads
+// by at::parallel_for, OpenMP pragmas that need -fopenmp.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -82,15 +82,23 @@ inline void store(c10::BFloat16* p, float v) {  // round to nearest even, NaN ke
   p->x = static_cast<uint16_t>(std::isnan(v) ? 0x7FC0u : rounded);
 }
 
-// The row kernels (the residual block, the loss's softmax) run on the calling thread. Split
-// over torch's two threads with at::parallel_for they ran faster alone but made the training
-// step slower (0.97x on AMX in bf16, and in fp32 on AVX2; bench/README.md, "attention in one
-// C++ pass"). Why is not measured; a guess: waking the second thread inside the step costs
-// more than half a pass over a few thousand rows. Attention (one (sequence, head) per task,
-// far more work per call) keeps at::parallel_for: on one thread the step ran 0.95x.
+// The row kernels (the residual block, the loss's softmax) split their rows over torch's
+// threads. Every row is computed alike whatever the split; the residual block's weight-gradient
+// sums are added per block of kSumRows rows, then block after block, so that they too do not
+// depend on the thread count. Each kernel's rows are a function of its own that takes every
+// value by value (forward_range, backward_range, softmax_range), called from the threads'
+// lambda: written as the lambda's body, reading the row width and the keep rule through
+// captured references, gcc left the dropout loop and the generator's loop scalar (a store
+// might change what they read), and the forward pass ran 5.6x slower on one thread (3.1
+// against 0.55 ms on 3,900 x 256, AMX). The two-thread kernels measured before (ed1b132) had
+// that form, which is why they made the step slower then (bench/README.md, "the row kernels
+// on two threads").
+constexpr int64_t kRowGrain = 64;
+constexpr int64_t kSumRows = 256;
+
 template <typename F>
-inline void on_this_thread(int64_t rows, const F& body) {
-  body(0, rows);
+inline void across_threads(int64_t rows, const F& body) {
+  at::parallel_for(0, rows, kRowGrain, body);
 }
 
 struct Keep {
@@ -111,85 +119,113 @@ void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
+// Rows [begin, end) of the forward pass (every value by value: see across_threads).
+template <typename out_t>
+void forward_range(const float* x, const out_t* out, const float* gamma, const float* beta,
+                   float* y, float* xhat, uint8_t* mask, float* rstd, int64_t begin,
+                   int64_t end, int64_t d, Keep keep, float eps, uint64_t seed) {
+  const int64_t words = (d + 3) / 4;
+  std::vector<uint64_t> bits(words);
+  std::vector<float> z(d);
+  for (int64_t r = begin; r < end; ++r) {
+    const float* xr = x + r * d;
+    const out_t* outr = out + r * d;
+    uint8_t* mr = mask + r * d;
+    uint64_t* b = bits.data();
+    const uint64_t base = seed + static_cast<uint64_t>(r * words) * kGolden;
+    for (int64_t w = 0; w < words; ++w) b[w] = mix64(base + static_cast<uint64_t>(w) * kGolden);
+    const int16_t* v = reinterpret_cast<const int16_t*>(b);
+    float* zr = z.data();
+    float sum = 0.f;
+    KERNEL_LOOP
+    for (int64_t j = 0; j < d; ++j) {
+      const uint8_t kept = v[j] >= keep.threshold;
+      mr[j] = kept;
+      const float s = kept ? keep.scale : 0.f;
+      zr[j] = xr[j] + load(outr[j]) * s;
+      sum += zr[j];
+    }
+    const float mean = sum / static_cast<float>(d);
+    float var = 0.f;
+    for (int64_t j = 0; j < d; ++j) {
+      const float c = zr[j] - mean;
+      var += c * c;
+    }
+    const float rs = 1.f / std::sqrt(var / static_cast<float>(d) + eps);
+    rstd[r] = rs;
+    float* yr = y + r * d;
+    float* hr = xhat + r * d;
+    KERNEL_LOOP
+    for (int64_t j = 0; j < d; ++j) {
+      const float h = (zr[j] - mean) * rs;
+      hr[j] = h;
+      yr[j] = h * gamma[j] + beta[j];
+    }
+  }
+}
+
 template <typename out_t>
 void forward_rows(const float* x, const out_t* out, const float* gamma, const float* beta,
                   float* y, float* xhat, uint8_t* mask, float* rstd, int64_t rows, int64_t d,
                   Keep keep, float eps, uint64_t seed) {
-  const int64_t words = (d + 3) / 4;
-  on_this_thread(rows, [&](int64_t begin, int64_t end) {
-    std::vector<uint64_t> bits(words);
-    std::vector<float> z(d);
-    for (int64_t r = begin; r < end; ++r) {
-      const float* xr = x + r * d;
-      const out_t* outr = out + r * d;
-      uint8_t* mr = mask + r * d;
-      uint64_t* b = bits.data();
-      const uint64_t base = seed + static_cast<uint64_t>(r * words) * kGolden;
-      for (int64_t w = 0; w < words; ++w) b[w] = mix64(base + static_cast<uint64_t>(w) * kGolden);
-      const int16_t* v = reinterpret_cast<const int16_t*>(b);
-      float* zr = z.data();
-      float sum = 0.f;
-      KERNEL_LOOP
-      for (int64_t j = 0; j < d; ++j) {
-        const uint8_t kept = v[j] >= keep.threshold;
-        mr[j] = kept;
-        const float s = kept ? keep.scale : 0.f;
-        zr[j] = xr[j] + load(outr[j]) * s;
-        sum += zr[j];
-      }
-      const float mean = sum / static_cast<float>(d);
-      float var = 0.f;
-      for (int64_t j = 0; j < d; ++j) {
-        const float c = zr[j] - mean;
-        var += c * c;
-      }
-      const float rs = 1.f / std::sqrt(var / static_cast<float>(d) + eps);
-      rstd[r] = rs;
-      float* yr = y + r * d;
-      float* hr = xhat + r * d;
-      KERNEL_LOOP
-      for (int64_t j = 0; j < d; ++j) {
-        const float h = (zr[j] - mean) * rs;
-        hr[j] = h;
-        yr[j] = h * gamma[j] + beta[j];
-      }
-    }
+  across_threads(rows, [=](int64_t begin, int64_t end) {
+    forward_range(x, out, gamma, beta, y, xhat, mask, rstd, begin, end, d, keep, eps, seed);
   });
+}
+
+// Rows [begin, end) of the backward pass; dgamma and dbeta add these rows' sums (every
+// value by value: see across_threads).
+template <typename out_t>
+void backward_range(const float* dy, const float* xhat, const uint8_t* mask, const float* rstd,
+                    const float* gamma, float* dx, out_t* dout, float* dgamma, float* dbeta,
+                    int64_t begin, int64_t end, int64_t d, float scale) {
+  for (int64_t r = begin; r < end; ++r) {
+    const float* dyr = dy + r * d;
+    const float* hr = xhat + r * d;
+    const uint8_t* mr = mask + r * d;
+    float c1 = 0.f, c2 = 0.f;
+    KERNEL_LOOP
+    for (int64_t j = 0; j < d; ++j) {
+      const float g = dyr[j] * gamma[j];
+      c1 += g * hr[j];
+      c2 += g;
+      dgamma[j] += dyr[j] * hr[j];
+      dbeta[j] += dyr[j];
+    }
+    c1 /= static_cast<float>(d);
+    c2 /= static_cast<float>(d);
+    const float rs = rstd[r];
+    float* dxr = dx + r * d;
+    out_t* doutr = dout + r * d;
+    KERNEL_LOOP
+    for (int64_t j = 0; j < d; ++j) {
+      const float dz = rs * (dyr[j] * gamma[j] - c2 - hr[j] * c1);
+      dxr[j] = dz;
+      store(doutr + j, mr[j] ? dz * scale : 0.f);
+    }
+  }
 }
 
 template <typename out_t>
 void backward_rows(const float* dy, const float* xhat, const uint8_t* mask, const float* rstd,
                    const float* gamma, float* dx, out_t* dout, float* sums, int64_t rows,
                    int64_t d, float scale) {
-  on_this_thread(rows, [&](int64_t begin, int64_t end) {
-    float* dgamma = sums;
-    float* dbeta = dgamma + d;
-    for (int64_t r = begin; r < end; ++r) {
-      const float* dyr = dy + r * d;
-      const float* hr = xhat + r * d;
-      const uint8_t* mr = mask + r * d;
-      float c1 = 0.f, c2 = 0.f;
-      KERNEL_LOOP
-      for (int64_t j = 0; j < d; ++j) {
-        const float g = dyr[j] * gamma[j];
-        c1 += g * hr[j];
-        c2 += g;
-        dgamma[j] += dyr[j] * hr[j];
-        dbeta[j] += dyr[j];
-      }
-      c1 /= static_cast<float>(d);
-      c2 /= static_cast<float>(d);
-      const float rs = rstd[r];
-      float* dxr = dx + r * d;
-      out_t* doutr = dout + r * d;
-      KERNEL_LOOP
-      for (int64_t j = 0; j < d; ++j) {
-        const float dz = rs * (dyr[j] * gamma[j] - c2 - hr[j] * c1);
-        dxr[j] = dz;
-        store(doutr + j, mr[j] ? dz * scale : 0.f);
-      }
-    }
+  // Each block of kSumRows rows sums its dgamma and dbeta into a partial of its own; the
+  // partials are added in block order at the end.
+  const int64_t blocks = (rows + kSumRows - 1) / kSumRows;
+  std::vector<float> partial(static_cast<size_t>(blocks * 2 * d), 0.f);
+  float* parts = partial.data();
+  at::parallel_for(0, blocks, 1, [=](int64_t first, int64_t last) {
+    for (int64_t blk = first; blk < last; ++blk)
+      backward_range(dy, xhat, mask, rstd, gamma, dx, dout, parts + blk * 2 * d,
+                     parts + blk * 2 * d + d, blk * kSumRows,
+                     std::min(rows, (blk + 1) * kSumRows), d, scale);
   });
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const float* p = parts + blk * 2 * d;
+    KERNEL_LOOP
+    for (int64_t j = 0; j < 2 * d; ++j) sums[j] += p[j];
+  }
 }
 
 }  // namespace
@@ -322,38 +358,46 @@ inline float row_max(const float* e, int64_t n) {
   return top;
 }
 
+// Rows [begin, end) of the softmax (every value by value: see across_threads).
+template <typename scalar_t>
+void softmax_range(scalar_t* logits, const int64_t* labels, const float* mean_logit,
+                   float* loss, float* nll, int64_t begin, int64_t end, int64_t width,
+                   int64_t vocab, float eps, bool grad) {
+  const float off = eps / static_cast<float>(vocab);
+  std::vector<float> buf(vocab);
+  float* e = buf.data();
+  for (int64_t r = begin; r < end; ++r) {
+    scalar_t* z = logits + r * width;
+    const int64_t y = labels[r];
+    TORCH_CHECK(y >= 0 && y < vocab, "label ", y, " is outside the vocabulary of ", vocab);
+    int64_t j;
+    KERNEL_LOOP
+    for (j = 0; j < vocab; ++j) e[j] = load(z[j]);
+    const float top = row_max(e, vocab);
+    const float target = e[y];
+    float sum = 0.f;
+    for (j = 0; j < vocab; ++j) {
+      e[j] = exp_nonpositive(e[j] - top);
+      sum += e[j];
+    }
+    const float lse = top + std::log(sum);
+    nll[r] = lse - target;
+    loss[r] = lse - (1.f - eps) * target - eps * mean_logit[r];
+    if (!grad) continue;
+    const float inv = 1.f / sum;
+    KERNEL_LOOP
+    for (j = 0; j < vocab; ++j) store(z + j, e[j] * inv - off);
+    for (j = vocab; j < width; ++j) store(z + j, 0.f);
+    store(z + y, e[y] * inv - off - (1.f - eps));
+  }
+}
+
 template <typename scalar_t>
 void softmax_rows(scalar_t* logits, const int64_t* labels, const float* mean_logit, float* loss,
                   float* nll, int64_t rows, int64_t width, int64_t vocab, float eps,
                   bool grad) {
-  const float off = eps / static_cast<float>(vocab);
-  on_this_thread(rows, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(vocab);
-    float* e = buf.data();
-    for (int64_t r = begin; r < end; ++r) {
-      scalar_t* z = logits + r * width;
-      const int64_t y = labels[r];
-      TORCH_CHECK(y >= 0 && y < vocab, "label ", y, " is outside the vocabulary of ", vocab);
-      int64_t j;
-      KERNEL_LOOP
-      for (j = 0; j < vocab; ++j) e[j] = load(z[j]);
-      const float top = row_max(e, vocab);
-      const float target = e[y];
-      float sum = 0.f;
-      for (j = 0; j < vocab; ++j) {
-        e[j] = exp_nonpositive(e[j] - top);
-        sum += e[j];
-      }
-      const float lse = top + std::log(sum);
-      nll[r] = lse - target;
-      loss[r] = lse - (1.f - eps) * target - eps * mean_logit[r];
-      if (!grad) continue;
-      const float inv = 1.f / sum;
-      KERNEL_LOOP
-      for (j = 0; j < vocab; ++j) store(z + j, e[j] * inv - off);
-      for (j = vocab; j < width; ++j) store(z + j, 0.f);
-      store(z + y, e[y] * inv - off - (1.f - eps));
-    }
+  across_threads(rows, [=](int64_t begin, int64_t end) {
+    softmax_range(logits, labels, mean_logit, loss, nll, begin, end, width, vocab, eps, grad);
   });
 }
 
