@@ -839,27 +839,28 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv: Tensor, kv: Tensor | None, hk: int, hv: int, heads: int,
-                mask: Tensor, causal: bool, p: float, seed: Tensor) -> Tensor:
+                mask: Tensor, causal: bool, p: float, seed: Tensor, offsets: Tensor,
+                length: int) -> Tensor:
         q, k, v = _attention_operands(qkv, kv, hk, hv)
         threshold, scale = keep_threshold(p)
         out, probs = cpu_extension().attention_forward(q, k, v, mask, heads, causal, p > 0.0,
-                                                       threshold, scale, seed)
-        ctx.save_for_backward(qkv, kv, mask, probs, seed)
-        ctx.args = hk, hv, heads, causal, p
+                                                       threshold, scale, seed, offsets, length)
+        ctx.save_for_backward(qkv, kv, mask, probs, seed, offsets)
+        ctx.args = hk, hv, heads, causal, p, length
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        qkv, kv, mask, probs, seed = ctx.saved_tensors
-        hk, hv, heads, causal, p = ctx.args
+        qkv, kv, mask, probs, seed, offsets = ctx.saved_tensors
+        hk, hv, heads, causal, p, length = ctx.args
         q, k, v = _attention_operands(qkv, kv, hk, hv)
         grad_qkv = torch.empty_like(qkv)
         grad_kv = None if kv is None else torch.empty_like(kv)
         dq, dk, dv = _attention_operands(grad_qkv, grad_kv, hk, hv)
         threshold, scale = keep_threshold(p)
         cpu_extension().attention_backward(grad, q, k, v, mask, probs, heads, causal, p > 0.0,
-                                           threshold, scale, seed, dq, dk, dv)
-        return grad_qkv, grad_kv, None, None, None, None, None, None, None
+                                           threshold, scale, seed, dq, dk, dv, offsets, length)
+        return grad_qkv, grad_kv, None, None, None, None, None, None, None, None, None
 
 
 def _attention_operands(qkv: Tensor, kv: Tensor | None, hk: int,
@@ -887,7 +888,7 @@ def attention_applies(device: torch.device, dtype: torch.dtype, keys: int, max_k
 
 def attention(qkv: Tensor, kv: Tensor | None, heads: int, d_k: int, d_v: int,
               mask: Tensor | None, causal: bool, p: float = 0.0,
-              seed: int | None = None) -> Tensor:
+              seed: int | None = None, packed: tuple[Tensor, int] | None = None) -> Tensor:
     """Scaled dot-product attention in one C++ pass per (sequence, head) each way
     (``csrc/cpu_kernels.cpp``), reading queries, keys and values where the projections wrote
     them and writing (B, Tq, heads * d_v), the output projection's input: ``qkv`` (B, T,
@@ -895,18 +896,28 @@ def attention(qkv: Tensor, kv: Tensor | None, heads: int, d_k: int, d_v: int,
     heads * d_k) and ``kv`` (B, Tk, heads * (d_k + d_v)). ``mask``: bool (B, 1, 1, Tk), True
     where a key is allowed; ``causal``: query i sees keys up to i. Attention dropout ``p``
     follows :func:`dropout`'s keep rule with bits from ``seed`` (default: drawn from torch's
-    generator). Check :func:`attention_applies` first."""
+    generator). ``packed`` (offsets, length): ``qkv`` holds packed rows, (N, width), sequence
+    b's in rows offsets[b] .. offsets[b + 1] (int64, B + 1), at most ``length`` each, as
+    :meth:`aiayn.model.Packing.offsets` gives them, and so does the output, (N, heads * d_v):
+    the decoder's rows go in and come out without a padded copy. Check
+    :func:`attention_applies` first."""
     hk, hv = heads * d_k, heads * d_v
     widths = ((qkv, 2 * hk + hv, "qkv"),) if kv is None else ((qkv, hk, "q"),
                                                              (kv, hk + hv, "kv"))
     for t, width, name in widths:
-        if t.dim() != 3 or t.shape[-1] != width:
-            raise ValueError(f"attention: {name} must be (B, T, {width}) for {heads} heads of "
-                             f"d_k={d_k}, d_v={d_v}; got {tuple(t.shape)}")
+        dims, layout = (2, "N") if packed is not None and t is qkv else (3, "B, T")
+        if t.dim() != dims or t.shape[-1] != width:
+            raise ValueError(f"attention: {name} must be ({layout}, {width}) for {heads} heads "
+                             f"of d_k={d_k}, d_v={d_v}; got {tuple(t.shape)}")
     flat = (qkv.new_empty(0, dtype=torch.bool) if mask is None
             else mask.reshape(mask.shape[0], mask.shape[-1]).contiguous())
     if seed is None:  # no draw without dropout: the generator's stream stays the eager path's
         seed = dropout_seed() if p > 0.0 else torch.zeros((), dtype=torch.int64)
     else:
         seed = torch.tensor(seed, dtype=torch.int64)
-    return _Attention.apply(qkv, kv, hk, hv, heads, flat, bool(causal), float(p), seed)
+    offsets, length = packed if packed is not None else (_NO_OFFSETS, 0)
+    return _Attention.apply(qkv, kv, hk, hv, heads, flat, bool(causal), float(p), seed,
+                            offsets, int(length))
+
+
+_NO_OFFSETS = torch.empty(0, dtype=torch.int64)

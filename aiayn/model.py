@@ -238,12 +238,16 @@ class Packing:
     Position-wise layers (projections, feed-forward, LayerNorm, dropout) treat every
     position alike, so the decoder can run them on the N real positions alone, (N, d) rows
     in row-major order; attention alone needs the (B, T) layout and gets it from ``pad``
-    (zeros at padding: with the causal mask, real queries never see those keys).
+    (zeros at padding: with the causal mask, real queries never see those keys), except the
+    CPU attention kernel, which reads and writes the packed rows where ``offsets`` places
+    them (no padded copy either way: the multi30k step 1.06x on AMX, bench/README.md).
     """
 
     index: Tensor  # (N,) positions in the flattened (B * T) batch
     batch: int
     length: int
+    _offsets: Tensor | None = field(default=None, repr=False)
+    _offsets_known: bool = field(default=False, repr=False)
 
     @staticmethod
     def positions(tokens: Tensor, pad_id: int) -> Tensor:
@@ -258,6 +262,23 @@ class Packing:
     def unpad(self, x: Tensor) -> Tensor:
         """(B, T, k) → (N, k)."""
         return x.reshape(-1, x.shape[-1]).index_select(0, self.index)
+
+    def offsets(self) -> Tensor | None:
+        """Where each sequence's rows start in the packed rows, and where the last ends:
+        int64 (B + 1), when every sequence's real positions are its first ones (padding at
+        the end, as the loaders make batches), so that sequence b holds packed rows
+        offsets[b] .. offsets[b + 1]; else None. Computed once (CPU only: the attention
+        kernel that reads packed rows is a CPU one)."""
+        if not self._offsets_known:
+            self._offsets_known = True
+            if self.index.device.type == "cpu":
+                row = torch.div(self.index, self.length, rounding_mode="floor")
+                counts = torch.bincount(row, minlength=self.batch)
+                ends = counts.cumsum(0)
+                rank = torch.arange(self.index.numel()) - (ends - counts)[row]
+                if torch.equal(self.index - row * self.length, rank):
+                    self._offsets = torch.cat([ends.new_zeros(1), ends])
+        return self._offsets
 
 
 class MultiHeadAttention(nn.Module):
@@ -311,6 +332,14 @@ class MultiHeadAttention(nn.Module):
 
         if self._takes_kernel(x, memory, mask, causal, kv, cache, need_weights, group,
                               packing):
+            offsets = None if packing is None else packing.offsets()
+            if offsets is not None:  # packed rows in and out, no padded copy
+                q, kv_all = ((self.q_proj(x), self.kv_proj(memory)) if self.cross
+                             else (self.qkv_proj(x), None))
+                out = kernels.attention(q, kv_all, self.heads, self.d_k, self.d_v, mask,
+                                        causal, self.dropout if self.training else 0.0,
+                                        packed=(offsets, packing.length))
+                return self.out_proj(out), None
             if self.cross:
                 q, kv_all = padded(self.q_proj(x)), self.kv_proj(memory)
             else:

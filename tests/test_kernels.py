@@ -931,6 +931,51 @@ def test_cpp_attention_dropout_is_a_mask_with_the_keep_rule_and_its_gradient(ext
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cross", [False, True])
+def test_cpp_attention_on_packed_rows_is_the_padded_pass_on_the_real_rows(extension, dtype,
+                                                                          cross):
+    """Queries (and, for self-attention, keys and values) as packed rows, (N, width), placed
+    by Packing.offsets: the output and every gradient are the padded pass's at the real
+    positions, bit for bit (the rows past a sequence's end are zeros either way), an empty
+    sequence and a full one among them, with dropout."""
+    lengths, t, heads, d = [5, 0, 7, 2], 7, 2, 8
+    qkv, kv, _ = attention_inputs(4, t, 6, heads, d, d, dtype, cross, seed=21)
+    mask = (torch.arange(6)[None, :] < torch.tensor([6, 3, 1, 4])[:, None])[:, None, None, :] \
+        if cross else None
+    real = torch.arange(t)[None, :] < torch.tensor(lengths)[:, None]
+    packing = Packing(real.reshape(-1).nonzero().squeeze(1), 4, t)
+    offsets = packing.offsets()
+    assert offsets.tolist() == [0, 5, 5, 12, 14]
+    with torch.no_grad():
+        padded_in = qkv * real[:, :, None]  # the zeros Packing.pad leaves at the padding
+    padded_in.requires_grad_()
+    rows = packing.unpad(padded_in.detach()).requires_grad_()
+    upstream = torch.randn(14, heads * d, generator=torch.Generator().manual_seed(2)).to(dtype)
+    full = kernels.attention(padded_in, kv, heads, d, d, mask, not cross, 0.3, seed=4)
+    full_rows = packing.unpad(full)
+    kv2 = None if kv is None else kv.detach().clone().requires_grad_()
+    packed = kernels.attention(rows, kv2, heads, d, d, mask, not cross, 0.3, seed=4,
+                               packed=(offsets, t))
+    assert packed.shape == (14, heads * d) and torch.equal(packed, full_rows)
+    full_rows.backward(upstream)
+    packed.backward(upstream)
+    assert torch.equal(rows.grad, packing.unpad(padded_in.grad))
+    if cross:
+        assert torch.equal(kv2.grad, kv.grad)
+
+
+def test_packing_offsets_only_where_each_sequence_is_its_first_rows():
+    tokens = torch.tensor([[5, 6, 0, 0], [7, 0, 0, 0], [8, 9, 4, 3]])
+    packing = Packing(Packing.positions(tokens, 0), 3, 4)
+    assert packing.offsets().tolist() == [0, 2, 3, 7]
+    gap = torch.tensor([[5, 0, 6, 0], [7, 8, 0, 0]])  # a pad inside the first sequence
+    assert Packing(Packing.positions(gap, 0), 2, 4).offsets() is None
+    with pytest.raises(RuntimeError, match="offsets must run from 0"):
+        qkv = torch.randn(7, 3 * 8)
+        kernels.attention(qkv, None, 1, 8, 8, None, True, packed=(torch.tensor([0, 2, 3, 6]), 4))
+
+
 def test_cpp_attention_masks_follow_the_seed_not_the_threads(extension):
     qkv, _, _ = attention_inputs(8, 10, 10, 2, 16, 16, torch.bfloat16, False, seed=6)
     out = kernels.attention(qkv, None, 2, 16, 16, None, False, 0.2, seed=3)

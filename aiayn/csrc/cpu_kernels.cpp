@@ -488,13 +488,15 @@ inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 // rows x n values of a (B, T, H * n) view, from row pointer ``base`` with row stride ``stride``,
 // widened into an fp32 block with row stride ``ld`` (``transposed``: column i of a block with
-// row stride ``ld``).
+// row stride ``ld``). Rows from ``real`` on are padding of a packed sequence: zeros.
 template <typename scalar_t>
-inline void gather_rows(const scalar_t* base, int64_t stride, int64_t rows, int64_t n,
-                        float* dst, int64_t ld, bool transposed = false) {
+inline void gather_rows(const scalar_t* base, int64_t stride, int64_t rows, int64_t real,
+                        int64_t n, float* dst, int64_t ld, bool transposed = false) {
   for (int64_t i = 0; i < rows; ++i) {
     const scalar_t* r = base + i * stride;
-    if (transposed) {
+    if (i >= real) {
+      for (int64_t c = 0; c < n; ++c) (transposed ? dst[c * ld + i] : dst[i * ld + c]) = 0.f;
+    } else if (transposed) {
       KERNEL_LOOP
       for (int64_t c = 0; c < n; ++c) dst[c * ld + i] = load(r[c]);
     } else {
@@ -539,6 +541,22 @@ struct AttentionShape {
   float scale;  // 1 / sqrt(d_k)
   Keep keep;
   uint64_t seed;
+  // Packed queries (and keys and values, for self-attention: kv_packed): sequence b's rows are
+  // rows offsets[b] .. offsets[b + 1] of a (N, H * d) operand, at most tq of them, and the
+  // output is (N, H * d_v) likewise. The pass computes each sequence as tq rows (tk keys),
+  // the rows past its own zeros, and writes back its own rows only. nullptr: (B, T, H * d).
+  const int64_t* offsets;
+  bool kv_packed;
+
+  int64_t queries(int64_t bi) const { return offsets ? offsets[bi + 1] - offsets[bi] : tq; }
+  int64_t keys(int64_t bi) const { return kv_packed ? queries(bi) : tk; }
+  int64_t q_start(HeadLayout l, int64_t bi) const {
+    return offsets ? offsets[bi] * l.row_stride : bi * l.batch_stride;
+  }
+  int64_t kv_start(HeadLayout l, int64_t bi) const {
+    return kv_packed ? offsets[bi] * l.row_stride : bi * l.batch_stride;
+  }
+  int64_t out_row(int64_t bi) const { return offsets ? offsets[bi] : bi * tq; }
 };
 
 // The padded sizes of one (sequence, head)'s blocks: rows to a multiple of 4 (tq4, tk4),
@@ -589,10 +607,13 @@ void attention_forward_heads(const scalar_t* q, HeadLayout lq, const scalar_t* k
     std::vector<uint8_t> allowed(s.tk);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / s.heads, h = bh % s.heads;
-      gather_rows(q + b * lq.batch_stride + h * s.dk, lq.row_stride, s.tq, s.dk, Q.data(), z.dkl);
-      gather_rows(k + b * lk.batch_stride + h * s.dk, lk.row_stride, s.tk, s.dk, KT.data(),
+      const int64_t nq = s.queries(b), nk = s.keys(b);
+      gather_rows(q + s.q_start(lq, b) + h * s.dk, lq.row_stride, s.tq, nq, s.dk, Q.data(),
+                  z.dkl);
+      gather_rows(k + s.kv_start(lk, b) + h * s.dk, lk.row_stride, s.tk, nk, s.dk, KT.data(),
                   z.tkl, true);
-      gather_rows(v + b * lv.batch_stride + h * s.dv, lv.row_stride, s.tk, s.dv, V.data(), z.dvl);
+      gather_rows(v + s.kv_start(lv, b) + h * s.dv, lv.row_stride, s.tk, nk, s.dv, V.data(),
+                  z.dvl);
       for (int64_t j = 0; j < s.tk; ++j) allowed[j] = mask == nullptr || mask[b * s.tk + j];
       small_product(Q.data(), z.dkl, KT.data(), z.tkl, S.data(), z.tkl, z.tq4, s.dk, z.tkl);
       for (int64_t i = 0; i < s.tq; ++i) {
@@ -625,7 +646,7 @@ void attention_forward_heads(const scalar_t* q, HeadLayout lq, const scalar_t* k
         for (int64_t j = 0; j < s.tk; ++j) wi[j] = p[j] * m[j];
       }
       small_product(W.data(), s.tk, V.data(), z.dvl, O.data(), z.dvl, z.tq4, s.tk, z.dvl);
-      scatter_rows(O.data(), z.dvl, s.tq, s.dv, out + b * s.tq * s.heads * s.dv + h * s.dv,
+      scatter_rows(O.data(), z.dvl, nq, s.dv, out + s.out_row(b) * s.heads * s.dv + h * s.dv,
                    s.heads * s.dv);
     }
   });
@@ -650,12 +671,15 @@ void attention_backward_heads(const scalar_t* dout, const scalar_t* q, HeadLayou
     std::vector<uint64_t> bits((s.tk + 3) / 4);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / s.heads, h = bh % s.heads;
-      gather_rows(q + b * lq.batch_stride + h * s.dk, lq.row_stride, s.tq, s.dk, Q.data(), z.dkl);
-      gather_rows(k + b * lk.batch_stride + h * s.dk, lk.row_stride, s.tk, s.dk, K.data(), z.dkl);
-      gather_rows(v + b * lv.batch_stride + h * s.dv, lv.row_stride, s.tk, s.dv, VT.data(),
+      const int64_t nq = s.queries(b), nk = s.keys(b);
+      gather_rows(q + s.q_start(lq, b) + h * s.dk, lq.row_stride, s.tq, nq, s.dk, Q.data(),
+                  z.dkl);
+      gather_rows(k + s.kv_start(lk, b) + h * s.dk, lk.row_stride, s.tk, nk, s.dk, K.data(),
+                  z.dkl);
+      gather_rows(v + s.kv_start(lv, b) + h * s.dv, lv.row_stride, s.tk, nk, s.dv, VT.data(),
                   z.tkl, true);
-      gather_rows(dout + b * s.tq * s.heads * s.dv + h * s.dv, s.heads * s.dv, s.tq, s.dv,
-                  dO.data(), z.dvl);
+      gather_rows(dout + s.out_row(b) * s.heads * s.dv + h * s.dv, s.heads * s.dv, s.tq, nq,
+                  s.dv, dO.data(), z.dvl);
       const float* P = probs + bh * s.tq * s.tk;
       for (int64_t i = 0; i < s.tq; ++i) {
         float* mi = M.data() + i * s.tk;
@@ -690,11 +714,11 @@ void attention_backward_heads(const scalar_t* dout, const scalar_t* q, HeadLayou
       }
       small_product(dS.data(), s.tk, K.data(), z.dkl, dQ.data(), z.dkl, z.tq4, s.tk, z.dkl);
       small_product(dST.data(), s.tq, Q.data(), z.dkl, dK.data(), z.dkl, z.tk4, s.tq, z.dkl);
-      scatter_rows(dQ.data(), z.dkl, s.tq, s.dk, dq + b * ldq.batch_stride + h * s.dk,
+      scatter_rows(dQ.data(), z.dkl, nq, s.dk, dq + s.q_start(ldq, b) + h * s.dk,
                    ldq.row_stride);
-      scatter_rows(dK.data(), z.dkl, s.tk, s.dk, dk + b * ldk.batch_stride + h * s.dk,
+      scatter_rows(dK.data(), z.dkl, nk, s.dk, dk + s.kv_start(ldk, b) + h * s.dk,
                    ldk.row_stride);
-      scatter_rows(dV.data(), z.dvl, s.tk, s.dv, dv + b * ldv.batch_stride + h * s.dv,
+      scatter_rows(dV.data(), z.dvl, nk, s.dv, dv + s.kv_start(ldv, b) + h * s.dv,
                    ldv.row_stride);
     }
   });
@@ -706,33 +730,68 @@ struct AttentionOperands {
   const bool* mask;
 };
 
+// A packed operand, (N, width): its rows as a (B, T, width) layout whose rows the offsets
+// place (the batch stride is not used).
+HeadLayout packed_layout_of(const at::Tensor& t, const char* name, int64_t rows,
+                            int64_t width) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == width, name,
+              " must be packed rows (N, ", width, ") with N = ", rows, ", got ", t.sizes());
+  TORCH_CHECK(t.stride(1) == 1, name, " must have unit stride along its last dimension");
+  return {0, t.stride(0)};
+}
+
+// offsets: empty, or int64 (B + 1) placing each sequence's rows in packed q (and k and v when
+// they are 2-D), ``length`` rows at most each (module comment at AttentionShape).
 AttentionOperands attention_operands(const at::Tensor& q, const at::Tensor& k,
                                      const at::Tensor& v, const at::Tensor& mask, int64_t heads,
                                      bool causal, bool dropout, int64_t threshold,
-                                     double keep_scale, const at::Tensor& seed) {
+                                     double keep_scale, const at::Tensor& seed,
+                                     const at::Tensor& offsets, int64_t length) {
   TORCH_CHECK(heads >= 1, "heads must be positive, got ", heads);
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k and v must be (B, T, H * d)");
+  const bool packed = offsets.numel() > 0;
+  const bool kv_packed = packed && k.dim() == 2;
+  TORCH_CHECK(q.dim() == (packed ? 2 : 3) && k.dim() == (kv_packed ? 2 : 3) && v.dim() == k.dim(),
+              packed ? "packed q must be (N, H * d), k and v (N, H * d) or (B, T, H * d)"
+                     : "q, k and v must be (B, T, H * d)");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
                   (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
               "q, k and v must all be float32 or all bfloat16");
-  const int64_t b = q.size(0);
-  TORCH_CHECK(q.size(2) % heads == 0 && v.size(2) % heads == 0 && k.size(2) == q.size(2),
+  const int64_t wq = q.size(-1), wk = k.size(-1), wv = v.size(-1);
+  const int64_t* off = nullptr;
+  int64_t b = q.size(0);
+  if (packed) {
+    check_rows(offsets, "offsets");
+    TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.dim() == 1 && length >= 0,
+                "offsets must be int64 (B + 1) and length >= 0");
+    b = offsets.numel() - 1;
+    off = offsets.data_ptr<int64_t>();
+    TORCH_CHECK(off[0] == 0 && off[b] == q.size(0), "offsets must run from 0 to the ",
+                q.size(0), " packed rows");
+    for (int64_t i = 0; i < b; ++i)
+      TORCH_CHECK(off[i + 1] >= off[i] && off[i + 1] - off[i] <= length, "sequence ", i,
+                  " has ", off[i + 1] - off[i], " packed rows, not 0 to ", length);
+  }
+  TORCH_CHECK(wq % heads == 0 && wv % heads == 0 && wk == wq,
               "q and k need H * d_k columns and v H * d_v, for H = ", heads);
+  const int64_t tq = packed ? length : q.size(1);
+  const int64_t tk = kv_packed ? length : k.size(1);
   AttentionOperands o;
-  o.shape = {b, heads, q.size(1), k.size(1), q.size(2) / heads, v.size(2) / heads, causal,
-             dropout, static_cast<float>(1.0 / std::sqrt(static_cast<double>(q.size(2) / heads))),
-             keep_rule(threshold, keep_scale), 0};
-  TORCH_CHECK(v.size(1) == k.size(1), "k and v must have as many keys");
-  TORCH_CHECK(!causal || q.size(1) == k.size(1), "causal attention needs as many queries as keys");
-  o.lq = layout_of(q, "q", b, q.size(2));
-  o.lk = layout_of(k, "k", b, k.size(2));
-  o.lv = layout_of(v, "v", b, v.size(2));
+  o.shape = {b, heads, tq, tk, wq / heads, wv / heads, causal, dropout,
+             static_cast<float>(1.0 / std::sqrt(static_cast<double>(wq / heads))),
+             keep_rule(threshold, keep_scale), 0, off, kv_packed};
+  TORCH_CHECK(v.size(0) == k.size(0) && (kv_packed || v.size(1) == k.size(1)),
+              "k and v must have as many keys");
+  TORCH_CHECK(!causal || tq == tk, "causal attention needs as many queries as keys");
+  o.lq = packed ? packed_layout_of(q, "q", q.size(0), wq) : layout_of(q, "q", b, wq);
+  o.lk = kv_packed ? packed_layout_of(k, "k", q.size(0), wk) : layout_of(k, "k", b, wk);
+  o.lv = kv_packed ? packed_layout_of(v, "v", q.size(0), wv) : layout_of(v, "v", b, wv);
   o.mask = nullptr;
   if (mask.numel() > 0) {
     check_rows(mask, "mask");
     TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 2 && mask.size(0) == b &&
-                    mask.size(1) == k.size(1),
-                "mask must be bool (B, Tk) = (", b, ", ", k.size(1), "), got ", mask.sizes());
+                    mask.size(1) == tk,
+                "mask must be bool (B, Tk) = (", b, ", ", tk, "), got ", mask.sizes());
     o.mask = mask.data_ptr<bool>();
   }
   TORCH_CHECK(seed.device().is_cpu() && seed.scalar_type() == at::kLong && seed.numel() == 1,
@@ -743,17 +802,20 @@ AttentionOperands attention_operands(const at::Tensor& q, const at::Tensor& k,
 
 }  // namespace
 
-// (out, probs): out (B, Tq, H * d_v) in q's dtype, probs (B, H, Tq, Tk) fp32 for backward.
-// mask: bool (B, Tk), True where a key is allowed, or an empty tensor for none.
+// (out, probs): out (B, Tq, H * d_v) in q's dtype, or (N, H * d_v) for packed q (offsets
+// not empty), probs (B, H, Tq, Tk) fp32 for backward. mask: bool (B, Tk), True where a key
+// is allowed, or an empty tensor for none.
 std::vector<at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k,
                                           const at::Tensor& v, const at::Tensor& mask,
                                           int64_t heads, bool causal, bool dropout,
                                           int64_t threshold, double keep_scale,
-                                          const at::Tensor& seed) {
+                                          const at::Tensor& seed, const at::Tensor& offsets,
+                                          int64_t length) {
   const auto o = attention_operands(q, k, v, mask, heads, causal, dropout, threshold, keep_scale,
-                                    seed);
+                                    seed, offsets, length);
   const auto& s = o.shape;
-  auto out = at::empty({s.b, s.tq, heads * s.dv}, q.options());
+  auto out = s.offsets ? at::empty({q.size(0), heads * s.dv}, q.options())
+                       : at::empty({s.b, s.tq, heads * s.dv}, q.options());
   auto probs = at::empty({s.b, heads, s.tq, s.tk}, q.options().dtype(at::kFloat));
   if (q.scalar_type() == at::kBFloat16)
     attention_forward_heads(q.data_ptr<c10::BFloat16>(), o.lq, k.data_ptr<c10::BFloat16>(), o.lk,
@@ -772,14 +834,16 @@ void attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const a
                         const at::Tensor& v, const at::Tensor& mask, const at::Tensor& probs,
                         int64_t heads, bool causal, bool dropout, int64_t threshold,
                         double keep_scale, const at::Tensor& seed, at::Tensor& dq,
-                        at::Tensor& dk, at::Tensor& dv) {
+                        at::Tensor& dk, at::Tensor& dv, const at::Tensor& offsets,
+                        int64_t length) {
   const auto o = attention_operands(q, k, v, mask, heads, causal, dropout, threshold, keep_scale,
-                                    seed);
+                                    seed, offsets, length);
   const auto& s = o.shape;
   const at::Tensor dout = grad_out.to(q.scalar_type()).contiguous();
-  TORCH_CHECK(dout.dim() == 3 && dout.size(0) == s.b && dout.size(1) == s.tq &&
-                  dout.size(2) == heads * s.dv,
-              "the output's gradient must be (B, Tq, H * d_v), got ", dout.sizes());
+  TORCH_CHECK(s.offsets ? dout.sizes() == at::IntArrayRef({q.size(0), heads * s.dv})
+                        : dout.dim() == 3 && dout.size(0) == s.b && dout.size(1) == s.tq &&
+                              dout.size(2) == heads * s.dv,
+              "the output's gradient must be the output's shape, got ", dout.sizes());
   check_rows(probs, "probs");
   TORCH_CHECK(probs.scalar_type() == at::kFloat &&
                   probs.sizes() == at::IntArrayRef({s.b, heads, s.tq, s.tk}),
@@ -787,9 +851,12 @@ void attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const a
   for (auto [t, src, name] : {std::tuple{&dq, &q, "dq"}, {&dk, &k, "dk"}, {&dv, &v, "dv"}})
     TORCH_CHECK(t->sizes() == src->sizes() && t->scalar_type() == src->scalar_type(), name,
                 " must match its input's shape and dtype");
-  const auto ldq = layout_of(dq, "dq", s.b, q.size(2));
-  const auto ldk = layout_of(dk, "dk", s.b, k.size(2));
-  const auto ldv = layout_of(dv, "dv", s.b, v.size(2));
+  const auto ldq = s.offsets ? packed_layout_of(dq, "dq", q.size(0), q.size(1))
+                            : layout_of(dq, "dq", s.b, q.size(2));
+  const auto ldk = s.kv_packed ? packed_layout_of(dk, "dk", k.size(0), k.size(1))
+                               : layout_of(dk, "dk", s.b, k.size(2));
+  const auto ldv = s.kv_packed ? packed_layout_of(dv, "dv", v.size(0), v.size(1))
+                               : layout_of(dv, "dv", s.b, v.size(2));
   if (q.scalar_type() == at::kBFloat16)
     attention_backward_heads(dout.data_ptr<c10::BFloat16>(), q.data_ptr<c10::BFloat16>(), o.lq,
                              k.data_ptr<c10::BFloat16>(), o.lk, v.data_ptr<c10::BFloat16>(), o.lv,
