@@ -377,8 +377,8 @@ class MultiHeadAttention(nn.Module):
             causal = False
         if need_weights:
             scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.d_k)  # (B, H, Tq, Tk)
-            if mask is not None:
-                scores = scores.masked_fill(~mask, float("-inf"))
+            if mask is not None:  # the lowest float, as attend: no key allowed averages
+                scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
             weights = scores.softmax(dim=-1)
             out = F.dropout(weights, drop, self.training) @ v
         else:

@@ -439,6 +439,21 @@ def test_table3_shapes_attention_maps_and_fast_kernels_compute_the_same(name):
     torch.testing.assert_close(rows, plain.reshape(-1, 32)[packed], rtol=1e-4, atol=1e-4)
 
 
+def test_attention_maps_of_an_empty_source_are_uniform_not_nan():
+    """A source of padding only (an empty line) has no key to attend: the weights are uniform
+    over its keys, as the attention kernel and attend's explicit path average the values,
+    not NaN; the other sequence's maps are untouched."""
+    model = tiny().double().eval()
+    src, tgt = batch(b=2, s=6, t=5)
+    src[1, :] = PAD
+    maps = model.attention_maps(src, tgt)
+    for w in maps["encoder_self"] + maps["cross"]:
+        assert torch.isfinite(w).all()
+        torch.testing.assert_close(w[1], torch.full_like(w[1], 1 / 6))
+    alone = model.attention_maps(src[:1], tgt[:1])
+    torch.testing.assert_close(maps["cross"][0][0], alone["cross"][0][0])
+
+
 def test_the_attention_scale_is_one_over_sqrt_d_k():
     """Section 3.2.1: softmax(Q K^T / sqrt(d_k)) V with d_k apart from d_v: one head's
     output against the formula, through the fused kernel and the explicit path."""
