@@ -332,21 +332,15 @@ class MultiHeadAttention(nn.Module):
 
         if self._takes_kernel(x, memory, mask, causal, kv, cache, need_weights, group,
                               packing):
+            q, kv_all = ((self.q_proj(x), self.kv_proj(memory)) if self.cross
+                         else (self.qkv_proj(x), None))
+            # packed rows in and out where Packing.offsets places them: no padded copy
             offsets = None if packing is None else packing.offsets()
-            if offsets is not None:  # packed rows in and out, no padded copy
-                q, kv_all = ((self.q_proj(x), self.kv_proj(memory)) if self.cross
-                             else (self.qkv_proj(x), None))
-                out = kernels.attention(q, kv_all, self.heads, self.d_k, self.d_v, mask,
-                                        causal, self.dropout if self.training else 0.0,
-                                        packed=(offsets, packing.length))
-                return self.out_proj(out), None
-            if self.cross:
-                q, kv_all = padded(self.q_proj(x)), self.kv_proj(memory)
-            else:
-                q, kv_all = padded(self.qkv_proj(x)), None
-            out = kernels.attention(q, kv_all, self.heads, self.d_k, self.d_v, mask, causal,
-                                    self.dropout if self.training else 0.0)
-            if packing is not None:
+            packed = None if offsets is None else (offsets, packing.length)
+            out = kernels.attention(q if packed else padded(q), kv_all, self.heads, self.d_k,
+                                    self.d_v, mask, causal,
+                                    self.dropout if self.training else 0.0, packed=packed)
+            if packing is not None and packed is None:
                 out = packing.unpad(out)
             return self.out_proj(out), None
         if self.cross:

@@ -1023,18 +1023,23 @@ def test_cpp_attention_says_what_it_cannot_compute(extension):
         kernels.attention(qkv, None, 1, 16, 16, torch.ones(2, 1, 1, 4, dtype=torch.bool), False)
 
 
+@pytest.mark.parametrize("gap", [False, True], ids=["padding-at-the-end", "a-gap"])
 @pytest.mark.parametrize("autocast", [True, False], ids=["bf16-autocast", "fp32"])
 def test_the_fast_model_attends_through_the_kernel_as_through_torch(extension, monkeypatch,
-                                                                     autocast):
+                                                                     autocast, gap):
     """Every attention of the fast model in training on CPU, under bf16 autocast or in fp32,
     takes the C++ pass (encoder self, decoder self on packed rows, cross), and the model's
     output and gradients are those of the eager path (the explicit bf16 path; fp32: PyTorch's
-    flash attention) within bf16's rounding, or fp32's."""
+    flash attention) within bf16's rounding, or fp32's. The decoder's packed rows go to the
+    pass as they are (Packing.offsets); with a pad inside a target (no offsets), through a
+    padded copy."""
     calls = []
     real = kernels.attention
-    monkeypatch.setattr(kernels, "attention",
-                        lambda *a, **k: calls.append(a[1] is None) or real(*a, **k))
+    monkeypatch.setattr(kernels, "attention", lambda *a, **k: calls.append(
+        (a[1] is None, k.get("packed") is not None)) or real(*a, **k))
     src, tgt = padded_labels(6, 9, 60, seed=14), padded_labels(6, 10, 60, seed=15)
+    if gap:
+        tgt[0, 3] = PAD  # row 0 is full: a pad inside it
 
     def run():
         model = tiny_model(fast=True).train()
@@ -1044,7 +1049,8 @@ def test_the_fast_model_attends_through_the_kernel_as_through_torch(extension, m
         return out.float(), {k: q.grad for k, q in model.named_parameters()}
 
     out, grads = run()
-    assert calls == [True] * 2 + [True, False] * 2  # encoder self x2, then decoder self, cross
+    # encoder self x2, then decoder self and cross x2 (on packed rows unless there is a gap)
+    assert calls == [(True, False)] * 2 + [(True, not gap), (False, not gap)] * 2
     monkeypatch.setattr(kernels, "ATTENTION_KERNEL_KEYS", {})
     calls.clear()
     ref_out, ref_grads = run()
