@@ -709,27 +709,6 @@ def test_residual_norm_keeps_the_dropout_fraction_in_every_column(extension, p):
     assert not torch.equal(mask[0], mask[1]) and not torch.equal(mask[:, 0], mask[:, 1])
 
 
-def test_residual_norm_masks_follow_the_seed_not_the_threads(extension):
-    g = torch.Generator().manual_seed(2)
-    x, out = torch.randn(300, 40, generator=g), torch.randn(300, 40, generator=g)
-    w, b = torch.ones(40), torch.zeros(40)
-    y1, m1 = kernels.residual_norm(x, out, w, b, 0.3, seed=5, return_mask=True)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        y2, m2 = kernels.residual_norm(x, out, w, b, 0.3, seed=5, return_mask=True)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(m1, m2) and torch.equal(y1, y2)
-    _, m3 = kernels.residual_norm(x, out, w, b, 0.3, seed=6, return_mask=True)
-    assert not torch.equal(m1, m3)
-    # Without a seed, torch's generator draws it: a run restored with its RNG state repeats.
-    torch.manual_seed(9)
-    y4 = kernels.residual_norm(x, out, w, b, 0.3)
-    torch.manual_seed(9)
-    assert torch.equal(kernels.residual_norm(x, out, w, b, 0.3), y4)
-
-
 def on_threads(n, fn):
     """``fn()`` with torch's thread count set to ``n``, restored after."""
     threads = torch.get_num_threads()
@@ -738,6 +717,23 @@ def on_threads(n, fn):
         return fn()
     finally:
         torch.set_num_threads(threads)
+
+
+def test_residual_norm_masks_follow_the_seed_not_the_threads(extension):
+    g = torch.Generator().manual_seed(2)
+    x, out = torch.randn(300, 40, generator=g), torch.randn(300, 40, generator=g)
+    w, b = torch.ones(40), torch.zeros(40)
+    y1, m1 = kernels.residual_norm(x, out, w, b, 0.3, seed=5, return_mask=True)
+    y2, m2 = on_threads(1, lambda: kernels.residual_norm(x, out, w, b, 0.3, seed=5,
+                                                         return_mask=True))
+    assert torch.equal(m1, m2) and torch.equal(y1, y2)
+    _, m3 = kernels.residual_norm(x, out, w, b, 0.3, seed=6, return_mask=True)
+    assert not torch.equal(m1, m3)
+    # Without a seed, torch's generator draws it: a run restored with its RNG state repeats.
+    torch.manual_seed(9)
+    y4 = kernels.residual_norm(x, out, w, b, 0.3)
+    torch.manual_seed(9)
+    assert torch.equal(kernels.residual_norm(x, out, w, b, 0.3), y4)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
@@ -979,12 +975,8 @@ def test_packing_offsets_only_where_each_sequence_is_its_first_rows():
 def test_cpp_attention_masks_follow_the_seed_not_the_threads(extension):
     qkv, _, _ = attention_inputs(8, 10, 10, 2, 16, 16, torch.bfloat16, False, seed=6)
     out = kernels.attention(qkv, None, 2, 16, 16, None, False, 0.2, seed=3)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = kernels.attention(qkv, None, 2, 16, 16, None, False, 0.2, seed=3)
-    finally:
-        torch.set_num_threads(threads)
+    alone = on_threads(1, lambda: kernels.attention(qkv, None, 2, 16, 16, None, False, 0.2,
+                                                    seed=3))
     assert torch.equal(out, alone)
     assert not torch.equal(out, kernels.attention(qkv, None, 2, 16, 16, None, False, 0.2, seed=4))
     torch.manual_seed(9)  # without a seed, torch's generator draws it
