@@ -309,6 +309,11 @@ class TrainConfig(Strict):
         "batch is replaced by the two tokens it was merged from (again for each part), a new "
         "segmentation each epoch; a subword regulariser after BPE-dropout (aiayn/subword.py). "
         "Validation and decoding keep the plain segmentation; 0: off")
+    rdrop: float = Field(
+        0.0, ge=0.0, description="R-Drop's weight alpha (Liang et al. 2021): each training "
+        "batch goes through the model twice with independent dropout, and the loss adds "
+        "alpha/4 times the two passes' KL divergences, both ways, per target token "
+        "(aiayn/objective.py, rdrop_loss); a step costs about twice as much; 0: off")
 
     @model_validator(mode="after")
     def _average(self) -> TrainConfig:
@@ -453,6 +458,7 @@ PARAM_EFFECTS: dict[str, Affects] = {
     "train.attention_dropout": TRAINS,
     "train.activation_dropout": TRAINS,
     "train.subword_split": TRAINS,
+    "train.rdrop": TRAINS,
     "decode": Affects(("translate", "score")),
     # validation BLEU while training and the average's candidates decode in batches of it
     "decode.batch_size": VALIDATION_BLEU,

@@ -377,6 +377,118 @@ def projected_label_smoothed_loss(hidden: Tensor, weight: Tensor, labels: Tensor
     return loss, nll, keep.numel()
 
 
+class _ProjectedRDropLoss(torch.autograd.Function):
+    """R-Drop's loss (:func:`aiayn.objective.rdrop_loss`) of ``rows @ weight.T``, rows
+    [0, N) the first pass and [N, 2N) the second, by the fused loss's pattern: chunk by
+    chunk, gradients formed in forward and scaled in backward, logits never kept whole."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, weight: Tensor, labels: Tensor, epsilon: float,
+                alpha: float, chunk_rows: int, dtype: torch.dtype, need_grad: bool,
+                align: int):
+        n, vocab = labels.numel(), weight.shape[0]
+        width = padded_width(vocab, align)  # as in _ProjectedLabelSmoothedLoss
+        with torch.autocast(rows.device.type, enabled=False):
+            a = rows.to(dtype)
+            w = weight.to(dtype)
+            if width != vocab:
+                w = torch.cat([w, w.new_zeros(width - vocab, w.shape[1])])
+            loss = torch.empty(n, dtype=torch.float32, device=rows.device)
+            nll = torch.empty_like(loss)
+            grad_rows = torch.empty_like(rows) if need_grad else None
+            grad_weight = torch.zeros(width, weight.shape[1], dtype=torch.float32,
+                                      device=weight.device) if need_grad else None
+            buf = torch.empty(2, min(chunk_rows, max(n, 1)), width, dtype=dtype,
+                              device=rows.device)
+            mean_all = rows.float() @ weight.float().mean(dim=0)  # (2N,) mean logits
+            fused = (cpu_extension() if rows.device.type == "cpu"
+                     and not torch.compiler.is_compiling() else None)
+            pair = fused.rdrop_softmax_ if fused is not None else _rdrop_eager
+            for start in range(0, n, chunk_rows):
+                end = min(start + chunk_rows, n)
+                c = end - start
+                a1, a2 = a[start:end], a[n + start:n + end]
+                g1 = torch.mm(a1, w.t(), out=buf[0, :c])
+                g2 = torch.mm(a2, w.t(), out=buf[1, :c])
+                pair(g1, g2, labels[start:end], mean_all[start:end],
+                     mean_all[n + start:n + end], loss[start:end], nll[start:end], vocab,
+                     epsilon, alpha, need_grad)
+                if need_grad:
+                    grad_rows[start:end] = torch.mm(g1, w)
+                    grad_rows[n + start:n + end] = torch.mm(g2, w)
+                    if dtype == torch.float32:
+                        grad_weight.addmm_(g1.t(), a1).addmm_(g2.t(), a2)
+                    else:
+                        grad_weight += (torch.mm(g1.t(), a1) + torch.mm(g2.t(), a2)).float()
+        if need_grad and width != vocab:
+            grad_weight = grad_weight[:vocab]
+        ctx.save_for_backward(grad_rows, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        ctx.mark_non_differentiable(nll)
+        return loss.sum(), nll.sum()
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor, _grad_nll: Tensor):
+        grad_rows, grad_weight = ctx.saved_tensors
+        if grad_rows is None:
+            raise RuntimeError("projected_rdrop_loss was computed without gradients "
+                               "(under torch.no_grad) and cannot be backpropagated")
+        return (grad_rows * grad_loss.to(grad_rows.dtype),
+                (grad_weight * grad_loss).to(ctx.weight_dtype), None, None, None, None, None,
+                None, None)
+
+
+def _rdrop_eager(g1: Tensor, g2: Tensor, labels: Tensor, mean1: Tensor, mean2: Tensor,
+                 loss: Tensor, nll: Tensor, vocab: int, epsilon: float, alpha: float,
+                 need_grad: bool) -> None:
+    """The eager twin of the C++ ``rdrop_softmax_`` (its comment has the formulas): writes
+    each row pair's loss and NLL; with ``need_grad``, turns ``g1`` and ``g2`` into their
+    gradients in place. fp32; columns past ``vocab`` add nothing and get 0."""
+    z1, z2 = g1[:, :vocab].float(), g2[:, :vocab].float()
+    y = labels[:, None]
+    l1, l2 = torch.log_softmax(z1, dim=1), torch.log_softmax(z2, dim=1)
+    p1, p2 = l1.exp(), l2.exp()
+    d = l1 - l2
+    both = ((p1 - p2) * d).sum(dim=1)
+    lse1, lse2 = z1.gather(1, y) - l1.gather(1, y), z2.gather(1, y) - l2.gather(1, y)
+    ls1 = lse1.squeeze(1) - (1 - epsilon) * z1.gather(1, y).squeeze(1) - epsilon * mean1
+    ls2 = lse2.squeeze(1) - (1 - epsilon) * z2.gather(1, y).squeeze(1) - epsilon * mean2
+    nll.copy_(-(l1.gather(1, y) + l2.gather(1, y)).squeeze(1) / 2)
+    loss.copy_((ls1 + ls2) / 2 + alpha / 4 * both)
+    if not need_grad:
+        return
+    q = torch.full_like(z1, epsilon / vocab).scatter_add_(
+        1, y, torch.full_like(y, 1 - epsilon, dtype=z1.dtype))
+    d1 = (d * p1).sum(dim=1, keepdim=True)
+    d2 = (d * p2).sum(dim=1, keepdim=True)
+    grad1 = (p1 - q) / 2 + alpha / 4 * (p1 * (d - d1) + p1 - p2)
+    grad2 = (p2 - q) / 2 + alpha / 4 * (p2 * (d2 - d) + p2 - p1)
+    g1[:, vocab:] = 0
+    g2[:, vocab:] = 0
+    g1[:, :vocab] = grad1
+    g2[:, :vocab] = grad2
+
+
+def projected_rdrop_loss(rows: Tensor, weight: Tensor, labels: Tensor, epsilon: float,
+                         alpha: float, chunk_rows: int | None = None,
+                         align: int = VOCAB_ALIGN) -> tuple[Tensor, Tensor, int]:
+    """:func:`aiayn.objective.rdrop_loss` of the logits ``rows @ weight.T``, the loss's
+    fused way: ``rows`` (2N, d) are the decoder's outputs at the N labels ``labels`` (N,),
+    from the first pass, then the second (``Transformer(..., packed=...)`` of the batch
+    stacked on itself). Returns (loss sum, mean of the two NLL sums, N); the products in
+    autocast's dtype, the softmax in fp32 (a C++ pass per row pair on CPU)."""
+    n = labels.numel()
+    if rows.dim() != 2 or rows.shape[0] != 2 * n:
+        raise ValueError(f"projected_rdrop_loss wants (2N, d) rows for N = {n} labels, got "
+                         f"{tuple(rows.shape)}")
+    dtype = _compute_dtype(rows.device)
+    chunk_rows = chunk_rows or loss_blocks(rows.device, weight.shape[0])[0] // 2
+    need_grad = torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad)
+    loss, nll = _ProjectedRDropLoss.apply(rows, weight, labels, float(epsilon), float(alpha),
+                                          int(chunk_rows), dtype, need_grad, int(align))
+    return loss, nll, n
+
+
 # --------------------------------------------------------------------------- dropout
 
 

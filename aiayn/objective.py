@@ -4,6 +4,9 @@ lrate = d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5)     (paper, eq. 
 
 scaled by ``lr_scale`` (1 in the paper). Steps count from 1, as in the paper.
 
+``train.rdrop`` (0 in the paper: off) adds R-Drop's consistency term to the loss (Liang
+et al. 2021, "R-Drop: Regularized Dropout for Neural Networks"): see :func:`rdrop_loss`.
+
 ``train.cooldown`` (0 in the paper) multiplies it by a linear fall to zero over the last
 part of training (a "cooldown": Hagele et al. 2024, "Scaling Laws and Compute-Optimal
 Training Beyond Fixed Training Durations"), which suits runs stopped by a step count or a
@@ -68,3 +71,32 @@ def label_smoothed_loss(logits: Tensor, labels: Tensor, epsilon: float, pad_id: 
     uniform = -lprobs.mean(dim=-1)                            # (N,)
     loss = (1.0 - epsilon) * nll + epsilon * uniform
     return loss.masked_fill(~real, 0.0).sum(), nll.masked_fill(~real, 0.0).sum(), real.sum()
+
+
+def rdrop_loss(logits: Tensor, labels: Tensor, epsilon: float, alpha: float
+               ) -> tuple[Tensor, Tensor]:
+    """R-Drop's loss sums over the N labels of a batch that went through the model twice,
+    with independent dropout: ``logits`` (2, N, V), the two passes' logits at the labels'
+    positions; ``labels`` (N,), none of them padding.
+
+    Per label, with p1, p2 the two passes' output distributions and LS the label-smoothed
+    loss of :func:`label_smoothed_loss`:
+
+        (LS(p1) + LS(p2)) / 2  +  alpha * (KL(p1 || p2) + KL(p2 || p1)) / 4
+
+    the ratio of fairseq's ``label_smoothed_cross_entropy_with_rdrop`` (both copies'
+    smoothed losses summed, plus alpha times half the two KL sums) on a per-label scale, so
+    that the first term is what a plain step's loss measures. Returns (that sum, the mean
+    of the two passes' NLL sums); log-probabilities in fp32.
+    """
+    if logits.dim() != 3 or logits.shape[0] != 2 or logits.shape[1] != labels.numel():
+        raise ValueError(f"rdrop_loss wants logits (2, N, V) for N = {labels.numel()} labels, "
+                         f"got {tuple(logits.shape)}")
+    lprobs = F.log_softmax(logits.float(), dim=-1)                       # (2, N, V)
+    index = labels.reshape(1, -1, 1).expand(2, -1, 1)
+    nll = -lprobs.gather(2, index).squeeze(2).sum(1)                     # (2,)
+    uniform = -lprobs.mean(dim=-1).sum(1)                                # (2,)
+    smoothed = (1.0 - epsilon) * nll + epsilon * uniform
+    # KL(p1 || p2) + KL(p2 || p1) = sum (p1 - p2) (log p1 - log p2)
+    both_kl = ((lprobs[0].exp() - lprobs[1].exp()) * (lprobs[0] - lprobs[1])).sum()
+    return smoothed.sum() / 2 + alpha * both_kl / 4, nll.sum() / 2

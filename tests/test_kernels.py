@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from aiayn import kernels
 from aiayn.model import Packing, Transformer, TransformerConfig
-from aiayn.objective import label_smoothed_loss
+from aiayn.objective import label_smoothed_loss, rdrop_loss
 
 PAD = 0
 
@@ -244,6 +244,116 @@ def test_the_projected_loss_under_bf16_is_the_same_through_cpp_and_eager(extensi
 
     fused = run()
     eager_softmax(monkeypatch)
+    eager = run()
+    torch.testing.assert_close(fused[0], eager[0], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(fused[1], eager[1], rtol=1e-5, atol=1e-4)
+    for a, b in zip(fused[2:], eager[2:], strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+
+
+# --------------------------------------------------------------------------- R-Drop's loss
+
+
+def reference_rdrop(z1: torch.Tensor, z2: torch.Tensor, labels: torch.Tensor, vocab: int,
+                    eps: float, alpha: float):
+    """Per row pair, in float64 from torch's own cross-entropy and KL divergence, and the
+    gradients by autograd: (loss, nll, d loss / d z1, d loss / d z2), past ``vocab`` 0."""
+    a = z1[:, :vocab].double().requires_grad_()
+    b = z2[:, :vocab].double().requires_grad_()
+    ce = [F.cross_entropy(x, labels, label_smoothing=eps, reduction="none") for x in (a, b)]
+    la, lb = F.log_softmax(a, dim=1), F.log_softmax(b, dim=1)
+    kl = (F.kl_div(lb, la, log_target=True, reduction="none").sum(1)
+          + F.kl_div(la, lb, log_target=True, reduction="none").sum(1))
+    loss = (ce[0] + ce[1]) / 2 + alpha * kl / 4
+    nll = (F.nll_loss(la, labels, reduction="none") + F.nll_loss(lb, labels, reduction="none")) / 2
+    ga, gb = torch.autograd.grad(loss.sum(), (a, b))
+    pad = z1.shape[1] - vocab
+    return (loss.detach(), nll.detach(), F.pad(ga, (0, pad)), F.pad(gb, (0, pad)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,width,vocab,scale", [(37, 48, 37, 1.0), (5, 5408, 5399, 3.0),
+                                                    (64, 16, 16, 20.0), (3, 1000, 1, 1.0)])
+@pytest.mark.parametrize("eps,alpha", [(0.0, 0.0), (0.3, 5.0)])
+def test_the_cpp_rdrop_pass_gives_the_float64_loss_and_gradients(extension, dtype, rows, width,
+                                                                 vocab, scale, eps, alpha):
+    g = torch.Generator().manual_seed(rows)
+    z1 = (scale * torch.randn(rows, width, generator=g)).to(dtype)
+    z2 = (z1.float() + scale * 0.5 * torch.randn(rows, width, generator=g)).to(dtype)
+    labels = torch.randint(0, vocab, (rows,), generator=g)
+    mean1 = z1[:, :vocab].double().mean(dim=1).float()
+    mean2 = z2[:, :vocab].double().mean(dim=1).float()
+    ref_loss, ref_nll, ref1, ref2 = reference_rdrop(z1, z2, labels, vocab, eps, alpha)
+    for grad in (False, True):
+        a, b, loss, nll = z1.clone(), z2.clone(), torch.empty(rows), torch.empty(rows)
+        extension.rdrop_softmax_(a, b, labels, mean1, mean2, loss, nll, vocab, eps, alpha, grad)
+        torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(nll.double(), ref_nll, rtol=1e-5, atol=1e-4)
+        if not grad:
+            assert torch.equal(a, z1) and torch.equal(b, z2)
+            continue
+        tol = 4e-3 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(a.double(), ref1, rtol=tol, atol=tol)
+        torch.testing.assert_close(b.double(), ref2, rtol=tol, atol=tol)
+
+
+def test_the_cpp_rdrop_pass_rejects_bad_input(extension):
+    z, labels, mean = torch.randn(3, 16), torch.tensor([0, 1, 2]), torch.zeros(3)
+    loss, nll = torch.empty(3), torch.empty(3)
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        extension.rdrop_softmax_(z, z.clone(), torch.tensor([0, 16, 1]), mean, mean, loss, nll,
+                                 16, 0.1, 1.0, True)
+    with pytest.raises(RuntimeError, match="alike"):
+        extension.rdrop_softmax_(z, torch.randn(3, 17), labels, mean, mean, loss, nll, 16, 0.1,
+                                 1.0, True)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        extension.rdrop_softmax_(z.double(), z.double(), labels, mean, mean, loss, nll, 16, 0.1,
+                                 1.0, True)
+
+
+@pytest.mark.parametrize("softmax", ["c++", "eager"])
+@pytest.mark.parametrize("chunk_rows", [3, 1000])
+@pytest.mark.parametrize("vocab", [37, 48])
+def test_projected_rdrop_loss_equals_the_rdrop_loss_of_the_logits(softmax, chunk_rows, vocab,
+                                                                  monkeypatch):
+    """fp32: the fused loss against :func:`aiayn.objective.rdrop_loss` of the full logits,
+    and its gradients with respect to the rows and the matrix against autograd's."""
+    if softmax == "eager":
+        monkeypatch.setattr(kernels, "cpu_extension", lambda: None)
+    torch.manual_seed(3)
+    n = 11
+    rows = torch.randn(2 * n, 24, requires_grad=True)
+    weight = (0.4 * torch.randn(vocab, 24)).requires_grad_()
+    labels = torch.randint(0, vocab, (n,))
+    loss, nll, count = kernels.projected_rdrop_loss(rows, weight, labels, 0.1, 5.0,
+                                                    chunk_rows=chunk_rows)
+    got = torch.autograd.grad(loss, (rows, weight))
+    want, want_nll = rdrop_loss((rows @ weight.t()).view(2, n, vocab), labels, 0.1, 5.0)
+    expected = torch.autograd.grad(want, (rows, weight))
+    assert count == n
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(nll, want_nll, rtol=1e-5, atol=1e-4)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match=r"\(2N, d\) rows"):
+        kernels.projected_rdrop_loss(rows[:-1], weight, labels, 0.1, 5.0)
+
+
+def test_projected_rdrop_loss_under_bf16_is_the_same_through_cpp_and_eager(extension,
+                                                                         monkeypatch):
+    torch.manual_seed(5)
+    rows = torch.randn(2 * 40, 32, requires_grad=True)
+    weight = (0.3 * torch.randn(77, 32)).requires_grad_()
+    labels = torch.randint(0, 77, (40,))
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, nll, _ = kernels.projected_rdrop_loss(rows, weight, labels, 0.1, 5.0,
+                                                        chunk_rows=13)
+        return loss, nll, *torch.autograd.grad(loss, (rows, weight))
+
+    fused = run()
+    monkeypatch.setattr(kernels, "cpu_extension", lambda: None)
     eager = run()
     torch.testing.assert_close(fused[0], eager[0], rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(fused[1], eager[1], rtol=1e-5, atol=1e-4)

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from aiayn.objective import cooldown_factor, label_smoothed_loss, make_optimizer, noam_lr
+from aiayn.objective import (
+    cooldown_factor,
+    label_smoothed_loss,
+    make_optimizer,
+    noam_lr,
+    rdrop_loss,
+)
 
 
 @pytest.mark.parametrize("step", [1, 10, 3999, 4000, 4001, 100_000])
@@ -89,3 +96,40 @@ def test_no_smoothing_is_plain_nll():
     labels = torch.tensor([[1, 2, 3]])
     loss, nll, _ = label_smoothed_loss(logits, labels, 0.0, pad_id=0)
     assert float(loss) == pytest.approx(float(nll))
+
+
+def test_rdrop_loss_is_the_mean_smoothed_loss_plus_a_quarter_alpha_of_both_kls():
+    """Against torch's own label-smoothed cross-entropy and KL divergence."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 9, 13)
+    labels = torch.randint(0, 13, (9,))
+    eps, alpha = 0.2, 5.0
+    loss, nll = rdrop_loss(logits, labels, eps, alpha)
+    ce = [F.cross_entropy(logits[i], labels, label_smoothing=eps, reduction="sum")
+          for i in range(2)]
+    plain = [F.cross_entropy(logits[i], labels, reduction="sum") for i in range(2)]
+    lp = F.log_softmax(logits, dim=-1)
+    kl_12 = F.kl_div(lp[1], lp[0], log_target=True, reduction="sum")  # KL(p1 || p2)
+    kl_21 = F.kl_div(lp[0], lp[1], log_target=True, reduction="sum")
+    assert float(kl_12) > 0.5 and float(kl_21) > 0.5  # the term is not negligible here
+    assert float(loss) == pytest.approx(float((ce[0] + ce[1]) / 2 + alpha * (kl_12 + kl_21) / 4),
+                                        rel=1e-5)
+    assert float(nll) == pytest.approx(float((plain[0] + plain[1]) / 2), rel=1e-5)
+
+
+def test_rdrop_loss_of_two_equal_passes_is_the_plain_loss_with_its_gradient():
+    torch.manual_seed(1)
+    logits = torch.randn(7, 11, requires_grad=True)
+    labels = torch.randint(0, 11, (7,))
+    loss, nll = rdrop_loss(torch.stack([logits, logits]), labels, 0.1, 3.0)
+    (grad,) = torch.autograd.grad(loss, logits)
+    want, want_nll, _ = label_smoothed_loss(logits, labels, 0.1, pad_id=-1)
+    (want_grad,) = torch.autograd.grad(want, logits)
+    assert float(loss.detach()) == pytest.approx(float(want.detach()), rel=1e-6)
+    assert float(nll) == pytest.approx(float(want_nll), rel=1e-6)
+    torch.testing.assert_close(grad, want_grad)
+
+
+def test_rdrop_loss_wants_two_passes_of_every_label():
+    with pytest.raises(ValueError, match=r"\(2, N, V\)"):
+        rdrop_loss(torch.randn(3, 4, 5), torch.zeros(4, dtype=torch.long), 0.1, 1.0)

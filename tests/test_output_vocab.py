@@ -199,3 +199,79 @@ def test_a_run_keeps_its_output_vocabulary_through_checkpoints_and_averaging(toy
     again = make_trainer(toy_workspace, tmp_path / "run", {"model": {"output_vocab": "target"}})
     assert again.state.step == summary["steps"]
     assert torch.equal(again.output_vocab.ids, torch.from_numpy(expected))
+
+
+def dropped(seed: int = 0, dropout: float = 0.3) -> Transformer:
+    torch.manual_seed(seed)
+    cfg = TransformerConfig(vocab_size=V, d_model=16, heads=2, encoder_layers=1,
+                            decoder_layers=2, d_ff=32, dropout=dropout, max_positions=32,
+                            output_vocab="target")
+    model = Transformer(cfg)
+    model.set_output_vocab(SPANNED)
+    return model
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "plain"])
+def test_rdrop_without_dropout_is_the_plain_loss_and_gradient(fast):
+    """Two passes without dropout are the same pass: the KL term is 0, and the loss, NLL and
+    gradients are the plain step's."""
+    model = dropped(dropout=0.0)
+    batch = a_batch(SPANNED)
+    got = {}
+    for rdrop in (0.0, 4.0):
+        loss, nll, n = batch_loss(model, model.embedding.weight, batch, 0.1, PAD_ID, fast, None,
+                                  model.output_vocab(), rdrop=rdrop)
+        loss.backward()
+        got[rdrop] = (loss.detach(), nll.detach(), int(n),
+                      {k: q.grad.clone() for k, q in model.named_parameters()})
+        model.zero_grad()
+    torch.testing.assert_close(got[4.0][0], got[0.0][0])
+    torch.testing.assert_close(got[4.0][1], got[0.0][1])
+    assert got[4.0][2] == got[0.0][2] == int((batch.tgt_out != PAD_ID).sum())
+    for name, grad in got[0.0][3].items():
+        torch.testing.assert_close(got[4.0][3][name], grad, msg=name)
+
+
+def test_rdrop_with_dropout_against_the_doubled_batch_written_out():
+    """Plain path: the loss is rdrop's formula over the padded logits of the batch stacked on
+    itself, from the same draws, spanned columns only; the two copies differ."""
+    model = dropped()
+    batch = a_batch(SPANNED)
+    eps, alpha = 0.1, 3.0
+    torch.manual_seed(7)
+    loss, nll, n = batch_loss(model, model.embedding.weight, batch, eps, PAD_ID, False, None,
+                              model.output_vocab(), rdrop=alpha)
+    torch.manual_seed(7)
+    logits = model(torch.cat([batch.src, batch.src]), torch.cat([batch.tgt_in, batch.tgt_in]))
+    lp = F.log_softmax(logits[..., SPANNED.sort().values], dim=-1).detach()
+    column = {int(t): i for i, t in enumerate(SPANNED.sort().values)}
+    B = batch.src.shape[0]
+    want = want_nll = 0.0
+    for (b, t), label in np.ndenumerate(batch.tgt_out.numpy()):
+        if label == PAD_ID:
+            continue
+        p1, p2 = lp[b, t], lp[B + b, t]
+        y = column[int(label)]
+        smoothed = [(1 - eps) * -p[y] - eps * p.mean() for p in (p1, p2)]
+        kl = ((p1.exp() - p2.exp()) * (p1 - p2)).sum()
+        assert float(kl) > 0  # independent dropout for each copy
+        want += float((smoothed[0] + smoothed[1]) / 2 + alpha * kl / 4)
+        want_nll += float((-p1[y] - p2[y]) / 2)
+    assert int(n) == int((batch.tgt_out != PAD_ID).sum())
+    assert float(loss.detach()) == pytest.approx(want, rel=1e-5)
+    assert float(nll.detach()) == pytest.approx(want_nll, rel=1e-5)
+
+
+def test_rdrop_on_the_fast_path_compares_two_different_passes():
+    """Fast path (packed rows): from the same draws, the loss grows with alpha by the KL
+    term, which is > 0, so the second copy's rows are its own pass, not the first's again."""
+    model = dropped()
+    batch = a_batch(SPANNED)
+    losses = []
+    for alpha in (1.0, 3.0):
+        torch.manual_seed(7)
+        loss, _, _ = batch_loss(model, model.embedding.weight, batch, 0.1, PAD_ID, True, None,
+                                model.output_vocab(), rdrop=alpha)
+        losses.append(float(loss.detach()))
+    kl = 4 * (losses[1] - losses[0]) / 2.0
+    assert kl > 1e-3 * losses[0]

@@ -171,11 +171,13 @@ def test_a_run_writes_logs_metrics_and_checkpoints(toy_workspace, tmp_path):
     assert summary["tokens_seen"] == load_checkpoint(ckpts[-1])["meta"]["tokens_seen"]
 
 
-@pytest.mark.parametrize("split,precision", [(0.0, "auto"), (0.3, "auto"), (0.0, "fp16")],
-                         ids=["plain", "subword_split", "fp16"])
-def test_an_interrupted_run_resumes_bitwise(toy_workspace, tmp_path, split, precision):
+@pytest.mark.parametrize("split,precision,rdrop",
+                         [(0.0, "auto", 0.0), (0.3, "auto", 0.0), (0.0, "fp16", 0.0),
+                          (0.0, "auto", 2.0)],
+                         ids=["plain", "subword_split", "fp16", "rdrop"])
+def test_an_interrupted_run_resumes_bitwise(toy_workspace, tmp_path, split, precision, rdrop):
     # fp16: the loss scale (its value and growth tracker) resumes with the run too
-    changes = {"train": {"subword_split": split, "precision": precision}}
+    changes = {"train": {"subword_split": split, "precision": precision, "rdrop": rdrop}}
     full = make_trainer(toy_workspace, tmp_path / "full", changes)
     full.fit()
     part = make_trainer(toy_workspace, tmp_path / "part", changes)

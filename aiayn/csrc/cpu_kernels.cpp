@@ -434,6 +434,135 @@ void label_smoothed_softmax_(at::Tensor& logits, const at::Tensor& labels,
     TORCH_CHECK(false, "logits must be float32 or bfloat16, got ", logits.scalar_type());
 }
 
+// R-Drop's loss of a label seen by two passes (aiayn.kernels.projected_rdrop_loss): with z1, z2
+// the two rows of logits, l = log softmax, p = softmax, LS the label-smoothed loss above and
+// d = l1 - l2, per label
+//
+//     loss = (LS1 + LS2) / 2 + alpha / 4 * sum_j (p1_j - p2_j) d_j
+//     d loss / d z1 = (p1 - q) / 2 + alpha / 4 * (p1 (d - sum_j p1_j d_j) + p1 - p2)
+//     d loss / d z2 = (p2 - q) / 2 + alpha / 4 * (p2 (sum_j p2_j d_j - d) + p2 - p1)
+//
+// q = (1 - eps) onehot + eps / vocab. Rows [begin, end) of both (every value by value).
+namespace {
+
+template <typename scalar_t>
+void rdrop_range(scalar_t* logits1, scalar_t* logits2, const int64_t* labels,
+                 const float* mean1, const float* mean2, float* loss, float* nll,
+                 int64_t begin, int64_t end, int64_t width, int64_t vocab, float eps,
+                 float alpha, bool grad) {
+  const float off = eps / static_cast<float>(vocab);
+  const float kl = 0.25f * alpha;
+  std::vector<float> buf(2 * vocab);
+  float* e1 = buf.data();
+  float* e2 = e1 + vocab;
+  for (int64_t r = begin; r < end; ++r) {
+    scalar_t* z1 = logits1 + r * width;
+    scalar_t* z2 = logits2 + r * width;
+    const int64_t y = labels[r];
+    TORCH_CHECK(y >= 0 && y < vocab, "label ", y, " is outside the vocabulary of ", vocab);
+    int64_t j;
+    KERNEL_LOOP
+    for (j = 0; j < vocab; ++j) {
+      e1[j] = load(z1[j]);
+      e2[j] = load(z2[j]);
+    }
+    const float top1 = row_max(e1, vocab), top2 = row_max(e2, vocab);
+    const float target1 = e1[y], target2 = e2[y];
+    float sum1 = 0.f, sum2 = 0.f;
+    for (j = 0; j < vocab; ++j) {
+      e1[j] = exp_nonpositive(e1[j] - top1);
+      sum1 += e1[j];
+    }
+    for (j = 0; j < vocab; ++j) {
+      e2[j] = exp_nonpositive(e2[j] - top2);
+      sum2 += e2[j];
+    }
+    const float lse1 = top1 + std::log(sum1), lse2 = top2 + std::log(sum2);
+    const float inv1 = 1.f / sum1, inv2 = 1.f / sum2;
+    // d_j = l1_j - l2_j = (z1_j - z2_j) - (lse1 - lse2)
+    const float shift = lse1 - lse2;
+    float both = 0.f, mean_d1 = 0.f, mean_d2 = 0.f;
+    for (j = 0; j < vocab; ++j) {
+      const float p1 = e1[j] * inv1, p2 = e2[j] * inv2;
+      const float d = load(z1[j]) - load(z2[j]) - shift;
+      both += (p1 - p2) * d;
+      mean_d1 += p1 * d;
+      mean_d2 += p2 * d;
+    }
+    const float nll1 = lse1 - target1, nll2 = lse2 - target2;
+    const float ls1 = lse1 - (1.f - eps) * target1 - eps * mean1[r];
+    const float ls2 = lse2 - (1.f - eps) * target2 - eps * mean2[r];
+    nll[r] = 0.5f * (nll1 + nll2);
+    loss[r] = 0.5f * (ls1 + ls2) + kl * both;
+    if (!grad) continue;
+    KERNEL_LOOP
+    for (j = 0; j < vocab; ++j) {
+      const float p1 = e1[j] * inv1, p2 = e2[j] * inv2;
+      const float d = load(z1[j]) - load(z2[j]) - shift;
+      const float g1 = 0.5f * (p1 - off) + kl * (p1 * (d - mean_d1) + p1 - p2);
+      const float g2 = 0.5f * (p2 - off) + kl * (p2 * (mean_d2 - d) + p2 - p1);
+      e1[j] = g1;
+      e2[j] = g2;
+    }
+    e1[y] -= 0.5f * (1.f - eps);
+    e2[y] -= 0.5f * (1.f - eps);
+    KERNEL_LOOP
+    for (j = 0; j < vocab; ++j) {
+      store(z1 + j, e1[j]);
+      store(z2 + j, e2[j]);
+    }
+    for (j = vocab; j < width; ++j) store(z1 + j, 0.f);
+    for (j = vocab; j < width; ++j) store(z2 + j, 0.f);
+  }
+}
+
+template <typename scalar_t>
+void rdrop_rows(scalar_t* logits1, scalar_t* logits2, const int64_t* labels, const float* mean1,
+                const float* mean2, float* loss, float* nll, int64_t rows, int64_t width,
+                int64_t vocab, float eps, float alpha, bool grad) {
+  across_threads(rows, [=](int64_t begin, int64_t end) {
+    rdrop_range(logits1, logits2, labels, mean1, mean2, loss, nll, begin, end, width, vocab,
+                eps, alpha, grad);
+  });
+}
+
+}  // namespace
+
+// Writes loss and nll (fp32, one per row pair); with grad, overwrites both rows of logits with
+// the loss's gradient with respect to them (in their dtype, rounded once).
+void rdrop_softmax_(at::Tensor& logits1, at::Tensor& logits2, const at::Tensor& labels,
+                    const at::Tensor& mean1, const at::Tensor& mean2, at::Tensor& loss,
+                    at::Tensor& nll, int64_t vocab, double eps, double alpha, bool grad) {
+  for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&logits1, "logits1"},
+                         {&logits2, "logits2"}, {&labels, "labels"}, {&mean1, "mean1"},
+                         {&mean2, "mean2"}, {&loss, "loss"}, {&nll, "nll"}})
+    check_rows(*t, name);
+  TORCH_CHECK(logits1.dim() == 2 && logits1.sizes() == logits2.sizes(),
+              "logits1 and logits2 must be (rows, width) alike, got ", logits1.sizes(), " and ",
+              logits2.sizes());
+  TORCH_CHECK(logits1.scalar_type() == logits2.scalar_type(), "logits of two dtypes");
+  const int64_t rows = logits1.size(0), width = logits1.size(1);
+  TORCH_CHECK(vocab >= 1 && vocab <= width, "vocab ", vocab, " must be in [1, ", width, "]");
+  TORCH_CHECK(labels.scalar_type() == at::kLong && labels.numel() == rows,
+              "labels must be ", rows, " int64 values");
+  for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&mean1, "mean1"},
+                         {&mean2, "mean2"}, {&loss, "loss"}, {&nll, "nll"}})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == rows, name, " must be ", rows,
+                " float32 values");
+  const auto e = static_cast<float>(eps);
+  const auto a = static_cast<float>(alpha);
+  if (logits1.scalar_type() == at::kBFloat16)
+    rdrop_rows(logits1.data_ptr<c10::BFloat16>(), logits2.data_ptr<c10::BFloat16>(),
+               labels.data_ptr<int64_t>(), mean1.data_ptr<float>(), mean2.data_ptr<float>(),
+               loss.data_ptr<float>(), nll.data_ptr<float>(), rows, width, vocab, e, a, grad);
+  else if (logits1.scalar_type() == at::kFloat)
+    rdrop_rows(logits1.data_ptr<float>(), logits2.data_ptr<float>(),
+               labels.data_ptr<int64_t>(), mean1.data_ptr<float>(), mean2.data_ptr<float>(),
+               loss.data_ptr<float>(), nll.data_ptr<float>(), rows, width, vocab, e, a, grad);
+  else
+    TORCH_CHECK(false, "logits must be float32 or bfloat16, got ", logits1.scalar_type());
+}
+
 // ------------------------------------------------------------------------------------------
 // Scaled dot-product attention over short sequences, forward and backward (aiayn.kernels,
 // section 6), one (sequence, head) at a time on each thread:
@@ -910,6 +1039,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_backward", &attention_backward, "dq, dk, dv written in place");
   m.def("label_smoothed_softmax_", &label_smoothed_softmax_,
         "loss and nll per row; with grad, the logits become their gradient");
+  m.def("rdrop_softmax_", &rdrop_softmax_,
+        "R-Drop's loss and nll per row pair; with grad, both logits become their gradient");
   m.def("relu_backward_", &relu_backward_, "grad zeroed in place where the ReLU's out <= 0");
   m.def("parallel_threads", &parallel_threads, "threads that at::parallel_for used (tests)");
 }
