@@ -205,9 +205,10 @@ def batch_loss(net: nn.Module, embedding: torch.Tensor, batch: Batch, label_smoo
 
     ``rdrop`` (train.rdrop, > 0) with gradients on: the batch goes through ``net`` twice in
     one call, stacked on itself, so that each copy draws its own dropout, and the loss is
-    :func:`aiayn.objective.rdrop_loss` of the two passes' logits (formed in full at the
-    labels' positions: the fused loss has no KL term). Without gradients (validation) the
-    plain loss, as dropout is off there."""
+    :func:`aiayn.objective.rdrop_loss` of the two passes' logits: on the fast path fused
+    (:func:`aiayn.kernels.projected_rdrop_loss`, the decoder on packed rows whatever
+    ``pack``, the default blocks), on the plain one from the full logits. Without gradients
+    (validation) the plain loss, as dropout is off there."""
     device = batch.src.device.type
     labels, label_pad = batch.tgt_out, pad_id
     if output is not None:
