@@ -57,6 +57,19 @@ def test_presets_carry_the_paper_settings():
     assert (base.decode.beam, base.decode.alpha, base.decode.max_len_b) == (4, 0.6, 50)
 
 
+def test_the_rdrop_preset_is_multi30k_with_rdrop_alone():
+    """multi30k_rdrop inherits multi30k through Hydra's defaults list: the two compose to the
+    same parameters but for train.rdrop, also when multi30k changes later."""
+    plain = yaml.safe_load(compose(REPO / "conf", "multi30k", []))
+    rdrop = yaml.safe_load(compose(REPO / "conf", "multi30k_rdrop", []))
+    assert plain["train"].pop("rdrop") == 0 and rdrop["train"].pop("rdrop") == 5
+    assert rdrop == plain
+    # an override still wins over the preset's own value, as with dvc exp run -S
+    over = parse_params(yaml.safe_load(compose(REPO / "conf", "multi30k_rdrop",
+                                               ["train.rdrop=1.5", "seed=2"])))
+    assert (over.train.rdrop, over.seed) == (1.5, 2)
+
+
 def test_overrides_compose_like_dvc_exp_run():
     p = parse_params(yaml.safe_load(compose(REPO / "conf", "demo", ["vocab.vocab_size=777"])))
     assert p.vocab.vocab_size == 777
