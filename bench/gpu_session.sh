@@ -104,7 +104,10 @@ PART10_SECONDS=${PART10_SECONDS:-500}   # part 10's
 # 28M tokens, still underfitting) is one arm away, if CONV_MINUTES lets it reach its 8,000
 # steps: "wu:model.d_model=128 model.d_ff=256 model.encoder_layers=4 model.decoder_layers=4
 # model.dropout=0.3 train.warmup_steps=2000 train.lr_scale=2.53 vocab.vocab_size=10260".
-CONV=${CONV:-"d0.3:model.dropout=0.3;reg:model.dropout=0.3 train.attention_dropout=0.1 train.activation_dropout=0.1 train.subword_split=0.1;wide:model.d_model=512 model.heads=8 model.d_ff=2048 model.dropout=0.4;v10k:model.dropout=0.3 vocab.vocab_size=10260"}
+# rdrop: the multi30k_rdrop preset (R-Drop, alpha 5, at the preset's dropout 0.2): valid
+# 42.08 and test2016 41.31 / 41.73 lc-tok over 2 seeds in the AMX CPU hour at 17-18M tokens
+# (docs/results/multi30k/bf16-amx-rdrop/); its step costs ~2x, so it sees fewer steps here.
+CONV=${CONV:-"rdrop:train.rdrop=5;d0.3:model.dropout=0.3;reg:model.dropout=0.3 train.attention_dropout=0.1 train.activation_dropout=0.1 train.subword_split=0.1;wide:model.d_model=512 model.heads=8 model.d_ff=2048 model.dropout=0.4;v10k:model.dropout=0.3 vocab.vocab_size=10260"}
 CONV_AVERAGE=${CONV_AVERAGE:-"[1,5,10,20,30]"}
 CONV_SEEDS=${CONV_SEEDS:-"1 2"}
 CONV_STEPS=${CONV_STEPS:-8000}          # the published recipe's 8,000 updates of ~8k tokens
