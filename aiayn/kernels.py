@@ -210,7 +210,38 @@ def _compute_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
+class _GradientsFormedInForward(torch.autograd.Function):
+    """The fused losses' common end: their forward forms the gradients of the rows and of
+    the weight chunk by chunk (the loss is the graph's last operation, so none is wasted),
+    and backward only scales them by the incoming gradient. A subclass's forward takes nine
+    inputs, the first two the rows and the weight, and returns :meth:`finish`'s result."""
+
+    @staticmethod
+    def finish(ctx, loss: Tensor, nll: Tensor, grad_rows: Tensor | None,
+               grad_weight: Tensor | None, weight: Tensor, width: int, name: str
+               ) -> tuple[Tensor, Tensor]:
+        """Keeps the gradients (``grad_weight`` of ``width`` >= vocab rows, cut to the
+        vocabulary) for backward and returns (loss sum, NLL sum), the NLL without gradient;
+        ``name``, the public function's, is what backward's error names."""
+        if grad_weight is not None and width != weight.shape[0]:
+            grad_weight = grad_weight[:weight.shape[0]]
+        ctx.save_for_backward(grad_rows, grad_weight)
+        ctx.weight_dtype, ctx.loss_name = weight.dtype, name
+        ctx.mark_non_differentiable(nll)
+        return loss.sum(), nll.sum()
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor, _grad_nll: Tensor):
+        grad_rows, grad_weight = ctx.saved_tensors
+        if grad_rows is None:
+            raise RuntimeError(f"{ctx.loss_name} was computed without gradients "
+                               "(under torch.no_grad) and cannot be backpropagated")
+        return (grad_rows * grad_loss.to(grad_rows.dtype),
+                (grad_weight * grad_loss).to(ctx.weight_dtype), None, None, None, None, None,
+                None, None)
+
+
+class _ProjectedLabelSmoothedLoss(_GradientsFormedInForward):
     """Sum over rows of the label-smoothed loss of ``rows @ weight.T``, and of the NLL.
 
     Gradients are computed during the forward pass, chunk by chunk, and scaled by the
@@ -275,22 +306,8 @@ class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
                         grad_weight.addmm_(g.t(), a_c)
                     else:
                         grad_weight += torch.mm(g.t(), a_c).float()
-        if need_grad and width != vocab:
-            grad_weight = grad_weight[:vocab]
-        ctx.save_for_backward(grad_rows, grad_weight)
-        ctx.weight_dtype = weight.dtype
-        ctx.mark_non_differentiable(nll)
-        return loss.sum(), nll.sum()
-
-    @staticmethod
-    def backward(ctx, grad_loss: Tensor, _grad_nll: Tensor):
-        grad_rows, grad_weight = ctx.saved_tensors
-        if grad_rows is None:
-            raise RuntimeError("projected_label_smoothed_loss was computed without gradients "
-                               "(under torch.no_grad) and cannot be backpropagated")
-        return (grad_rows * grad_loss.to(grad_rows.dtype),
-                (grad_weight * grad_loss).to(ctx.weight_dtype), None, None, None, None, None,
-                None, None)
+        return _GradientsFormedInForward.finish(ctx, loss, nll, grad_rows, grad_weight,
+                                                weight, width, "projected_label_smoothed_loss")
 
 
 def _softmax_blocks(g: Tensor, labels: Tensor, mean_all: Tensor, loss: Tensor, nll: Tensor,
@@ -377,7 +394,7 @@ def projected_label_smoothed_loss(hidden: Tensor, weight: Tensor, labels: Tensor
     return loss, nll, keep.numel()
 
 
-class _ProjectedRDropLoss(torch.autograd.Function):
+class _ProjectedRDropLoss(_GradientsFormedInForward):
     """R-Drop's loss (:func:`aiayn.objective.rdrop_loss`) of ``rows @ weight.T``, rows
     [0, N) the first pass and [N, 2N) the second, by the fused loss's pattern: chunk by
     chunk, gradients formed in forward and scaled in backward, logits never kept whole."""
@@ -420,22 +437,8 @@ class _ProjectedRDropLoss(torch.autograd.Function):
                         grad_weight.addmm_(g1.t(), a1).addmm_(g2.t(), a2)
                     else:
                         grad_weight += (torch.mm(g1.t(), a1) + torch.mm(g2.t(), a2)).float()
-        if need_grad and width != vocab:
-            grad_weight = grad_weight[:vocab]
-        ctx.save_for_backward(grad_rows, grad_weight)
-        ctx.weight_dtype = weight.dtype
-        ctx.mark_non_differentiable(nll)
-        return loss.sum(), nll.sum()
-
-    @staticmethod
-    def backward(ctx, grad_loss: Tensor, _grad_nll: Tensor):
-        grad_rows, grad_weight = ctx.saved_tensors
-        if grad_rows is None:
-            raise RuntimeError("projected_rdrop_loss was computed without gradients "
-                               "(under torch.no_grad) and cannot be backpropagated")
-        return (grad_rows * grad_loss.to(grad_rows.dtype),
-                (grad_weight * grad_loss).to(ctx.weight_dtype), None, None, None, None, None,
-                None, None)
+        return _GradientsFormedInForward.finish(ctx, loss, nll, grad_rows, grad_weight,
+                                                weight, width, "projected_rdrop_loss")
 
 
 def _rdrop_eager(g1: Tensor, g2: Tensor, labels: Tensor, mean1: Tensor, mean2: Tensor,
