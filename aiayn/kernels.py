@@ -217,6 +217,28 @@ class _GradientsFormedInForward(torch.autograd.Function):
     inputs, the first two the rows and the weight, and returns :meth:`finish`'s result."""
 
     @staticmethod
+    def operands(rows: Tensor, weight: Tensor, n: int, dtype: torch.dtype, need_grad: bool,
+                 align: int) -> tuple[Tensor, Tensor, int, Tensor, Tensor, Tensor | None,
+                                      Tensor | None]:
+        """What a forward works on, with autocast off: (rows and weight in ``dtype``, the
+        product width, ``n`` losses and NLLs in fp32, and with ``need_grad`` the gradients
+        to fill: the rows', and the weight's in fp32, zeroed). The products run on ``width``
+        >= vocab columns, a multiple of ``align``: the extra rows of the weight are zeros,
+        their logits are set to -inf before the softmax (so they add nothing to it) and
+        their gradient rows are dropped."""
+        vocab = weight.shape[0]
+        width = padded_width(vocab, align)
+        a, w = rows.to(dtype), weight.to(dtype)
+        if width != vocab:
+            w = torch.cat([w, w.new_zeros(width - vocab, w.shape[1])])
+        loss = torch.empty(n, dtype=torch.float32, device=rows.device)
+        nll = torch.empty_like(loss)
+        grad_rows = torch.empty_like(rows) if need_grad else None
+        grad_weight = torch.zeros(width, weight.shape[1], dtype=torch.float32,
+                                  device=weight.device) if need_grad else None
+        return a, w, width, loss, nll, grad_rows, grad_weight
+
+    @staticmethod
     def finish(ctx, loss: Tensor, nll: Tensor, grad_rows: Tensor | None,
                grad_weight: Tensor | None, weight: Tensor, width: int, name: str
                ) -> tuple[Tensor, Tensor]:
@@ -254,20 +276,9 @@ class _ProjectedLabelSmoothedLoss(_GradientsFormedInForward):
                 chunk_rows: int, softmax_rows: int, dtype: torch.dtype, need_grad: bool,
                 align: int):
         n, vocab = rows.shape[0], weight.shape[0]
-        # The products run on ``width`` >= vocab columns, a multiple of ``align``: the
-        # extra rows of ``w`` are zeros, their logits are set to -inf before the softmax (so
-        # they add nothing to it) and their gradient rows are dropped.
-        width = padded_width(vocab, align)
         with torch.autocast(rows.device.type, enabled=False):
-            a = rows.to(dtype)
-            w = weight.to(dtype)
-            if width != vocab:
-                w = torch.cat([w, w.new_zeros(width - vocab, w.shape[1])])
-            loss = torch.empty(n, dtype=torch.float32, device=rows.device)
-            nll = torch.empty_like(loss)
-            grad_rows = torch.empty_like(rows) if need_grad else None
-            grad_weight = torch.zeros(width, weight.shape[1], dtype=torch.float32,
-                                      device=weight.device) if need_grad else None
+            a, w, width, loss, nll, grad_rows, grad_weight = \
+                _GradientsFormedInForward.operands(rows, weight, n, dtype, need_grad, align)
             # The buffer holds a whole chunk, or the last chunk's window where that is more
             # (its real length is in [1, chunk_rows]: chunk_rows when n is a multiple).
             last = n - (n - 1) // chunk_rows * chunk_rows
@@ -404,17 +415,9 @@ class _ProjectedRDropLoss(_GradientsFormedInForward):
                 alpha: float, chunk_rows: int, dtype: torch.dtype, need_grad: bool,
                 align: int):
         n, vocab = labels.numel(), weight.shape[0]
-        width = padded_width(vocab, align)  # as in _ProjectedLabelSmoothedLoss
         with torch.autocast(rows.device.type, enabled=False):
-            a = rows.to(dtype)
-            w = weight.to(dtype)
-            if width != vocab:
-                w = torch.cat([w, w.new_zeros(width - vocab, w.shape[1])])
-            loss = torch.empty(n, dtype=torch.float32, device=rows.device)
-            nll = torch.empty_like(loss)
-            grad_rows = torch.empty_like(rows) if need_grad else None
-            grad_weight = torch.zeros(width, weight.shape[1], dtype=torch.float32,
-                                      device=weight.device) if need_grad else None
+            a, w, width, loss, nll, grad_rows, grad_weight = \
+                _GradientsFormedInForward.operands(rows, weight, n, dtype, need_grad, align)
             buf = torch.empty(2, min(chunk_rows, max(n, 1)), width, dtype=dtype,
                               device=rows.device)
             mean_all = rows.float() @ weight.float().mean(dim=0)  # (2N,) mean logits
