@@ -309,6 +309,9 @@ class RowResult:
     params: dict[str, Any]  # flattened: "model.d_model" -> 512
     train: dict[str, Any]  # metrics/train.json
     bleu_valid: dict[str, Any]  # metrics/bleu_valid.json
+    # The experiment's commit (`dvc exp show`'s rev), whose files :func:`save_runs` copies;
+    # None for a run read from a folder. Not compared: the same results from either source.
+    rev: str | None = field(default=None, compare=False)
 
 
 def results_from_exp_show(shown: list[dict]) -> dict[str, RowResult]:
@@ -320,7 +323,8 @@ def results_from_exp_show(shown: list[dict]) -> dict[str, RowResult]:
             name = exp.get("name") or ""
             if not name.startswith(PREFIX) or name in found:
                 continue
-            data = (exp.get("revs") or [{}])[0].get("data") or {}
+            commit = (exp.get("revs") or [{}])[0]
+            data = commit.get("data") or {}
             metrics = {path: (m or {}).get("data") or {}
                        for path, m in (data.get("metrics") or {}).items()}
             train, valid = metrics.get("metrics/train.json"), metrics.get(
@@ -328,7 +332,7 @@ def results_from_exp_show(shown: list[dict]) -> dict[str, RowResult]:
             if not train or not valid:
                 continue  # queued, running or failed: nothing to show yet
             params = flatten(((data.get("params") or {}).get("params.yaml") or {}).get("data"))
-            found[name] = RowResult(params, train, valid)
+            found[name] = RowResult(params, train, valid, commit.get("rev"))
     return found
 
 
@@ -369,6 +373,63 @@ def results_from_folders(folders: list[Path]) -> dict[str, RowResult]:
                                 else json.loads(f.read_text()) for f in files)
         found[folder.name] = RowResult(flatten(params), train, valid)
     return found
+
+
+# What a row's run folder holds: the files results_from_folders reads (the first three),
+# then its curves and its averaging choice, as the train, average and score stages write them
+# into the experiment's commit (all are git-tracked metrics, `cache: false` in dvc.yaml).
+RUN_FILES = ("params.yaml", "metrics/train.json", "metrics/bleu_valid.json",
+             "metrics/average.json", "metrics/train_log.tsv", "metrics/valid_log.tsv",
+             "metrics/valid_bleu.tsv")
+REQUIRED_RUN_FILES = RUN_FILES[:3]
+
+
+class RunFolderError(ValueError):
+    """A run folder that cannot be written (the message says which and what to do)."""
+
+
+def save_runs(found: dict[str, RowResult], out: Path,
+              read: Callable[[str, str], bytes | None]) -> list[Path]:
+    """Write each row of ``found`` that came from a DVC experiment as a run folder,
+    ``out/table3-<row>/`` with :data:`RUN_FILES` as they are in the experiment's commit
+    (``read(rev, path)``: the file's bytes, None where the commit lacks it), in paper order.
+
+    These are the folders :func:`results_from_folders` reads, so a table run in parts (on
+    several days, machines, or commits, whose experiments `dvc exp show` no longer lists
+    together) is assembled with `aiayn results --table3 --runs OUT/table3-*/`. A row whose
+    folder exists already stops the whole call before anything is written (a run's record
+    is not replaced silently); each folder appears complete or not at all.
+    """
+    from aiayn.io import atomic_path
+
+    out = Path(out)
+    order = {row.name: i for i, row in enumerate(PAPER_ROWS)}
+    rows = sorted((name for name, r in found.items() if r.rev),
+                  key=lambda name: order.get(name, len(order)))
+    taken = [str(out / name) for name in rows if (out / name).exists()]
+    if taken:
+        raise RunFolderError(
+            f"{', '.join(taken)}: already there; move or remove those folders (they may "
+            "hold another run of the row), or save into another folder")
+    files: dict[str, dict[str, bytes]] = {}
+    for name in rows:
+        rev = found[name].rev
+        files[name] = {}
+        for rel in RUN_FILES:
+            data = read(rev, rel)
+            if data is None and rel in REQUIRED_RUN_FILES:
+                raise RunFolderError(f"{name}: experiment commit {rev[:7]} has no {rel}; "
+                                     "was it run by `dvc exp run` with this pipeline?")
+            if data is not None:
+                files[name][rel] = data
+    written = []
+    for name in rows:
+        with atomic_path(out / name, directory=True) as tmp:
+            for rel, data in files[name].items():
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                (tmp / rel).write_bytes(data)
+        written.append(out / name)
+    return written
 
 
 def _num(x: Any, digits: int = 2) -> str:
@@ -454,7 +515,32 @@ def render_table(results: dict[str, RowResult], rows: tuple[PaperRow, ...] = PAP
         "- params ×10⁶: our model's count (tied embeddings over our vocabulary); the paper's "
         "printed counts fit no single vocabulary size (tests/test_table3.py, docs/table3.md).",
     ]
+    if trained := trained_on(results, rows):
+        lines.append(trained)
     return "\n".join(lines) + "\n"
+
+
+def trained_on(results: dict[str, RowResult], rows: tuple[PaperRow, ...] = PAPER_ROWS
+               ) -> str | None:
+    """A note of what each row trained in and on (precision, hardware, processes, from its
+    metrics/train.json), grouped, in paper order: rows run in parts on several machines
+    differ in precision, which the table's columns do not show. None where no row says."""
+    groups: dict[str, list[str]] = {}
+    for row in rows:
+        train = results[row.name].train if row.name in results else {}
+        if not (train.get("precision") or train.get("hardware")):
+            continue
+        what = f"{train.get('precision', '?')} on {train.get('hardware') or '?'}"
+        if (caps := train.get("instruction_caps")) not in (None, "none"):
+            what += f" (capped to {caps})"
+        if (world := train.get("world_size") or 1) > 1:
+            what += f" × {world} processes"
+        groups.setdefault(what, []).append(row.name.removeprefix(PREFIX))
+    if not groups:
+        return None
+    return ("- trained in " + "; ".join(f"{what}: {', '.join(names)}"
+                                        for what, names in groups.items())
+            + " (each row's metrics/train.json).")
 
 
 def paper_counts_implied_vocabulary(non_embedding: int, d_model: int, params_m: int

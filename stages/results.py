@@ -24,7 +24,8 @@ def results(
     checkpoints: Annotated[Path, typer.Option(help="The train stage's checkpoint folder (holds the MLflow run id).")] = Path("data/checkpoints"),
     model: Annotated[Path, typer.Option(help="The averaged model folder.")] = Path("data/model"),
     table3: Annotated[bool, typer.Option("--table3", help="Instead: the paper's Table 3 from the `table3-*` DVC experiments of this commit (`aiayn table3 --queue`), beside the paper's values; written to METRICS/table3.md and printed.")] = False,
-    runs: Annotated[list[Path] | None, typer.Option("--runs", help="With --table3: read these run folders (`table3-<row>/` with params.yaml and metrics/, as bench/gpu_session.sh runs them without DVC) instead of the DVC experiments.")] = None,
+    runs: Annotated[list[Path] | None, typer.Option("--runs", help="With --table3: read these run folders (`table3-<row>/` with params.yaml and metrics/, as bench/gpu_session.sh runs them without DVC, or as --save-runs writes them) instead of the DVC experiments.")] = None,
+    save_runs: Annotated[Path | None, typer.Option("--save-runs", help="With --table3, from the DVC experiments: also write each finished row as a run folder SAVE_RUNS/table3-<row>/ (params.yaml, metrics/ with the table's metrics and the training curves, copied from the experiment's commit), to be committed as a record or put in one table with rows run on other days or machines: `aiayn results --table3 --runs SAVE_RUNS/table3-*/`. A row whose folder exists stops it before anything is written.")] = None,
 ) -> None:
     """Print the last run's results and where everything is (not a DVC stage; reads only).
 
@@ -36,10 +37,16 @@ def results(
     With --table3: reads `dvc exp show --json` (the experiments of HEAD) and writes
     METRICS/table3.md, the paper's Table 3 layout with each row's experiment (params, steps,
     valid perplexity, valid BLEU, parameters) beside the paper's numbers; rows that have
-    not run show –.
+    not run show –. --save-runs keeps each finished row as a folder of its own, so that a
+    table run in parts (a row a day, on several machines) is assembled with --runs.
     """
+    if save_runs is not None and (not table3 or runs):
+        typer.secho("error: --save-runs: give it with --table3 and without --runs (it saves "
+                    "the rows of the DVC experiments as run folders)",
+                    fg=typer.colors.RED, err=True)
+        raise typer.Exit(code=2)
     if table3:
-        _table3(metrics / "table3.md", runs)
+        _table3(metrics / "table3.md", runs, save_runs)
         return
     from aiayn.tracking import resolve_tracking_uri
 
@@ -129,7 +136,15 @@ def _stale(train: dict | None, average: dict | None) -> str | None:
     return None
 
 
-def _table3(out: Path, runs: list[Path] | None = None) -> None:
+def _git_file(rev: str, path: str) -> bytes | None:
+    """``path`` as commit ``rev`` holds it; None where it has no such file."""
+    import subprocess
+
+    shown = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True)
+    return shown.stdout if shown.returncode == 0 else None
+
+
+def _table3(out: Path, runs: list[Path] | None = None, save: Path | None = None) -> None:
     from aiayn import table3 as t3
 
     if runs:
@@ -154,7 +169,16 @@ def _table3(out: Path, runs: list[Path] | None = None) -> None:
     except AiaynError as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(code=2) from None
-    _write_table3(out, t3.results_from_exp_show(shown))
+    found = t3.results_from_exp_show(shown)
+    if save is not None:
+        try:
+            saved = t3.save_runs(found, save, _git_file)
+        except (t3.RunFolderError, AiaynError) as exc:
+            typer.secho(f"error: --save-runs: {exc}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(code=2) from None
+        typer.echo(f"saved {len(saved)} row(s) as run folders in {save}: "
+                   + (", ".join(p.name for p in saved) or "none has finished"), err=True)
+    _write_table3(out, found)
 
 
 def _write_table3(out: Path, found: dict) -> None:

@@ -379,6 +379,28 @@ def test_table3_queues_every_row_once_and_a_tiny_row_runs_into_the_table(tmp_pat
     assert cells[1:12] == ["1", "32", "64", "4", "8", "8", "0.1", "0.1", "learned", "4",
                            cells[11]] and float(cells[11]) > 1  # a perplexity
     assert (root / "metrics/table3.md").read_text() in shown
+
+    # --save-runs: the row as a run folder, its files those of the experiment's commit, which
+    # --runs reads into the same table; saving again over it stops and changes nothing.
+    exps = json.loads(run(["dvc", "exp", "show", "--json"], root, env).stdout)
+    rev = next(e["revs"][0]["rev"] for b in exps for e in b.get("experiments") or []
+               if e["name"] == "table3-E-learned")
+    saved = run(["aiayn", "results", "--table3", "--save-runs", "runs"], root, env)
+    assert "saved 1 row(s) as run folders in runs: table3-E-learned" in saved.stderr
+    folder = root / "runs/table3-E-learned"
+    for rel in t3.RUN_FILES:
+        committed = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=root,
+                                   capture_output=True, check=True).stdout
+        assert (folder / rel).read_bytes() == committed, rel
+    before = sorted(str(f) for f in (root / "runs").rglob("*"))
+    again = run(["aiayn", "results", "--table3", "--save-runs", "runs"], root, env,
+                check=False)
+    assert again.returncode == 2 and "already there" in again.stderr, again.stderr
+    assert sorted(str(f) for f in (root / "runs").rglob("*")) == before
+    run(["aiayn", "results", "--table3", "--metrics", "from-runs", "--runs", str(folder)],
+        root, env)
+    assert ((root / "from-runs/table3.md").read_text()
+            == (root / "metrics/table3.md").read_text())
     client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("aiayn").experiment_id])
     assert [(r.info.run_name, r.info.status) for r in runs] == [("table3-E-learned",

@@ -332,6 +332,22 @@ def test_the_table_in_the_papers_layout_from_experiment_results():
     assert table + "\n" == EXPECTED
     assert "per target token of our BPE" in notes and "not comparable" in notes
     assert "dev = our valid split" in notes
+    assert "trained in" not in notes  # no row says what it trained on
+    base = found["table3-base"]
+    mixed = {
+        "table3-base": t3.RowResult(base.params, {**base.train, "precision": "bf16",
+                                                  "hardware": "CPU X"}, base.bleu_valid),
+        "table3-E-learned": t3.RowResult(base.params, {
+            **base.train, "precision": "fp32", "hardware": "CPU Y",
+            "instruction_caps": "avx2"}, base.bleu_valid),
+        "table3-B-dk16": t3.RowResult(base.params, {
+            **base.train, "precision": "bf16", "hardware": "CPU X"}, base.bleu_valid),
+        "table3-big": t3.RowResult(base.params, {
+            **base.train, "precision": "bf16", "hardware": "GPU Z", "world_size": 8},
+            base.bleu_valid)}
+    assert t3.render_table(mixed).endswith(
+        "\n- trained in bf16 on CPU X: base, B-dk16; fp32 on CPU Y (capped to avx2): "
+        "E-learned; bf16 on GPU Z × 8 processes: big (each row's metrics/train.json).\n")
     whole = t3.render_table({}, title="T")
     assert whole.count(" not run ") == 20
 
@@ -371,6 +387,59 @@ def test_run_folders_give_the_same_rows_as_the_experiments(tmp_path):
     assert result.exit_code == 0, result.output
     assert out.read_text() == t3.render_table(shown)
     assert "3 of 20 rows have run" in result.output
+
+
+def test_saved_run_folders_hold_each_experiments_files_and_give_the_same_rows(tmp_path):
+    """`aiayn results --table3 --save-runs` (t3.save_runs): each scored row's files copied
+    byte for byte from its experiment's commit into a folder of its own, in paper order;
+    read back, the same rows. A row whose folder exists, or a commit without a file the
+    table needs, stops the call before any folder is written."""
+    import json
+
+    shown = t3.results_from_exp_show(copy.deepcopy(SHOWN))
+    commits = {}
+    for result in shown.values():
+        params: dict = {}
+        for key, value in result.params.items():
+            section, _, leaf = key.partition(".")
+            params.setdefault(section, {})[leaf] = value
+        commits[result.rev] = {
+            "params.yaml": yaml.safe_dump(params).encode(),
+            "metrics/train.json": json.dumps(result.train).encode(),
+            "metrics/bleu_valid.json": json.dumps(result.bleu_valid).encode(),
+            "metrics/valid_bleu.tsv": f"step\tvalid_bleu\n200\t{len(result.rev)}\n".encode(),
+            "dvc.lock": b"not a run file"}
+    reads = []
+
+    def read(rev: str, path: str) -> bytes | None:
+        reads.append((rev, path))
+        return commits[rev].get(path)
+
+    saved = t3.save_runs(shown, tmp_path / "runs", read)
+    assert [p.name for p in saved] == ["table3-base", "table3-B-dk16", "table3-E-learned"]
+    for folder in saved:
+        files = commits[shown[folder.name].rev]
+        on_disk = {str(f.relative_to(folder)): f.read_bytes()
+                   for f in folder.rglob("*") if f.is_file()}
+        assert on_disk == {k: v for k, v in files.items() if k in t3.RUN_FILES}
+    assert t3.results_from_folders(saved) == shown
+    assert sorted(os.listdir(tmp_path / "runs")) == sorted(p.name for p in saved)  # no leftovers
+
+    taken = tmp_path / "taken"
+    (taken / "table3-E-learned").mkdir(parents=True)
+    reads.clear()
+    with pytest.raises(t3.RunFolderError, match=r"table3-E-learned: already there"):
+        t3.save_runs(shown, taken, read)
+    assert reads == [] and os.listdir(taken) == ["table3-E-learned"]
+
+    del commits[shown["table3-E-learned"].rev]["metrics/bleu_valid.json"]
+    with pytest.raises(t3.RunFolderError, match=r"table3-E-learned: .* no "
+                                                r"metrics/bleu_valid.json"):
+        t3.save_runs(shown, tmp_path / "lacking", read)
+    assert not (tmp_path / "lacking").exists()
+    folders_only = t3.results_from_folders(saved)
+    assert all(r.rev is None for r in folders_only.values())
+    assert t3.save_runs(folders_only, tmp_path / "none", read) == []
 
 
 def test_the_table_shows_probabilities_as_they_were_set():
