@@ -112,3 +112,42 @@ def plot_training_curves(train_log: Path, valid_log: Path, path: Path) -> None:
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png")
     plt.close(fig)
+
+
+def plot_table3_changes(changes: list, base: str, path: Path) -> None:
+    """Table 3 as a picture (``aiayn.table3.changes_from_base``): for each row, the change
+    from the base in dev BLEU (points) and in dev perplexity (%), ours beside the paper's,
+    one bar pair per row in the paper's order; a row not run has the paper's bar alone.
+    ``base`` says what our base row scored, for the title."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [c.name for c in changes]
+    y = np.arange(len(changes))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.36 * len(changes) + 1.8), dpi=100,
+                             sharey=True)
+    panels = ((axes[0], "bleu", "paper_bleu", 1.0, "dev BLEU − base's (points)"),
+              (axes[1], "ppl", "paper_ppl", 100.0, "dev perplexity / base's − 1 (%)"))
+    for ax, ours_key, paper_key, scale, title in panels:
+        paper = [getattr(c, paper_key) * scale for c in changes]
+        ours = [getattr(c, ours_key) for c in changes]
+        ax.barh(y - 0.2, paper, height=0.4, color="0.7", label="paper (WMT14 newstest2013)")
+        ran = [i for i, v in enumerate(ours) if v is not None]
+        ax.barh(y[ran] + 0.2, [ours[i] * scale for i in ran], height=0.4, color="tab:blue",
+                label="ours")
+        for i, v in enumerate(ours):
+            if v is None:
+                ax.text(0, y[i] + 0.2, " not run", va="center", fontsize=7, color="0.4")
+        ax.axvline(0, color="black", lw=0.8)
+        ax.set(title=title)
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].set_yticks(y, names, fontsize=8)
+    axes[0].invert_yaxis()  # the paper's order, top to bottom
+    axes[0].legend(fontsize=8, loc="best")
+    fig.suptitle(f"Table 3: each row against the base row (ours: {base})", fontsize=10)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)

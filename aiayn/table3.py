@@ -520,6 +520,42 @@ def render_table(results: dict[str, RowResult], rows: tuple[PaperRow, ...] = PAP
     return "\n".join(lines) + "\n"
 
 
+@dataclass(frozen=True)
+class Change:
+    """One row against the base row: the change in dev BLEU (points) and in dev perplexity
+    (relative), ours (None: not run, or the base has not) and the paper's."""
+
+    name: str
+    bleu: float | None
+    ppl: float | None
+    paper_bleu: float
+    paper_ppl: float
+
+
+def changes_from_base(results: dict[str, RowResult], rows: tuple[PaperRow, ...] = PAPER_ROWS
+                      ) -> list[Change]:
+    """Each row but the base against the base, ours beside the paper's: tokenized dev BLEU
+    minus the base's, and dev perplexity over the base's minus 1. Perplexities of different
+    vocabularies do not compare, but their ratios to a base on the same vocabulary do."""
+    paper_base = next(r for r in PAPER_ROWS if r.group == "base")
+    base = results.get(paper_base.name)
+    base_bleu = _score(base.bleu_valid, "tokenized_bleu") if base else None
+    base_ppl = base.train.get("valid_ppl") if base else None
+    out = []
+    for row in rows:
+        if row.group == "base":
+            continue
+        ours = results.get(row.name)
+        bleu = _score(ours.bleu_valid, "tokenized_bleu") if ours else None
+        ppl = ours.train.get("valid_ppl") if ours else None
+        out.append(Change(
+            row.name.removeprefix(PREFIX),
+            None if bleu is None or base_bleu is None else bleu - base_bleu,
+            None if ppl is None or not base_ppl else ppl / base_ppl - 1,
+            row.bleu - paper_base.bleu, row.ppl / paper_base.ppl - 1))
+    return out
+
+
 def trained_on(results: dict[str, RowResult], rows: tuple[PaperRow, ...] = PAPER_ROWS
                ) -> str | None:
     """A note of what each row trained in and on (precision, hardware, processes, from its

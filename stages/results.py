@@ -23,7 +23,7 @@ def results(
     metrics: Annotated[Path, typer.Option(help="The metrics folder the stages wrote.")] = Path("metrics"),
     checkpoints: Annotated[Path, typer.Option(help="The train stage's checkpoint folder (holds the MLflow run id).")] = Path("data/checkpoints"),
     model: Annotated[Path, typer.Option(help="The averaged model folder.")] = Path("data/model"),
-    table3: Annotated[bool, typer.Option("--table3", help="Instead: the paper's Table 3 from the `table3-*` DVC experiments of this commit (`aiayn table3 --queue`), beside the paper's values; written to METRICS/table3.md and printed.")] = False,
+    table3: Annotated[bool, typer.Option("--table3", help="Instead: the paper's Table 3 from the `table3-*` DVC experiments of this commit (`aiayn table3 --queue`), beside the paper's values; written to METRICS/table3.md and printed, and drawn as each row's change from the base in METRICS/table3.png.")] = False,
     runs: Annotated[list[Path] | None, typer.Option("--runs", help="With --table3: read these run folders (`table3-<row>/` with params.yaml and metrics/, as bench/gpu_session.sh runs them without DVC, or as --save-runs writes them) instead of the DVC experiments.")] = None,
     save_runs: Annotated[Path | None, typer.Option("--save-runs", help="With --table3, from the DVC experiments: also write each finished row as a run folder SAVE_RUNS/table3-<row>/ (params.yaml, metrics/ with the table's metrics and the training curves, copied from the experiment's commit), to be committed as a record or put in one table with rows run on other days or machines: `aiayn results --table3 --runs SAVE_RUNS/table3-*/`. A row whose folder exists stops it before anything is written.")] = None,
 ) -> None:
@@ -37,7 +37,8 @@ def results(
     With --table3: reads `dvc exp show --json` (the experiments of HEAD) and writes
     METRICS/table3.md, the paper's Table 3 layout with each row's experiment (params, steps,
     valid perplexity, valid BLEU, parameters) beside the paper's numbers; rows that have
-    not run show –. --save-runs keeps each finished row as a folder of its own, so that a
+    not run show –. Once the base row has run, METRICS/table3.png draws each row's change
+    from the base in dev BLEU and perplexity, ours beside the paper's. --save-runs keeps each finished row as a folder of its own, so that a
     table run in parts (a row a day, on several machines) is assembled with --runs.
     """
     if save_runs is not None and (not table3 or runs):
@@ -189,7 +190,19 @@ def _write_table3(out: Path, found: dict) -> None:
     write_text(out, text)
     typer.echo(text, nl=False)
     ran = sum(row.name in found for row in t3.PAPER_ROWS)
-    typer.echo(f"({ran} of {len(t3.PAPER_ROWS)} rows have run; written to {out})")
+    written = str(out)
+    base = found.get(t3.PAPER_ROWS[0].name)
+    if base is not None:  # the picture compares each row with the base
+        from aiayn.plots import plot_table3_changes
+
+        picture = out.with_suffix(".png")
+        bleu = (base.bleu_valid.get("tokenized_bleu") or {}).get("score")
+        ppl = base.train.get("valid_ppl")
+        plot_table3_changes(t3.changes_from_base(found), "base dev BLEU "
+                            + ("–" if bleu is None else f"{bleu:.1f}") + ", perplexity "
+                            + ("–" if ppl is None else f"{ppl:.2f}"), picture)
+        written += f" and {picture}"
+    typer.echo(f"({ran} of {len(t3.PAPER_ROWS)} rows have run; written to {written})")
 
 
 app = single_command_app(results, "Print the last run's results and where they are.")

@@ -387,6 +387,26 @@ def test_run_folders_give_the_same_rows_as_the_experiments(tmp_path):
     assert result.exit_code == 0, result.output
     assert out.read_text() == t3.render_table(shown)
     assert "3 of 20 rows have run" in result.output
+    picture = out.with_suffix(".png")  # the base has run: each row's change is drawn
+    assert picture.read_bytes().startswith(b"\x89PNG") and str(picture) in result.output
+
+
+def test_each_rows_change_from_the_base_ours_beside_the_papers():
+    found = t3.results_from_exp_show(copy.deepcopy(SHOWN))
+    changes = {c.name: c for c in t3.changes_from_base(found)}
+    assert list(changes) == [r.name.removeprefix("table3-") for r in t3.PAPER_ROWS[1:]]
+    dk16 = changes["B-dk16"]  # ours: 39.04 and 6.0 against the base's 41.56 and 5.4321
+    assert dk16.bleu == pytest.approx(39.04 - 41.56)
+    assert dk16.ppl == pytest.approx(6.0 / 5.4321 - 1)
+    assert dk16.paper_bleu == pytest.approx(25.1 - 25.8)  # the paper's 25.1 against 25.8
+    assert dk16.paper_ppl == pytest.approx(5.16 / 4.92 - 1)
+    assert changes["E-learned"].bleu == pytest.approx(1.25 - 41.56)
+    assert changes["big"].paper_bleu == pytest.approx(26.4 - 25.8)
+    h1 = changes["A-h1"]  # not run: the paper's alone
+    assert (h1.bleu, h1.ppl) == (None, None) and h1.paper_bleu == pytest.approx(-0.9)
+    without_base = {k: v for k, v in found.items() if k != "table3-base"}
+    assert all(c.bleu is None and c.ppl is None
+               for c in t3.changes_from_base(without_base))
 
 
 def test_saved_run_folders_hold_each_experiments_files_and_give_the_same_rows(tmp_path):
@@ -507,6 +527,7 @@ def test_results_runs_name_a_missing_folder_and_count_rows_only(tmp_path):
     assert shown.exit_code == 0, shown.output
     assert "not named after a row" in shown.output
     assert "(0 of 20 rows have run" in shown.output
+    assert not (tmp_path / "table3.png").exists()  # no base row: nothing to compare with
 
 
 def test_results_table3_outside_a_dvc_repository_says_so_and_writes_nothing(tmp_path,
