@@ -141,6 +141,9 @@ def plot_table3_changes(changes: list, base: str, path: Path) -> None:
             if v is None:
                 ax.text(0, y[i] + 0.2, " not run", va="center", fontsize=7, color="0.4")
         ax.axvline(0, color="black", lw=0.8)
+        for i in range(1, len(changes)):  # a line between the paper's groups
+            if changes[i].group != changes[i - 1].group:
+                ax.axhline(i - 0.5, color="0.6", lw=0.6, ls=":")
         ax.set(title=title)
         ax.grid(axis="x", alpha=0.3)
     axes[0].set_yticks(y, names, fontsize=8)

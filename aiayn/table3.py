@@ -526,6 +526,7 @@ class Change:
     (relative), ours (None: not run, or the base has not) and the paper's."""
 
     name: str
+    group: str
     bleu: float | None
     ppl: float | None
     paper_bleu: float
@@ -549,7 +550,7 @@ def changes_from_base(results: dict[str, RowResult], rows: tuple[PaperRow, ...] 
         bleu = _score(ours.bleu_valid, "tokenized_bleu") if ours else None
         ppl = ours.train.get("valid_ppl") if ours else None
         out.append(Change(
-            row.name.removeprefix(PREFIX),
+            row.name.removeprefix(PREFIX), row.group,
             None if bleu is None or base_bleu is None else bleu - base_bleu,
             None if ppl is None or not base_ppl else ppl / base_ppl - 1,
             row.bleu - paper_base.bleu, row.ppl / paper_base.ppl - 1))
