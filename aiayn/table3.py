@@ -323,6 +323,8 @@ def results_from_exp_show(shown: list[dict]) -> dict[str, RowResult]:
             name = exp.get("name") or ""
             if not name.startswith(PREFIX) or name in found:
                 continue
+            if _failed(exp):  # a failed or killed run lists its baseline commit's metrics
+                continue
             commit = (exp.get("revs") or [{}])[0]
             data = commit.get("data") or {}
             metrics = {path: (m or {}).get("data") or {}
@@ -340,6 +342,13 @@ STATES = {None: "Success", "success": "Success", "queued": "Queued", "running": 
           "failed": "Failed"}
 
 
+def _failed(exp: dict) -> bool:
+    """Whether an experiment of ``dvc exp show --json`` failed or was killed (its executor
+    says so, or its revision carries an error)."""
+    return ((exp.get("executor") or {}).get("state") == "failed"
+            or any(rev.get("error") for rev in exp.get("revs") or []))
+
+
 def states_from_exp_show(shown: list[dict]) -> dict[str, str]:
     """The status of each experiment in ``dvc exp show --json`` output (HEAD's only: DVC's
     queue lists the tasks of every commit, whose results a later HEAD does not show): Queued,
@@ -352,8 +361,7 @@ def states_from_exp_show(shown: list[dict]) -> dict[str, str]:
             if not name or name in found:
                 continue
             state = (exp.get("executor") or {}).get("state")
-            failed = any(rev.get("error") for rev in exp.get("revs") or [])
-            found[name] = "Failed" if failed else STATES.get(state, str(state).title())
+            found[name] = "Failed" if _failed(exp) else STATES.get(state, str(state).title())
     return found
 
 

@@ -270,6 +270,12 @@ def experiment(name: str, model: dict, train_params: dict, train: dict, valid: d
                     "metrics/bleu_valid.json": {"data": valid}}}}]}
 
 
+def errored(exp: dict) -> dict:
+    """``exp`` as dvc lists a run that failed after its executor was gone."""
+    exp["revs"][0]["error"] = {"msg": "Experiment run failed", "type": ""}
+    return exp
+
+
 SHOWN = [  # `dvc exp show --json`, cut down to what the table reads
     {"rev": "workspace", "name": None, "experiments": None},
     {"rev": "0123abc", "name": "main", "experiments": [
@@ -292,6 +298,13 @@ SHOWN = [  # `dvc exp show --json`, cut down to what the table reads
                                               "parameters": 10_000_000},
                    {"sacrebleu": {"score": 1.0}, "tokenized_bleu": {"score": 1.25}}),
         {"name": "table3-A-h1", "revs": [{"rev": "q", "data": {"params": {}, "metrics": {}}}]},
+        # Killed by `dvc queue kill`: dvc lists the baseline commit's metrics (the demo's).
+        {**experiment("table3-C-N2", {"d_model": 256}, {}, {"steps": 600, "valid_ppl": 1.27},
+                      {"tokenized_bleu": {"score": 88.1}}),
+         "executor": {"state": "failed"}},
+        errored(experiment("table3-C-N4", {"d_model": 256}, {}, {"steps": 600,
+                                                                 "valid_ppl": 1.27},
+                           {"tokenized_bleu": {"score": 88.1}})),
         experiment("lr2", {}, {}, {"steps": 1}, {}),  # not the table's
     ]},
     # An older commit's run of a row: the newest is shown.
