@@ -38,13 +38,14 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from aiayn.config import Params, flatten, parse_params
+from aiayn.errors import ParamsError
 
 PREFIX = "table3-"
 
@@ -189,6 +190,7 @@ PAPER_ROWS: tuple[PaperRow, ...] = (
     _row("big", "big", {"d_model": 1024, "d_ff": 4096, "h": 16, "P_drop": 0.3,
                         "steps": 300_000}, 4.33, 26.4, 213, big),
 )
+BASE = PREFIX + "base"  # the base row's experiment
 GROUPS = ("base", "A", "B", "C", "D", "E", "big")
 
 
@@ -291,7 +293,7 @@ def build_rows(raw: dict, rows: list[PaperRow], common: dict[str, Any] | None = 
         overrides = {**common, **own}
         try:
             built = parse_params(merge(raw, nested(overrides)), f"row {row.name}")
-        except ValueError as exc:
+        except (ValueError, ParamsError) as exc:
             planned.append(PlannedRow(row, overrides, str(exc)))
             continue
         planned.append(PlannedRow(row, overrides,
@@ -312,6 +314,9 @@ class RowResult:
     # The experiment's commit (`dvc exp show`'s rev), whose files :func:`save_runs` copies;
     # None for a run read from a folder. Not compared: the same results from either source.
     rev: str | None = field(default=None, compare=False)
+    # A row that was not run because on the base's params it is the base (multi30k's A-h4):
+    # these are the base's own results, put on its line by :func:`with_rows_equal_to_base`.
+    same_as_base: bool = False
 
 
 def results_from_exp_show(shown: list[dict]) -> dict[str, RowResult]:
@@ -381,6 +386,32 @@ def results_from_folders(folders: list[Path]) -> dict[str, RowResult]:
                                 else json.loads(f.read_text()) for f in files)
         found[folder.name] = RowResult(flatten(params), train, valid)
     return found
+
+
+def rows_equal_to_base(base: RowResult, rows: tuple[PaperRow, ...] = PAPER_ROWS) -> set[str]:
+    """The rows that, built on the params the base row ran with, are the base itself (the
+    same model and training: multi30k's (A) h=4 and (D) dropout 0.2); none where those
+    params no longer parse."""
+    try:
+        planned = build_rows(nested(base.params), list(rows))
+    except (ValueError, ParamsError):
+        return set()
+    return {plan.row.name for plan in planned if plan.same_as_base}
+
+
+def with_rows_equal_to_base(results: dict[str, RowResult],
+                            rows: tuple[PaperRow, ...] = PAPER_ROWS) -> dict[str, RowResult]:
+    """``results`` with each row that equals the base (:func:`rows_equal_to_base`) and has
+    not run filled in with the base's results, marked ``same_as_base``: one seed of one
+    model trained once, shown on every line that names it (`aiayn table3 --queue` does not
+    train it twice)."""
+    base = results.get(BASE)
+    if base is None:
+        return dict(results)
+    out = dict(results)
+    for name in sorted(rows_equal_to_base(base, rows) - set(results)):
+        out[name] = replace(base, rev=None, same_as_base=True)
+    return out
 
 
 # What a row's run folder holds: the files results_from_folders reads (the first three),
@@ -503,6 +534,8 @@ def render_table(results: dict[str, RowResult], rows: tuple[PaperRow, ...] = PAP
              HEADER, "|" + "---|" * 18]
     for row in rows:
         label = f"{LABELS[row.group]} `{row.name}`"
+        if row.name in results and results[row.name].same_as_base:
+            label += " (= base)"
         ours = (our_columns(results[row.name]) if row.name in results
                 else ["–"] * 10 + ["not run", "–", "–", "–"])
         paper = [f"{row.ppl:.2f}", f"{row.bleu:.1f}",
@@ -523,6 +556,12 @@ def render_table(results: dict[str, RowResult], rows: tuple[PaperRow, ...] = PAP
         "- params ×10⁶: our model's count (tied embeddings over our vocabulary); the paper's "
         "printed counts fit no single vocabulary size (tests/test_table3.py, docs/table3.md).",
     ]
+    if same := [row.name for row in rows
+                if row.name in results and results[row.name].same_as_base]:
+        lines.append(f"- (= base): {', '.join(f'`{n}`' for n in same)} "
+                     f"{'is' if len(same) == 1 else 'are'} the base on these params (the same "
+                     "model and training), so the line repeats the base's run instead of "
+                     "training it again.")
     if trained := trained_on(results, rows):
         lines.append(trained)
     return "\n".join(lines) + "\n"
@@ -565,6 +604,15 @@ def changes_from_base(results: dict[str, RowResult], rows: tuple[PaperRow, ...] 
     return out
 
 
+def base_summary(results: dict[str, RowResult]) -> str:
+    """The base row's dev BLEU and perplexity in words, for a caption ("–" where missing)."""
+    base = results.get(BASE)
+    bleu = _score(base.bleu_valid, "tokenized_bleu") if base else None
+    ppl = base.train.get("valid_ppl") if base else None
+    return ("base dev BLEU " + ("–" if bleu is None else f"{bleu:.1f}") + ", perplexity "
+            + ("–" if ppl is None else f"{ppl:.2f}"))
+
+
 def trained_on(results: dict[str, RowResult], rows: tuple[PaperRow, ...] = PAPER_ROWS
                ) -> str | None:
     """A note of what each row trained in and on (precision, hardware, processes, from its
@@ -572,7 +620,8 @@ def trained_on(results: dict[str, RowResult], rows: tuple[PaperRow, ...] = PAPER
     differ in precision, which the table's columns do not show. None where no row says."""
     groups: dict[str, list[str]] = {}
     for row in rows:
-        train = results[row.name].train if row.name in results else {}
+        ran = results.get(row.name)
+        train = ran.train if ran is not None and not ran.same_as_base else {}
         if not (train.get("precision") or train.get("hardware")):
             continue
         what = f"{train.get('precision', '?')} on {train.get('hardware') or '?'}"

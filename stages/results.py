@@ -38,8 +38,10 @@ def results(
     METRICS/table3.md, the paper's Table 3 layout with each row's experiment (params, steps,
     valid perplexity, valid BLEU, parameters) beside the paper's numbers; rows that have
     not run show –. Once the base row has run, METRICS/table3.png draws each row's change
-    from the base in dev BLEU and perplexity, ours beside the paper's. --save-runs keeps each finished row as a folder of its own, so that a
-    table run in parts (a row a day, on several machines) is assembled with --runs.
+    from the base in dev BLEU and perplexity, ours beside the paper's. A row that is the
+    base on the base's params (multi30k's A-h4) shows the base's run, marked "(= base)".
+    --save-runs keeps each finished row as a folder of its own, so that a table run in parts
+    (a row a day, on several machines) is assembled with --runs.
     """
     if save_runs is not None and (not table3 or runs):
         typer.secho("error: --save-runs: give it with --table3 and without --runs (it saves "
@@ -186,23 +188,22 @@ def _write_table3(out: Path, found: dict) -> None:
     from aiayn import table3 as t3
     from aiayn.io import write_text
 
+    ran = sum(row.name in found for row in t3.PAPER_ROWS)
+    found = t3.with_rows_equal_to_base(found)
+    same = sum(row.name in found for row in t3.PAPER_ROWS) - ran
     text = t3.render_table(found)
     write_text(out, text)
     typer.echo(text, nl=False)
-    ran = sum(row.name in found for row in t3.PAPER_ROWS)
     written = str(out)
-    base = found.get(t3.PAPER_ROWS[0].name)
-    if base is not None:  # the picture compares each row with the base
+    if t3.BASE in found:  # the picture compares each row with the base
         from aiayn.plots import plot_table3_changes
 
         picture = out.with_suffix(".png")
-        bleu = (base.bleu_valid.get("tokenized_bleu") or {}).get("score")
-        ppl = base.train.get("valid_ppl")
-        plot_table3_changes(t3.changes_from_base(found), "base dev BLEU "
-                            + ("–" if bleu is None else f"{bleu:.1f}") + ", perplexity "
-                            + ("–" if ppl is None else f"{ppl:.2f}"), picture)
+        plot_table3_changes(t3.changes_from_base(found), t3.base_summary(found), picture)
         written += f" and {picture}"
-    typer.echo(f"({ran} of {len(t3.PAPER_ROWS)} rows have run; written to {written})")
+    typer.echo(f"({ran} of {len(t3.PAPER_ROWS)} rows have run"
+               + (f", {same} more equal the base" if same else "")
+               + f"; written to {written})")
 
 
 app = single_command_app(results, "Print the last run's results and where they are.")

@@ -118,7 +118,9 @@ def table3(
     probabilities are the paper's values, sizes scale with the base: on the paper's base
     (wmt14_base) these are exactly its rows; on multi30k they vary the multi30k model. A row
     that cannot be built on the current base (heads that do not divide d_model) is left out
-    with the reason.
+    with the reason. A row that is the base on the current params (multi30k has 4 heads,
+    so its A-h4 is its base) is not queued: it would train the same model again, and the
+    table shows the base's run on its line.
 
     Each row is queued as `dvc exp run --queue -n table3-ROW -S experiment=PRESET -S ...`
     (the current params said as a preset plus overrides, then the row's settings); a row
@@ -156,12 +158,16 @@ def table3(
             log.warning("table3: %s left out: %s", name, plan.error)
             continue
         settings = " ".join(f"{k}={v}" for k, v in plan.overrides.items()) or "(the base)"
-        note = " (the same as the base on these params)" if plan.same_as_base else ""
+        if plan.same_as_base:
+            log.info("table3: %s: %s is the base on these params (the same model and "
+                     "training): not queued; `aiayn results --table3` shows the base's run on "
+                     "its line", name, settings)
+            continue
         if found.get(name) in ("Queued", "Running", "Success"):
             log.info("table3: %s already %s, not queued again", name,
                      {"Success": "finished"}.get(found[name], found[name].lower()))
             continue
-        log.info("table3: %s: %s%s", name, settings, note)
+        log.info("table3: %s: %s", name, settings)
         args = ["exp", "run", "--queue", "-n", name, "-S", f"experiment={preset}"]
         kept = [item for item in base if item.partition("=")[0] not in plan.overrides]
         for item in kept + [f"{k}={hydra_value(v)}" for k, v in plan.overrides.items()]:
