@@ -207,6 +207,11 @@ class ModelConfig(Strict):
     positions: Literal["sinusoidal", "learned"] = Field(
         "sinusoidal", description="Section 3.5: sinusoidal (the paper), or learned positional "
         "embeddings (Table 3 row (E)): max_positions x d_model more parameters")
+    position_init_std: float = Field(
+        0.0, ge=0.0, description="with positions: learned, the standard deviation of their "
+        "normal initialisation; 0: d_model^-1/2, as fairseq and tensor2tensor (then they start "
+        "at 1/sqrt(d_model) of the scaled token embeddings' size); 0.71 is the sinusoids' own "
+        "size (1/sqrt(2) per dimension)")
     output_vocab: Literal["shared", "target"] = Field(
         "shared", description="shared: the softmax spans the whole shared vocabulary (the "
         "paper, Section 3.4); target: only the tokens that occur on the target side of the "
@@ -215,6 +220,11 @@ class ModelConfig(Strict):
 
     @model_validator(mode="after")
     def _heads(self) -> ModelConfig:
+        if self.position_init_std and self.positions != "learned":
+            raise ValueError(
+                f"position_init_std ({self.position_init_std:g}) sets how learned positions "
+                f"start, but positions is {self.positions!r}; set positions: learned, or "
+                "position_init_std: 0")
         for name in ("d_k", "d_v"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be positive, or 0 for "

@@ -67,6 +67,9 @@ class TransformerConfig:
     d_v: int = 0
     # Section 3.5: "sinusoidal" (the paper), or "learned" (Table 3 row (E)).
     positions: str = "sinusoidal"
+    # Learned positions start ~ N(0, position_init_std); 0: d_model^-1/2 (fairseq's and
+    # tensor2tensor's), the token embeddings' own before their sqrt(d) scaling.
+    position_init_std: float = 0.0
     pad_id: int = 0
     # "shared": the softmax spans the whole shared vocabulary (the paper, Section 3.4);
     # "target": only the tokens of the target side (Transformer.set_output_vocab).
@@ -82,6 +85,9 @@ class TransformerConfig:
         if self.positions not in ("sinusoidal", "learned"):
             raise ValueError(f"positions must be 'sinusoidal' or 'learned', not "
                              f"{self.positions!r}")
+        if self.position_init_std < 0:
+            raise ValueError(f"position_init_std ({self.position_init_std}) must be positive, "
+                             "or 0 for d_model^-1/2")
         if self.norm not in ("post", "pre"):
             raise ValueError(f"norm must be 'post' or 'pre', not {self.norm!r}")
         if self.output_vocab not in ("shared", "target"):
@@ -612,8 +618,9 @@ class Transformer(nn.Module):
         nn.init.normal_(self.embedding.weight, mean=0.0, std=self.cfg.d_model ** -0.5)
         with torch.no_grad():
             self.embedding.weight[self.cfg.pad_id].zero_()
-        if isinstance(self.positions, nn.Parameter):  # as fairseq's and tensor2tensor's
-            nn.init.normal_(self.positions, mean=0.0, std=self.cfg.d_model ** -0.5)
+        if isinstance(self.positions, nn.Parameter):  # by default as fairseq's and t2t's
+            nn.init.normal_(self.positions, mean=0.0,
+                            std=self.cfg.position_init_std or self.cfg.d_model ** -0.5)
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.xavier_uniform_(module.weight)

@@ -117,7 +117,7 @@ def model_config(p: Params, vocab_size: int) -> TransformerConfig:
         attention_dropout=p.train.attention_dropout,
         activation_dropout=p.train.activation_dropout, norm=m.norm,
         max_positions=m.max_positions, output_vocab=m.output_vocab, d_k=m.d_k, d_v=m.d_v,
-        positions=m.positions)
+        positions=m.positions, position_init_std=m.position_init_std)
 
 
 def device_kind(choice: str) -> str:

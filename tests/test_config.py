@@ -193,6 +193,16 @@ def test_d_k_d_v_and_positions_are_checked_with_what_to_do():
     msg = bad(lambda r: (r["model"].update(positions="learned", max_positions=64),
                          r["shard"].update(max_len=100)))
     assert "exceeds model.max_positions (64)" in msg and "one learned row per position" in msg
+    # How learned positions start: only with learned positions, and not below 0.
+    msg = bad(lambda r: r["model"].update(position_init_std=0.7))
+    assert msg.endswith(": model: position_init_std (0.7) sets how learned positions start, "
+                        "but positions is 'sinusoidal'; set positions: learned, or "
+                        "position_init_std: 0")
+    msg = bad(lambda r: r["model"].update(positions="learned", position_init_std=-1))
+    assert "model.position_init_std" in msg and "greater than or equal to 0" in msg
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    raw["model"].update(positions="learned", position_init_std=0.7)
+    assert parse_params(raw).model.position_init_std == 0.7
 
 
 def test_unknown_language_is_named():

@@ -376,6 +376,29 @@ def test_table3_shapes_count_as_the_closed_form(name):
 
 
 
+@pytest.mark.parametrize("std", [0.0, 0.71])
+def test_learned_positions_start_at_their_set_size(std):
+    """Learned positions ~ N(0, position_init_std), by default d_model^-1/2 (fairseq's and
+    tensor2tensor's): 1/sqrt(d) of the scaled token embeddings' size. The sinusoids' own
+    size per dimension is 1/sqrt(2)."""
+    torch.manual_seed(0)
+    cfg = TransformerConfig(vocab_size=50, d_model=64, heads=4, encoder_layers=1,
+                            decoder_layers=1, d_ff=64, max_positions=512,
+                            positions="learned", position_init_std=std)
+    model = Transformer(cfg)
+    want = std or 64 ** -0.5
+    table = model.positions.detach()
+    # 32,768 draws: the sample's std is within 2% of sigma with odds far beyond 5 sigma.
+    assert table.std().item() == pytest.approx(want, rel=0.02)
+    assert table.mean().abs().item() < 5 * want / 181
+    tokens = (model.embedding.weight[1:] * 64 ** 0.5).std().item()
+    assert tokens == pytest.approx(1.0, rel=0.02)  # what the positions are added to
+    assert sinusoidal_positions(512, 64).pow(2).mean().sqrt().item() == pytest.approx(
+        2 ** -0.5, rel=0.01)
+    with pytest.raises(ValueError, match="position_init_std"):
+        TransformerConfig(vocab_size=50, positions="learned", position_init_std=-0.1)
+
+
 @pytest.mark.parametrize("name", ["base", *SHAPES])
 def test_grouped_state_decodes_as_one_row_per_hypothesis(name):
     """Beam search's state keeps each source once for its g rows (``group``): every step,
