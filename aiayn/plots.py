@@ -117,7 +117,8 @@ def plot_training_curves(train_log: Path, valid_log: Path, path: Path) -> None:
 def plot_table3_changes(changes: list, base: str, path: Path) -> None:
     """Table 3 as a picture (``aiayn.table3.changes_from_base``): for each row, the change
     from the base in dev BLEU (points) and in dev perplexity (%), ours beside the paper's,
-    one bar pair per row in the paper's order; a row not run has the paper's bar alone.
+    one bar pair per row in the paper's order; a row not run has the paper's bar alone, one
+    that is the base on our params (``same_as_base``) says so beside its zero.
     ``base`` says what our base row scored, for the title."""
     import matplotlib
 
@@ -138,8 +139,9 @@ def plot_table3_changes(changes: list, base: str, path: Path) -> None:
         ax.barh(y[ran] + 0.2, [ours[i] * scale for i in ran], height=0.4, color="tab:blue",
                 label="ours")
         for i, v in enumerate(ours):
-            if v is None:
-                ax.text(0, y[i] + 0.2, " not run", va="center", fontsize=7, color="0.4")
+            if v is None or getattr(changes[i], "same_as_base", False):
+                ax.text(0, y[i] + 0.2, " not run" if v is None else " = base", va="center",
+                        fontsize=7, color="0.4")
         ax.axvline(0, color="black", lw=0.8)
         for i in range(1, len(changes)):  # a line between the paper's groups
             if changes[i].group != changes[i - 1].group:

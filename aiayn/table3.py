@@ -578,6 +578,7 @@ class Change:
     ppl: float | None
     paper_bleu: float
     paper_ppl: float
+    same_as_base: bool = False  # the base's own run on the row's line (a change of 0)
 
 
 def changes_from_base(results: dict[str, RowResult], rows: tuple[PaperRow, ...] = PAPER_ROWS
@@ -600,7 +601,8 @@ def changes_from_base(results: dict[str, RowResult], rows: tuple[PaperRow, ...] 
             row.name.removeprefix(PREFIX), row.group,
             None if bleu is None or base_bleu is None else bleu - base_bleu,
             None if ppl is None or not base_ppl else ppl / base_ppl - 1,
-            row.bleu - paper_base.bleu, row.ppl / paper_base.ppl - 1))
+            row.bleu - paper_base.bleu, row.ppl / paper_base.ppl - 1,
+            ours is not None and ours.same_as_base))
     return out
 
 

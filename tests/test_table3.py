@@ -472,6 +472,7 @@ def test_a_row_equal_to_the_base_shows_the_bases_run_marked_and_a_change_of_zero
 
     changes = {c.name: c for c in t3.changes_from_base(filled)}
     assert (changes["A-h4"].bleu, changes["A-h4"].ppl) == (0.0, 0.0)
+    assert changes["A-h4"].same_as_base and not changes["D-drop0.0"].same_as_base
     assert changes["D-drop0.0"].bleu == pytest.approx(37.1 - 38.9)
     table = t3.render_table(filled)
     line = next(x for x in table.splitlines() if "`table3-A-h4`" in x)
