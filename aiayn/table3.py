@@ -328,8 +328,8 @@ def results_from_exp_show(shown: list[dict]) -> dict[str, RowResult]:
             name = exp.get("name") or ""
             if not name.startswith(PREFIX) or name in found:
                 continue
-            if _failed(exp):  # a failed or killed run lists its baseline commit's metrics
-                continue
+            if not _finished(exp):  # a running, failed or killed one lists its baseline
+                continue            # commit's metrics (seen: a running row showed the demo's)
             commit = (exp.get("revs") or [{}])[0]
             data = commit.get("data") or {}
             metrics = {path: (m or {}).get("data") or {}
@@ -352,6 +352,14 @@ def _failed(exp: dict) -> bool:
     says so, or its revision carries an error)."""
     return ((exp.get("executor") or {}).get("state") == "failed"
             or any(rev.get("error") for rev in exp.get("revs") or []))
+
+
+def _finished(exp: dict) -> bool:
+    """Whether an experiment of ``dvc exp show --json`` ran to its end: no executor left (or
+    one that says success) and no error. Until then dvc lists the baseline commit's metrics
+    under its name."""
+    state = (exp.get("executor") or {}).get("state")
+    return state in (None, "success") and not _failed(exp)
 
 
 def states_from_exp_show(shown: list[dict]) -> dict[str, str]:
