@@ -114,11 +114,24 @@ def plot_training_curves(train_log: Path, valid_log: Path, path: Path) -> None:
     plt.close(fig)
 
 
+def axis_cap(values: list[float], spread: float = 20.0) -> float | None:
+    """A symmetric axis limit that keeps bars readable beside an outlier (a row that did
+    not train changes perplexity by +100,000%): 1.15 times the largest |value| within
+    ``spread`` times the median nonzero |value|; None where nothing lies beyond that."""
+    sizes = sorted(abs(v) for v in values if v)
+    if not sizes:
+        return None
+    median = sizes[len(sizes) // 2]
+    kept = [v for v in sizes if v <= spread * median]
+    return None if len(kept) == len(sizes) else 1.15 * kept[-1]
+
+
 def plot_table3_changes(changes: list, base: str, path: Path) -> None:
     """Table 3 as a picture (``aiayn.table3.changes_from_base``): for each row, the change
     from the base in dev BLEU (points) and in dev perplexity (%), ours beside the paper's,
     one bar pair per row in the paper's order; a row not run has the paper's bar alone, one
-    that is the base on our params (``same_as_base``) says so beside its zero.
+    that is the base on our params (``same_as_base``) says so beside its zero; an outlier
+    (:func:`axis_cap`) is cut at the axis's end and labelled with its value.
     ``base`` says what our base row scored, for the title."""
     import matplotlib
 
@@ -134,10 +147,25 @@ def plot_table3_changes(changes: list, base: str, path: Path) -> None:
     for ax, ours_key, paper_key, scale, title in panels:
         paper = [getattr(c, paper_key) * scale for c in changes]
         ours = [getattr(c, ours_key) for c in changes]
-        ax.barh(y - 0.2, paper, height=0.4, color="0.7", label="paper (WMT14 newstest2013)")
         ran = [i for i, v in enumerate(ours) if v is not None]
-        ax.barh(y[ran] + 0.2, [ours[i] * scale for i in ran], height=0.4, color="tab:blue",
-                label="ours")
+        cap = axis_cap(paper + [ours[i] * scale for i in ran])
+        limit = math.inf if cap is None else cap
+
+        def clip(v: float, limit: float = limit) -> float:
+            return max(-limit, min(limit, v))
+
+        ax.barh(y - 0.2, [clip(v) for v in paper], height=0.4, color="0.7",
+                label="paper (WMT14 newstest2013)")
+        ax.barh(y[ran] + 0.2, [clip(ours[i] * scale) for i in ran], height=0.4,
+                color="tab:blue", label="ours")
+        for i in ran:  # a bar beyond the axis is cut at its end and says its value
+            if clip(v := ours[i] * scale) != v:
+                unit = "%" if scale == 100.0 else ""
+                ax.text(clip(v), y[i] + 0.2, f"{v:+,.0f}{unit} " if v > 0 else f" {v:+,.1f}{unit}",
+                        va="center", ha="right" if v > 0 else "left", fontsize=7,
+                        color="white", fontweight="bold")
+        if cap is not None:
+            ax.set_xlim(-cap, cap)
         for i, v in enumerate(ours):
             if v is None or getattr(changes[i], "same_as_base", False):
                 ax.text(0, y[i] + 0.2, " not run" if v is None else " = base", va="center",

@@ -625,3 +625,15 @@ def test_results_table3_outside_a_dvc_repository_says_so_and_writes_nothing(tmp_
     assert "dvc exp show --json ... failed" in failed.output
     assert "DVC repository" in failed.output  # dvc's own reason
     assert not (tmp_path / "table3.md").exists()
+
+
+def test_the_pictures_axis_cuts_an_outlier_only():
+    """A row that did not train (perplexity +123,592%) would flatten every other bar: the
+    axis ends at 1.15x the largest change within 20x the median, and only then."""
+    from aiayn.plots import axis_cap
+
+    changes = [4.0, -8.0, 12.0, 3.0, 40.0, 0.0, -5.0, 123_592.0]  # median |change| 8
+    assert axis_cap(changes) == pytest.approx(1.15 * 40.0)
+    assert axis_cap(changes[:-1]) is None  # no outlier: matplotlib's own limits
+    assert axis_cap([]) is None and axis_cap([0.0, 0.0]) is None
+    assert axis_cap([-0.5, 0.3, -38.9, 0.6]) == pytest.approx(1.15 * 0.6)
