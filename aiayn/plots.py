@@ -167,7 +167,7 @@ def plot_table3_changes(changes: list, base: str, path: Path) -> None:
         if cap is not None:
             ax.set_xlim(-cap, cap)
         for i, v in enumerate(ours):
-            if v is None or getattr(changes[i], "same_as_base", False):
+            if v is None or changes[i].same_as_base:
                 ax.text(0, y[i] + 0.2, " not run" if v is None else " = base", va="center",
                         fontsize=7, color="0.4")
         ax.axvline(0, color="black", lw=0.8)
