@@ -14,7 +14,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -22,6 +23,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -34,9 +36,31 @@ SPLITS = ("train", "valid", "test")
 
 
 class Strict(BaseModel):
-    """Base for every section: unknown keys are errors, values are validated on assignment."""
+    """Base for every section: unknown keys are errors, values are validated on assignment,
+    and a number's key refuses true/false (pydantic's lax mode reads them as 1/0, so YAML's
+    `encoder_layers: yes` would train one layer)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        field = cls.model_fields.get(info.field_name or "")
+        if field is not None and _wants_numbers(field.annotation) and (
+                isinstance(value, bool) or isinstance(value, (list, tuple))
+                and any(isinstance(v, bool) for v in value)):
+            raise ValueError("wants a number, not true/false (YAML reads true/false, yes/no "
+                             "and on/off as booleans); write the number")
+        return value
+
+
+def _wants_numbers(annotation: Any) -> bool:
+    """Whether a field holds a number or a list/tuple of numbers (never a bool)."""
+    if annotation in (int, float):
+        return True
+    args = [a for a in get_args(annotation) if a is not type(None) and a is not Ellipsis]
+    return get_origin(annotation) in (list, tuple, Union, UnionType) and bool(args) and all(
+        a in (int, float) for a in args)
 
 
 class SplitNames(Strict):

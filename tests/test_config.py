@@ -389,3 +389,30 @@ def test_e_notation_that_yaml_reads_as_text_says_how_to_write_it(tmp_path):
         load_params(with_train("steps", "1e5"))
     assert "train.steps = '1e5'" in str(err.value) and "write 100000" in str(err.value)
     assert load_params(with_train("adam_eps", "1e-9")).train.adam_eps == 1e-9
+
+
+def test_yes_no_and_true_false_are_not_numbers(tmp_path):
+    """YAML 1.1 reads yes/no/on/off/true/false as booleans, and pydantic's lax mode would
+    take them as 1/0: `encoder_layers: yes` would train one layer. A number's key (ints,
+    floats, their lists and tuples) refuses them with the fix; a real bool key still
+    takes them."""
+    source = (REPO / "params.yaml").read_text()
+    path = tmp_path / "params.yaml"
+    for section, key, text in [("model", "encoder_layers", "yes"), ("model", "dropout", "off"),
+                               ("train", "lr_scale", "true"),
+                               ("train", "average_candidates", "[1, on]")]:
+        at = source.index(f"\n{section}:\n")
+        path.write_text(source[:at] + re.sub(rf"(?m)^(  {key}:) .*$", rf"\1 {text}",
+                                             source[at:], count=1))
+        with pytest.raises(ParamsError) as err:
+            load_params(path)
+        assert f"{section}.{key} = " in str(err.value), text
+        assert "wants a number, not true/false" in str(err.value), text
+    at = source.index("\ntrain:\n")
+    path.write_text(source[:at] + re.sub(r"(?m)^(  compile:) .*$", r"\1 yes", source[at:],
+                                         count=1))
+    assert load_params(path).train.compile is True
+    # Assigned after loading (as Hydra's overrides are applied), the same rule holds.
+    p = load_params(REPO / "params.yaml")
+    with pytest.raises(ValueError, match="wants a number"):
+        p.model.heads = True
