@@ -1,16 +1,8 @@
-"""What training optimises (Section 5.3-5.4): label-smoothed cross-entropy, Adam, warmup.
-
-lrate = d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5)     (paper, eq. 3)
-
-scaled by ``lr_scale`` (1 in the paper). Steps count from 1, as in the paper.
+"""What training optimises (Section 5.3-5.4): label-smoothed cross-entropy, and Adam on the
+paper's warmup schedule (aiayn.schedule: the rate, the cooldown).
 
 ``train.rdrop`` (0 in the paper: off) adds R-Drop's consistency term to the loss (Liang
 et al. 2021, "R-Drop: Regularized Dropout for Neural Networks"): see :func:`rdrop_loss`.
-
-``train.cooldown`` (0 in the paper) multiplies it by a linear fall to zero over the last
-part of training (a "cooldown": Hagele et al. 2024, "Scaling Laws and Compute-Optimal
-Training Beyond Fixed Training Durations"), which suits runs stopped by a step count or a
-time budget long before the inverse square root has brought the rate down.
 """
 
 from __future__ import annotations
@@ -19,20 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-
-def noam_lr(step: int, d_model: int, warmup_steps: int, scale: float = 1.0) -> float:
-    """Learning rate of optimizer step ``step`` (1-based): linear warmup, then 1/sqrt(step)."""
-    step = max(step, 1)
-    return scale * d_model ** -0.5 * min(step ** -0.5, step * warmup_steps ** -1.5)
-
-
-def cooldown_factor(progress: float, cooldown: float) -> float:
-    """The lr multiplier when a fraction ``progress`` of training is done: 1 until the last
-    ``cooldown`` of it, then falling linearly to 0 at the end (1 throughout if cooldown is 0).
-    """
-    if cooldown <= 0:
-        return 1.0
-    return min(1.0, max(0.0, (1.0 - progress) / cooldown))
+from aiayn.schedule import noam_lr
 
 
 def make_optimizer(model: nn.Module, betas: tuple[float, float], eps: float, d_model: int,

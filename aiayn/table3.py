@@ -46,6 +46,7 @@ import yaml
 
 from aiayn.config import Params, flatten, parse_params
 from aiayn.errors import ParamsError
+from aiayn.schedule import deep_post_ln_warning
 
 PREFIX = "table3-"
 
@@ -260,6 +261,9 @@ class PlannedRow:
     overrides: dict[str, Any]
     error: str | None = None
     same_as_base: bool = False
+    # What the trainer will warn about this row (:func:`aiayn.schedule.deep_post_ln_warning`:
+    # on multi30k, C-N8's 8 + 8 post-LN layers at the preset's rate), said when it is queued.
+    warning: str | None = None
 
 
 def _effective(p: Params) -> dict:
@@ -298,7 +302,8 @@ def build_rows(raw: dict, rows: list[PaperRow], common: dict[str, Any] | None = 
             continue
         planned.append(PlannedRow(row, overrides,
                                   same_as_base=_effective(built) == base_dict
-                                  and row.group != "base"))
+                                  and row.group != "base",
+                                  warning=deep_post_ln_warning(built.model, built.train)))
     return planned
 
 

@@ -57,7 +57,7 @@ from aiayn.model import (
     avoid_cudnn_attention,
     count_parameters,
 )
-from aiayn.objective import cooldown_factor, label_smoothed_loss, make_optimizer, rdrop_loss
+from aiayn.objective import label_smoothed_loss, make_optimizer, rdrop_loss
 from aiayn.precision import (
     autocast_dtype,
     hardware,
@@ -69,6 +69,7 @@ from aiayn.precision import (
 from aiayn.run_log import RunLog, TrainRow, ValidRow
 from aiayn.run_store import RunStore, run_identity
 from aiayn.sampler import Batch, BatchLoader, PrefetchLoader, ShardDataset, TokenBudgetSampler
+from aiayn.schedule import cooldown_factor, deep_post_ln_warning
 from aiayn.shards import check_tokenizer
 from aiayn.subword import SubwordSplitter, split_closure
 
@@ -323,6 +324,8 @@ class Trainer:
         self.optimizer, self.scheduler = make_optimizer(
             self.model, p.train.adam_betas, p.train.adam_eps, p.model.d_model,
             p.train.warmup_steps, p.train.lr_scale, fused=self.fast)
+        if world.is_main and (warning := deep_post_ln_warning(p.model, p.train)):
+            log.warning(warning)
         # fp16's dynamic loss scaling (train.precision: fp16): the loss is multiplied before
         # backward so that small gradients stay representable, the gradients divided back
         # before clipping and Adam, and a step whose gradients overflowed is skipped while

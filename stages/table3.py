@@ -168,6 +168,8 @@ def table3(
                      {"Success": "finished"}.get(found[name], found[name].lower()))
             continue
         log.info("table3: %s: %s", name, settings)
+        if plan.warning:
+            log.warning("table3: %s: %s", name, plan.warning.removeprefix("train: "))
         args = ["exp", "run", "--queue", "-n", name, "-S", f"experiment={preset}"]
         kept = [item for item in base if item.partition("=")[0] not in plan.overrides]
         for item in kept + [f"{k}={hydra_value(v)}" for k, v in plan.overrides.items()]:

@@ -6,13 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aiayn.objective import (
-    cooldown_factor,
-    label_smoothed_loss,
-    make_optimizer,
-    noam_lr,
-    rdrop_loss,
-)
+from aiayn.objective import label_smoothed_loss, make_optimizer, rdrop_loss
+from aiayn.schedule import cooldown_factor, noam_lr
 
 
 @pytest.mark.parametrize("step", [1, 10, 3999, 4000, 4001, 100_000])

@@ -25,9 +25,10 @@ from aiayn.distributed import World
 from aiayn.errors import DataError
 from aiayn.io import file_sha256, human_bytes
 from aiayn.model import Transformer, TransformerConfig
-from aiayn.objective import cooldown_factor, label_smoothed_loss, noam_lr
+from aiayn.objective import label_smoothed_loss
 from aiayn.precision import cpu_has_native_bf16, cpu_model
 from aiayn.precision import hardware as precision_hardware
+from aiayn.schedule import cooldown_factor, noam_lr
 from aiayn.subword import merge_parents
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, decode, load_tokenizer
 from aiayn.toy import generate_pairs
@@ -266,6 +267,20 @@ def test_a_checkpoint_holds_the_time_of_the_validation_before_it(toy_workspace, 
     run = load_checkpoint(list_checkpoints(tmp_path / "checkpoints")[-1])["run"]
     assert run["step"] == 3 and run["bleu_seconds"] >= 0.5
     assert run["elapsed_s"] >= run["bleu_seconds"]
+
+
+def test_the_trainer_warns_of_a_deep_post_ln_stack_at_a_high_rate(toy_workspace, tmp_path,
+                                                                   caplog):
+    # The toy model's rate peaks at 32^-0.5 * 4^-0.5 = 0.088, far above the paper's 7e-4.
+    make_trainer(toy_workspace, tmp_path / "shallow")
+    assert "post-LN" not in caplog.text
+    make_trainer(toy_workspace, tmp_path / "deep", {"model": {"decoder_layers": 5}})
+    assert "1 + 5 post-LN layers (model.norm: post) at a peak learning rate of 8.84e-02" \
+        in caplog.text
+    caplog.clear()
+    make_trainer(toy_workspace, tmp_path / "pre", {"model": {"decoder_layers": 5,
+                                                             "norm": "pre"}})
+    assert "post-LN" not in caplog.text
 
 
 def test_a_run_resumed_with_fewer_steps_goes_back_to_its_checkpoint_at_the_new_end(
