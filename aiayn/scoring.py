@@ -185,14 +185,19 @@ def read_lines(path: Path) -> list[str]:
         raise DataError(
             f"{path}: no translations to score; run `aiayn translate` first (with "
             "--split, it writes one line per sentence of the split)") from None
+    return utf8_lines(data, str(path), "the translations must be UTF-8 text: re-run "
+                                       "`aiayn translate`")
+
+
+def utf8_lines(data: bytes, name: str, fix: str) -> list[str]:
+    """:func:`text_lines` of UTF-8 ``data``; invalid UTF-8 is a one-line DataError naming
+    NAME, the line and the byte, then ``fix``."""
     try:
-        text = data.decode("utf-8")
+        return text_lines(data.decode("utf-8"))
     except UnicodeDecodeError as exc:
-        line = data[: exc.start].count(b"\n") + 1
-        raise DataError(
-            f"{path}, line {line}: invalid UTF-8; the translations must be UTF-8 text, "
-            "re-run `aiayn translate`") from None
-    return text_lines(text)
+        line = data[:exc.start].count(b"\n") + 1
+        raise DataError(f"{name}, line {line}: invalid UTF-8 (byte {exc.start}: "
+                        f"{data[exc.start:exc.start + 4]!r}); {fix}") from None
 
 
 def text_lines(text: str) -> list[str]:

@@ -14,7 +14,7 @@ from aiayn.config import SPLITS
 from aiayn.corpus import iter_raw
 from aiayn.errors import DataError
 from aiayn.io import check_output_path, write_text
-from aiayn.scoring import text_lines
+from aiayn.scoring import utf8_lines
 from stages.common import ParamsPath, log, read_params, single_command_app, stage
 
 
@@ -106,17 +106,9 @@ def translate(
 
 
 def _utf8_lines(data: bytes, name: str) -> list[str]:
-    """The lines of UTF-8 ``data``, split at newlines only (:func:`text_lines`: the score
-    stage's reading, so that line i of the output translates line i of the input); invalid
-    UTF-8 is a one-line error naming NAME's line."""
-    try:
-        return text_lines(data.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        line = data[:exc.start].count(b"\n") + 1
-        raise DataError(
-            f"{name}, line {line}: invalid UTF-8 (byte {exc.start}: "
-            f"{data[exc.start:exc.start + 4]!r}); convert it to UTF-8, e.g. "
-            "`iconv -f latin1 -t utf-8`") from None
+    """The lines of UTF-8 ``data``, split at newlines only (the score stage's reading, so
+    that line i of the output translates line i of the input)."""
+    return utf8_lines(data, name, "convert it to UTF-8, e.g. `iconv -f latin1 -t utf-8`")
 
 
 app = single_command_app(translate, "Translate with the trained model.")

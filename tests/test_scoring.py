@@ -277,6 +277,19 @@ def test_missing_hypotheses_file(tmp_path: Path) -> None:
     assert "aiayn translate" in str(err.value)
 
 
+
+def test_invalid_utf8_names_the_file_line_and_byte(tmp_path: Path) -> None:
+    hyp = tmp_path / "test.de"
+    good = "\n".join(HYPOTHESES[:2]).encode("utf-8")
+    hyp.write_bytes(good + b"\nein Gr\xfc\xdfe\n")  # latin-1 on the third line
+    with pytest.raises(DataError) as err:
+        score_files(hyp, REFERENCES, "de")
+    start = len(good) + len(b"\nein Gr")
+    assert str(err.value) == (f"{hyp}, line 3: invalid UTF-8 (byte {start}: "
+                              "b'\\xfc\\xdfe\\n'); the translations must be UTF-8 text: "
+                              "re-run `aiayn translate`")
+
+
 # --------------------------------------------------------------------------- the stage
 
 
