@@ -263,6 +263,11 @@ def test_the_dry_run_prints_each_rows_dvc_command(tmp_path, monkeypatch):
     assert [x.split()[5] for x in heads.stdout.splitlines() if x.startswith("dvc ")] == [
         "table3-A-h1", "table3-A-h16", "table3-A-h32"]
     assert "3 experiment(s)" in heads.stdout
+    # C-N8's 8 + 8 post-LN layers at the preset's rate: the trainer's warning, said at once.
+    layers = CliRunner().invoke(app, ["table3", "--dry-run", "--rows", "C-N4,C-N8"])
+    assert layers.exit_code == 0, layers.output
+    warned = [x for x in layers.output.splitlines() if "post-LN layers" in x]
+    assert len(warned) == 1 and "table3-C-N8: 8 + 8 post-LN layers" in warned[0], warned
     bad = CliRunner().invoke(app, ["table3", "--rows", "Z"])
     assert bad.exit_code == 2 and "--rows: unknown Z" in bad.output
 
