@@ -195,7 +195,10 @@ class ShardConfig(Strict):
     max_tokens: int = Field(
         4096,
         gt=0,
-        description="tokens per batch on each side, padding included (source and target alike)",
+        description="tokens per batch on each side, padding included, of the plan the shard "
+        "stage stores and reports (metrics/shard.json: batches, padding); training plans its "
+        "own micro-batches from the same sorted pairs (train.tokens_per_step, "
+        "train.max_tokens and the process count)",
     )
     max_len: int = Field(256, gt=0, description="pairs with a longer side (in tokens) are dropped")
     shard_tokens: int = Field(
@@ -274,8 +277,14 @@ class TrainConfig(Strict):
     """Section 5: optimizer, schedule, regularisation, batching; plus checkpointing."""
 
     tokens_per_step: int = Field(
-        25_000, gt=0, description="target tokens per optimizer step across all processes; "
-        "gradient accumulation = ceil(tokens_per_step / (world_size * shard.max_tokens))")
+        25_000, gt=0, description="target tokens per optimizer step across all processes and "
+        "machines, whatever their number: each process's micro-batches are planned for it "
+        "when training starts (aiayn/batching.py)")
+    max_tokens: int = Field(
+        0, ge=0, description="the most tokens one process's micro-batch may hold per side, "
+        "padding included (a GPU's memory); 0: one micro-batch per process a step, of "
+        "tokens_per_step / processes (the fastest where it fits). Otherwise accumulation = "
+        "ceil(tokens_per_step / (processes * max_tokens)) micro-batches of equal size")
     steps: int = Field(100_000, gt=0)
     warmup_steps: int = Field(4000, gt=0)
     lr_scale: float = Field(1.0, gt=0, description="lr = scale * d^-0.5 * min(s^-0.5, s*w^-1.5)")
@@ -406,6 +415,11 @@ class Params(Strict):
 
     @model_validator(mode="after")
     def _positions(self) -> Params:
+        if self.train.max_tokens and self.train.max_tokens < self.shard.max_len + 1:
+            raise ValueError(
+                f"train.max_tokens ({self.train.max_tokens}) cannot hold a pair of "
+                f"shard.max_len ({self.shard.max_len}) tokens and its special token; raise it "
+                f"to at least {self.shard.max_len + 1}, or 0 for one micro-batch per process")
         if self.shard.max_len + 2 > self.model.max_positions:
             learned = ("; with model.positions 'learned' the model holds one learned row per "
                        "position, so max_positions must cover the longest sequence"
@@ -461,6 +475,8 @@ PARAM_EFFECTS: dict[str, Affects] = {
     "shard": Affects(("shard",)),
     "model": TRAINS,
     "train.tokens_per_step": TRAINS,
+    # how a step is split into micro-batches, as the process count: a run goes on under another
+    "train.max_tokens": RUNS_TRAINING,
     "train.steps": RUNS_TRAINING,  # a longer run resumes (with a cooldown: from its branch point)
     "train.warmup_steps": TRAINS,
     "train.lr_scale": TRAINS,

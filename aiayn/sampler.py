@@ -1,10 +1,13 @@
 """Reading the shards back: padded batches, and which batch each rank takes next.
 
-The batches were fixed by the shard stage (:mod:`aiayn.shards`); training only chooses their
-order. :class:`TokenBudgetSampler` shuffles batch indices per epoch from ``(seed, epoch)``
-with its own numpy generator (never torch's global RNG, so model code cannot disturb the data
-order), deals them round-robin to the ranks, and keeps a two-integer cursor so that a resumed
-run sees exactly the batches an uninterrupted run would have seen.
+The shard stage stored the pairs sorted by length with a plan of batches (:mod:`aiayn.shards`);
+:class:`ShardDataset` reads that plan, or cuts its own from the same sorted pairs for another
+token budget (:mod:`aiayn.batching`: training plans its micro-batches for the step and the
+number of processes when it starts). :class:`TokenBudgetSampler` shuffles batch indices per
+epoch from ``(seed, epoch)`` with its own numpy generator (never torch's global RNG, so model
+code cannot disturb the data order), deals them round-robin to the ranks, and keeps a
+two-integer cursor so that a resumed run sees exactly the batches an uninterrupted run would
+have seen.
 
 Every rank gets the same number of items per epoch so that DDP ranks stay in lockstep; when
 the batches do not divide evenly, the ranks left over in the last round get ``-1``, an empty
@@ -23,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from aiayn import batching
 from aiayn.errors import DataError
 from aiayn.shards import FORMAT, FORMAT_VERSION
 from aiayn.subword import SubwordSplitter
@@ -133,24 +137,62 @@ def read_meta(folder: Path) -> dict:
 class ShardDataset:
     """One split of shards, memory-mapped read-only: ``batch(i)`` builds padded tensors.
 
+    ``max_tokens`` None: the shard stage's batches (``batches.npy``, cut at its
+    ``shard.max_tokens``); a number: batches of at most that many tokens per side, padding
+    included, cut from the same length-sorted pairs when the dataset opens
+    (:func:`aiayn.batching.plan_stored_batches`; a second or so for WMT14's 4.5M pairs).
+    ``max_tokens`` says which budget the batches follow.
+
     Opening costs a few file handles; pages are read when a batch touches them, so many
     processes (DDP ranks, loader workers) can share one copy in the page cache.
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, max_tokens: int | None = None):
         self.path = Path(path)
         self.meta = read_meta(self.path)
         self.pad_id = int(self.meta["pad_id"])
-        self.batches = self._load("batches.npy", ndim=2)
+        stored = self._load("batches.npy", ndim=2)
         self.rows = self._load("rows.npy", ndim=1)
-        if self.batches.shape != (self.meta["num_batches"], 3):
+        if stored.shape != (self.meta["num_batches"], 3):
             raise _meta_error(self.path / "batches.npy",
-                              f"shape {self.batches.shape}, meta.json says "
+                              f"shape {stored.shape}, meta.json says "
                               f"({self.meta['num_batches']}, 3)")
         if self.rows.shape != (self.meta["num_pairs"],):
             raise _meta_error(self.path / "rows.npy", f"{self.rows.size} rows, meta.json says "
                                                        f"{self.meta['num_pairs']}")
         self.shards = [self._open_shard(s) for s in self.meta["shards"]]
+        # the shard stage's budget (None in a folder written without it)
+        self.batches, self.max_tokens = stored, self.meta.get("max_tokens")
+        self.planned = False
+        if max_tokens is not None:
+            self.replan(max_tokens)
+
+    def replan(self, max_tokens: int) -> None:
+        """Take batches of at most ``max_tokens`` tokens per side from now on, cut from the
+        stored pairs (ValueError when the longest pair does not fit)."""
+        longest = self.longest_pair()
+        if max_tokens < longest:
+            raise ValueError(f"{self.path}: batches of {max_tokens} tokens cannot hold its "
+                             f"longest pair ({longest} tokens on one side)")
+        self.batches = self.plan_batches(max_tokens)
+        self.max_tokens, self.planned = int(max_tokens), True
+
+    def plan_batches(self, max_tokens: int) -> np.ndarray:
+        """Batches of at most ``max_tokens`` tokens per side over this split's stored pairs:
+        int64 [num_batches, 3] of (shard, start row, end row), as ``batches.npy``."""
+        return batching.plan_stored_batches(self._offsets(), max_tokens)
+
+    def _offsets(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        return [(s["src_offsets"], s["tgt_offsets"]) for s in self.shards]
+
+    def target_tokens(self) -> int:
+        """The target tokens (labels: target + EOS) of every pair of the split."""
+        return sum(int(batching.pair_costs(a, b)[1].sum()) for a, b in self._offsets())
+
+    def longest_pair(self) -> int:
+        """The most tokens one pair takes in a batch on either side: the smallest batch
+        budget that holds every pair of the split."""
+        return batching.longest_pair(self._offsets())
 
     def _load(self, name: str, ndim: int) -> np.ndarray:
         path = self.path / name
@@ -176,14 +218,14 @@ class ShardDataset:
     def __getstate__(self) -> dict:
         # Pickled for a loader worker or another process: reopen the maps there instead of
         # copying every token array into the pickle.
-        return {"path": self.path}
+        return {"path": self.path, "max_tokens": self.max_tokens if self.planned else None}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["path"])
+        self.__init__(state["path"], state.get("max_tokens"))
 
     @property
     def num_batches(self) -> int:
-        return int(self.meta["num_batches"])
+        return int(self.batches.shape[0])
 
     @property
     def num_pairs(self) -> int:

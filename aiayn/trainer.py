@@ -2,7 +2,8 @@
 
 * batches: the shard stage's token-budget batches, dealt to ranks by TokenBudgetSampler;
 * one optimizer step sees ``train.tokens_per_step`` target tokens (capacity) whatever the
-  world size: accumulation = ceil(tokens_per_step / (world_size * shard.max_tokens));
+  world size: the micro-batches are planned when training starts from the shards' sorted
+  pairs, one per process a step unless ``train.max_tokens`` caps them (aiayn.batching);
 * the loss of a step is the sum over every target token of every micro-batch on every
   rank divided by their global count, so 1 process x 2 accumulation steps and 2 processes
   x 1 step compute the same update;
@@ -43,9 +44,10 @@ import torch
 from torch import nn
 
 from aiayn import distributed, kernels
+from aiayn.batching import StepPlan, plan_step
 from aiayn.config import Params, TrainConfig
 from aiayn.distributed import World
-from aiayn.errors import AiaynError, DataError
+from aiayn.errors import AiaynError, DataError, ParamsError
 from aiayn.io import write_json
 from aiayn.kernels import projected_label_smoothed_loss, projected_rdrop_loss
 from aiayn.memory import HeapTrimmer, loaded_allocator
@@ -151,23 +153,24 @@ def lr_multiplier(t: TrainConfig, step: int, elapsed_s: float) -> float:
     return cooldown_factor(progress, t.cooldown)
 
 
-def accumulation_steps(tokens_per_step: int, world_size: int, max_tokens: int) -> int:
-    return max(1, math.ceil(tokens_per_step / (world_size * max_tokens)))
-
-
-def step_budget_warning(tokens_per_step: int, world_size: int, max_tokens: int) -> str | None:
-    """A warning when the batches make a step's budget more than 10% larger than
-    train.tokens_per_step (never smaller: accumulation rounds up), with the fix."""
-    accum = accumulation_steps(tokens_per_step, world_size, max_tokens)
-    planned = accum * world_size * max_tokens
-    if planned <= 1.1 * tokens_per_step:
-        return None
-    fits = -(-tokens_per_step // (world_size * accum))  # the same accumulation, within budget
-    return (f"train: {world_size} process(es) x {accum} batch(es) of up to {max_tokens} "
-            f"tokens (shard.max_tokens) make steps of up to {planned:,} tokens, "
-            f"{planned / tokens_per_step:.2f}x train.tokens_per_step ({tokens_per_step:,}); "
-            f"for the budget, set shard.max_tokens to {fits} and re-run the shard stage "
-            f"(on a GPU, one batch a step is the fastest: tokens_per_step / processes)")
+def open_training_data(shards: Path, plan: StepPlan) -> tuple[ShardDataset, ShardDataset]:
+    """The train and valid splits with batches planned for ``plan`` (aiayn.batching): each
+    process's micro-batches hold at most ``plan.batch_tokens`` tokens per side, validation's
+    too (a process's memory is sized for that). A budget too small for the longest stored
+    pair is a ParamsError naming the settings that fix it."""
+    opened = []
+    for split in ("train", "valid"):
+        data = ShardDataset(shards / split)
+        if (longest := data.longest_pair()) > plan.batch_tokens:
+            raise ParamsError(
+                f"train: {plan.describe()}: a micro-batch of {plan.batch_tokens:,} tokens "
+                f"cannot hold the longest {split} pair of {shards / split} ({longest} tokens "
+                "on one side, with its special token); raise train.tokens_per_step or "
+                "train.max_tokens, train on fewer processes, or lower shard.max_len and "
+                "re-run the shard stage")
+        data.replan(plan.batch_tokens)
+        opened.append(data)
+    return opened[0], opened[1]
 
 
 def target_vocabulary(datasets: list[ShardDataset], pad_id: int, bos_id: int,
@@ -333,8 +336,8 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type,
                                            enabled=self.amp_dtype == torch.float16)
 
-        self.train_data = ShardDataset(paths.shards / "train")
-        self.valid_data = ShardDataset(paths.shards / "valid")
+        self.plan = plan_step(p.train.tokens_per_step, world.size, p.train.max_tokens)
+        self.train_data, self.valid_data = open_training_data(paths.shards, self.plan)
         self._check_vocab(vocab_size)
         check_tokenizer(paths.shards, tokenizer_sha256)
         self.identity = run_identity(p, self.cfg, tokenizer_sha256, paths.shards)
@@ -360,11 +363,6 @@ class Trainer:
         # and jemalloc, train.allocator, keep their own heaps).
         self.allocator = loaded_allocator()
         self.heap = HeapTrimmer(enabled=self.device.type == "cpu" and self.allocator == "glibc")
-        self.accum = accumulation_steps(p.train.tokens_per_step, world.size,
-                                        int(self.train_data.meta["max_tokens"]))
-        if world.is_main and (warning := step_budget_warning(
-                p.train.tokens_per_step, world.size, int(self.train_data.meta["max_tokens"]))):
-            log.warning(warning)
         self.state = RunState()
         self.log = RunLog()
         # Device-side sums of [target tokens, loss, NLL] since the last flush (_flush).
@@ -431,9 +429,11 @@ class Trainer:
     def _load(self, path: Path, ckpt: dict) -> None:
         """Go on from checkpoint ``ckpt``: weights, optimizer, schedule, data cursor, RNG
         states and the run's history."""
+        # A run from before batches were planned at start-up took the shard stage's own.
+        saved_tokens = int(ckpt["meta"].get("batch_tokens", self.train_data.meta["max_tokens"]))
         saved_world = ckpt["meta"].get("world_size")
-        if saved_world != self.world.size:
-            ckpt["data"] = self._rescale_cursor(ckpt["data"], saved_world)
+        if saved_world != self.world.size or saved_tokens != self.plan.batch_tokens:
+            ckpt["data"] = self._rescale_cursor(ckpt["data"], saved_world, saved_tokens)
         self.model.load_state_dict(ckpt["model"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
         self.scheduler.load_state_dict(ckpt["scheduler"])
@@ -461,31 +461,51 @@ class Trainer:
         log.info("resumed from %s (step %d, %d target tokens seen)", path, self.state.step,
                  self.state.tokens_seen)
 
-    def _rescale_cursor(self, cursor: dict | None, saved_world: int | None) -> dict | None:
-        """The data cursor of a run saved with ``saved_world`` processes, for this world.
+    def _rescale_cursor(self, cursor: dict | None, saved_world: int | None,
+                        saved_tokens: int) -> dict | None:
+        """The data cursor of a run saved with ``saved_world`` processes taking micro-batches
+        of ``saved_tokens`` tokens, for this run's plan.
 
-        Every epoch's order is one permutation of all batches whatever the world size (rank
-        r takes positions r, r + N, ...), so the batches taken so far are the first
-        position x N of it: the run goes on from there, none repeated (up to N - 1 skipped).
+        The same micro-batches (only the process count changed): every epoch's order is one
+        permutation of them whatever the world size (rank r takes positions r, r + N, ...),
+        so the batches taken so far are the first position x N of it and the run goes on
+        from there, none repeated (up to N - 1 skipped). Other micro-batches (the step is
+        split anew: another process count with train.max_tokens 0, or another
+        train.max_tokens): the epoch's order is of other batches, so the run goes on at the
+        same share of it; until that epoch ends some pairs may come twice and others not at
+        all, and each later epoch sees every pair once, as always. Both are said in the log.
         """
+        size, n = self.world.size, self.train_data.num_batches
+        per_rank = -(-n // size)
         if cursor is None or not saved_world:
             log.warning("resuming a run made with %s processes on %d: the data order changes "
-                        "from here on", saved_world, self.world.size)
+                        "from here on", saved_world, size)
             return None
-        size = self.world.size
-        per_rank = -(-self.train_data.num_batches // size)
-        position = min(-(-int(cursor["position"]) * saved_world // size), per_rank)
+        epoch, position = int(cursor["epoch"]), int(cursor["position"])
+        if saved_tokens == self.plan.batch_tokens:
+            new = min(-(-position * saved_world // size), per_rank)
+            if self.world.is_main:
+                log.warning("resuming a run made with %d processes on %d, with the same "
+                            "micro-batches: the data goes on from the same place in epoch "
+                            "%d's order (%d batches per process, was %d)", saved_world, size,
+                            epoch, per_rank, -(-n // saved_world))
+            return {"epoch": epoch, "position": new}
+        old_n = len(self.train_data.plan_batches(saved_tokens))
+        share = min(1.0, position / -(-old_n // saved_world))
+        new = min(round(share * per_rank), per_rank)
         if self.world.is_main:
-            log.warning("resuming a run made with %d processes on %d: the data goes on from "
-                        "the same place in epoch %d's order (%d batches per process, was %d)",
-                        saved_world, size, int(cursor["epoch"]), per_rank,
-                        -(-self.train_data.num_batches // saved_world))
-        return {"epoch": int(cursor["epoch"]), "position": position}
+            log.warning(
+                "resuming a run whose micro-batches were planned for %d process(es) x <= %d "
+                "tokens, now %s: the rest of epoch %d is cut anew and goes on at the same "
+                "share of it (%.0f%%); until that epoch ends some pairs may come twice and "
+                "others not at all, and from epoch %d on every pair comes once an epoch again",
+                saved_world, saved_tokens, self.plan.describe(), epoch, 100 * share, epoch + 1)
+        return {"epoch": epoch, "position": new}
 
     # -- one optimizer step -----------------------------------------------------------
 
     def _micro_batches(self, it: Iterator[Batch]) -> list[Batch]:
-        return [next(it) for _ in range(self.accum)]
+        return [next(it) for _ in range(self.plan.accumulation)]
 
     def _forward_loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, int]:
         if batch.is_empty:
@@ -688,6 +708,7 @@ class Trainer:
             "meta": {**self.fingerprint, "identity": self.identity,
                      "mlflow_run_id": s.mlflow_run_id, "step": s.step,
                      "tokens_seen": s.tokens_seen, "world_size": self.world.size,
+                     "batch_tokens": self.plan.batch_tokens,
                      "valid_bleu": self.log.bleu_at(s.step), "interim": interim,
                      "schedule": {"steps": t.steps, "max_minutes": t.max_minutes,
                                   "lr_factor": factor}},
@@ -796,9 +817,9 @@ class Trainer:
                 s.stopped_by = "steps"
         except torch.OutOfMemoryError as exc:
             raise OutOfMemory(
-                f"out of memory at step {s.step + 1} with batches of up to "
-                f"{self.train_data.meta['max_tokens']} tokens ({exc}); lower shard.max_tokens "
-                "and re-run the shard stage (train.tokens_per_step stays, accumulation grows); "
+                f"out of memory at step {s.step + 1} with micro-batches of up to "
+                f"{self.plan.batch_tokens:,} tokens ({exc}); set train.max_tokens below that "
+                "(train.tokens_per_step stays, accumulation grows; no data stage re-runs); "
                 "training resumes from the last checkpoint") from None
         finally:
             if bar is not None:
@@ -808,16 +829,20 @@ class Trainer:
 
     def _log_start(self) -> None:
         p = self.p.train
-        log.info("train: %s parameters, %d process(es) on %s, %s, %s kernels%s, "
-                 "accumulation %d (<= %d tokens per batch, %d per step)%s",
-                 f"{count_parameters(self.model):,}", self.world.size, self.device,
+        log.info("train: %s parameters on %s, %s, %s kernels%s%s",
+                 f"{count_parameters(self.model):,}", self.device,
                  f"{precision_name(self.amp_dtype)} autocast" if self.amp_dtype else "fp32",
                  p.kernels,
                  (", compiled" if p.compile else "")
                  + (f", subword split {p.subword_split:g}" if p.subword_split else "")
                  + (f", R-Drop alpha {p.rdrop:g}" if p.rdrop else ""),
-                 self.accum, int(self.train_data.meta["max_tokens"]), p.tokens_per_step,
                  f", time budget {p.max_minutes:g} min" if p.max_minutes else "")
+        # what the budget holds once padding is counted: the plan's mean micro-batch
+        real = (self.train_data.target_tokens() / self.train_data.num_batches
+                * self.plan.world_size * self.plan.accumulation)
+        log.info("train: %s, planned from %s: ~%s target tokens a step on average (the rest "
+                 "is padding)", self.plan.describe(), self.paths.shards / "train",
+                 f"{real:,.0f}")
 
     def summary(self) -> dict:
         s = self.state
@@ -835,7 +860,8 @@ class Trainer:
             "valid_ppl": last_valid.valid_ppl if last_valid else None,
             "parameters": count_parameters(self.model),
             "world_size": self.world.size,
-            "accumulation": self.accum,
+            "accumulation": self.plan.accumulation,
+            "batch_tokens": self.plan.batch_tokens,
             "device": self.device.type,
             "precision": precision_name(self.amp_dtype),
             **({"loss_scale": self.scaler.get_scale()} if self.scaler.is_enabled() else {}),

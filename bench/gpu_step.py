@@ -54,12 +54,13 @@ import torch
 import torch.distributed as dist
 
 from aiayn import kernels
+from aiayn.batching import plan_step
 from aiayn.model import Dropout, Transformer, TransformerConfig, avoid_cudnn_attention
 from aiayn.objective import make_optimizer
 from aiayn.precision import autocast_dtype, no_autocast, precision_name, step_casts
 from aiayn.sampler import Batch
 from aiayn.shards import cut_batches
-from aiayn.trainer import accumulation_steps, batch_loss
+from aiayn.trainer import batch_loss
 from bench import harness
 from bench.flops import train_flops
 
@@ -205,13 +206,14 @@ def measure(name: str, args, device: torch.device) -> dict:
     amp = autocast_dtype(args.precision, device)
     # fp16: dynamic loss scaling as the trainer does it (a no-op in other precisions)
     scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)
-    accum = accumulation_steps(args.tokens_per_step, 1, args.max_tokens)  # as the trainer
+    plan = plan_step(args.tokens_per_step, 1, args.max_tokens)  # as the trainer plans a step
+    accum = plan.accumulation
     # --reuse: the measured steps cycle through the warm-up's batches, whose shapes were met.
     fresh = args.warmup + (0 if args.reuse else args.steps)
     # --cpu-loss-blocks, the baseline: whatever the device, the CPU's blocks
     blocks = (kernels.loss_blocks(torch.device("cpu"), cfg.vocab_size) if args.cpu_loss_blocks
               else None)
-    batches = make_batches(fresh * accum, args.max_tokens, 1, device, args.pad_multiple)
+    batches = make_batches(fresh * accum, plan.batch_tokens, 1, device, args.pad_multiple)
     timer = Timer(device)
     parts = {"forward+loss": [], "backward": [], "optimizer": [], "step": []}
     tokens, flops = [], []
@@ -428,9 +430,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                  + ("--steps 2 or more" if args.warmup else "--steps 3 or more with --warmup 0"))
     if args.reuse and args.warmup < 1:
         ap.error("--reuse cycles through the warm-up's batches: give --warmup 1 or more")
-    accum = accumulation_steps(args.tokens_per_step, 1, args.max_tokens)  # as the trainer
+    plan = plan_step(args.tokens_per_step, 1, args.max_tokens)  # as the trainer plans a step
+    accum = plan.accumulation
     needed = (args.warmup + (0 if args.reuse else args.steps)) * accum
-    if not args.estimate and needed > (have := available_batches(args.max_tokens,
+    if not args.estimate and needed > (have := available_batches(plan.batch_tokens,
                                                                   args.pad_multiple)):
         ap.error(f"{args.warmup} warm-up + {args.steps} measured steps of {accum} batch(es) need "
                  f"{needed} distinct batches; the synthetic corpus holds {have} of "

@@ -40,10 +40,23 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
+class _Formatter(logging.Formatter):
+    """``12:00:00 aiayn.trainer: message``; a warning says so: ``... aiayn.trainer: warning:
+    message``, so that it stands out among the progress lines (and a script can find it)."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(name)s: %(message)s", "%H:%M:%S")
+        self._loud = logging.Formatter("%(asctime)s %(name)s: warning: %(message)s", "%H:%M:%S")
+
+    def format(self, record: logging.LogRecord) -> str:
+        return self._loud.format(record) if record.levelno >= logging.WARNING \
+            else super().format(record)
+
+
 def setup_logging() -> None:
     if not log.handlers:
         handler = _StderrHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
+        handler.setFormatter(_Formatter())
         log.addHandler(handler)
         log.setLevel(logging.INFO)
 

@@ -126,8 +126,8 @@ TINY_PARAMS = {
     "shard": {"max_tokens": 160, "max_len": 48},
     "model": {"d_model": 32, "heads": 4, "encoder_layers": 1, "decoder_layers": 1, "d_ff": 64,
               "dropout": 0.1, "max_positions": 64},
-    "train": {"tokens_per_step": 320, "steps": 12, "warmup_steps": 4, "lr_scale": 1.0,
-              "log_every": 2, "valid_every": 6, "checkpoint_every_steps": 3,
+    "train": {"tokens_per_step": 320, "max_tokens": 160, "steps": 12, "warmup_steps": 4,
+              "lr_scale": 1.0, "log_every": 2, "valid_every": 6, "checkpoint_every_steps": 3,
               "checkpoint_every_minutes": 0, "keep_checkpoints": 5, "average_last": 2},
 }
 
@@ -149,18 +149,17 @@ def write_params(path: Path, changes: dict | None = None) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def toy_workspace(tmp_path_factory) -> Path:
-    """A folder with params.yaml and data/{raw,vocab,survey,shards} for a tiny toy corpus,
-    built through the library functions the stages call."""
+def build_toy_workspace(root: Path, changes: dict | None = None) -> Path:
+    """``root`` with params.yaml (TINY_PARAMS and ``changes``) and data/{raw,vocab,survey,
+    shards} for its toy corpus, built through the library functions the stages call."""
     from aiayn.config import load_params
     from aiayn.corpus import iter_raw, make_source, write_raw_splits
     from aiayn.shards import build_shards
     from aiayn.survey import build_survey
     from aiayn.tokenizer import save_tokenizer, train_bpe
 
-    root = tmp_path_factory.mktemp("toy")
-    p = load_params(write_params(root / "params.yaml"))
+    root.mkdir(parents=True, exist_ok=True)
+    p = load_params(write_params(root / "params.yaml", changes))
     raw = root / "data/raw"
     write_raw_splits(make_source(p.data), p.data.languages, p.data.clean, raw)
     texts = (b[lang] for b in iter_raw(raw, "train") for lang in p.data.languages)
@@ -171,6 +170,12 @@ def toy_workspace(tmp_path_factory) -> Path:
     build_survey(tokenizer, raw, p.data.languages, survey)
     build_shards(survey, tokenizer, root / "data/shards", p.shard, *p.data.languages)
     return root
+
+
+@pytest.fixture(scope="session")
+def toy_workspace(tmp_path_factory) -> Path:
+    """A folder with params.yaml and data/{raw,vocab,survey,shards} for a tiny toy corpus."""
+    return build_toy_workspace(tmp_path_factory.mktemp("toy"))
 
 
 # --------------------------------------------------------------------------- MLflow server

@@ -32,15 +32,9 @@ from aiayn.schedule import cooldown_factor, noam_lr
 from aiayn.subword import merge_parents
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, decode, load_tokenizer
 from aiayn.toy import generate_pairs
-from aiayn.trainer import (
-    Trainer,
-    TrainingDiverged,
-    TrainPaths,
-    accumulation_steps,
-    step_budget_warning,
-)
+from aiayn.trainer import Trainer, TrainingDiverged, TrainPaths
 from bench import harness
-from tests.conftest import REPO, merge, write_params
+from tests.conftest import REPO, build_toy_workspace, merge, write_params
 
 
 def paths(ws: Path, run: Path) -> TrainPaths:
@@ -88,32 +82,6 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
-
-
-def test_accumulation_keeps_the_global_budget():
-    assert accumulation_steps(25_000, 1, 6250) == 4
-    assert accumulation_steps(25_000, 2, 6250) == 2
-    assert accumulation_steps(25_000, 4, 6250) == 1
-    assert accumulation_steps(25_000, 8, 6250) == 1
-    assert accumulation_steps(25_000, 3, 4096) == 3   # ceil: never below the budget
-    # 8 GPUs with batches of 6,250 would step on 50,000 tokens: said, with the fix
-    assert step_budget_warning(25_000, 1, 6250) is None
-    assert step_budget_warning(25_000, 1, 25_000) is None
-    assert step_budget_warning(25_000, 3, 4096) == (  # 3 x 3 x 4096 = 36,864
-        "train: 3 process(es) x 3 batch(es) of up to 4096 tokens (shard.max_tokens) make "
-        "steps of up to 36,864 tokens, 1.47x train.tokens_per_step (25,000); for the budget, "
-        "set shard.max_tokens to 2778 and re-run the shard stage (on a GPU, one batch a step "
-        "is the fastest: tokens_per_step / processes)")
-    assert "set shard.max_tokens to 3125" in step_budget_warning(25_000, 8, 6250)
-    # The value named fits: taken, it never warns again (brute force over realistic budgets).
-    for tokens in (4096, 8192, 25_000, 25_600, 50_000, 100_003):
-        for world in range(1, 17):
-            for max_tokens in range(tokens // 40, 2 * tokens, max(1, tokens // 97)):
-                said = step_budget_warning(tokens, world, max_tokens)
-                if said is not None:
-                    fits = int(said.split("set shard.max_tokens to ")[1].split()[0])
-                    assert step_budget_warning(tokens, world, fits) is None, (tokens, world,
-                                                                              max_tokens)
 
 
 def test_a_tiny_model_memorises_a_handful_of_toy_pairs(toy_workspace):
@@ -256,6 +224,53 @@ def test_a_resume_on_another_number_of_processes_goes_on_in_the_same_data_order(
     first = next(iter(resumed.loader))
     expected = resumed.train_data.batch(int(order[2 * (position // 2)]))
     assert torch.equal(first.tgt_in, expected.tgt_in)
+
+
+def test_a_resume_with_other_micro_batches_goes_on_at_the_same_share_of_the_epoch_and_says_so(
+        toy_workspace, tmp_path, caplog):
+    """A run saved with micro-batches of 160 tokens, resumed with one micro-batch of 320 a
+    step (train.max_tokens 0: as a run moved to another GPU count): the epoch's rest is cut
+    anew, the cursor keeps the epoch and the share of it already taken, and the log says
+    what that means for the data order."""
+    trainer = make_trainer(toy_workspace, tmp_path, {"train": {"steps": 40}})
+    trainer.fit(should_stop=lambda: trainer.state.step == 5)
+    ckpt = load_checkpoint(list_checkpoints(tmp_path / "checkpoints")[-1])
+    assert ckpt["meta"]["batch_tokens"] == 160 and ckpt["meta"]["world_size"] == 1
+    old_n = trainer.train_data.num_batches
+    epoch, position = ckpt["data"]["epoch"], ckpt["data"]["position"]
+    with caplog.at_level(logging.WARNING, logger="aiayn"):
+        resumed = make_trainer(toy_workspace, tmp_path,
+                               {"train": {"steps": 40, "max_tokens": 0}})
+    assert resumed.plan.batch_tokens == 320 and resumed.plan.accumulation == 1
+    assert resumed.state.step == 5  # the same run goes on
+    new_n = resumed.train_data.num_batches
+    assert new_n < old_n
+    assert resumed.loader.state_dict() == {"epoch": epoch,
+                                           "position": round(position / old_n * new_n)}
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "planned for 1 process(es) x <= 160 tokens" in said
+    assert f"the rest of epoch {epoch} is cut anew" in said and "may come twice" in said
+    resumed.fit()
+    assert resumed.state.step == 40
+
+
+def test_a_step_too_small_for_the_longest_pair_names_the_settings(toy_workspace, tmp_path):
+    from aiayn.errors import ParamsError
+    from aiayn.sampler import ShardDataset
+
+    longest = ShardDataset(toy_workspace / "data/shards/train").longest_pair()
+    with pytest.raises(ParamsError) as err:
+        make_trainer(toy_workspace, tmp_path, {"train": {"tokens_per_step": longest - 1,
+                                                         "max_tokens": 0}})
+    assert str(err.value) == (
+        f"train: 1 process(es) x 1 micro-batch(es) of <= {longest - 1} tokens per step "
+        f"(train.tokens_per_step {longest - 1}): a micro-batch of {longest - 1} tokens cannot "
+        f"hold the longest train pair of {toy_workspace / 'data/shards/train'} ({longest} "
+        "tokens on one side, with its special token); raise train.tokens_per_step or "
+        "train.max_tokens, train on fewer processes, or lower shard.max_len and re-run the "
+        "shard stage")
+    make_trainer(toy_workspace, tmp_path / "fits", {"train": {"tokens_per_step": longest,
+                                                              "max_tokens": 0}})
 
 
 def test_a_checkpoint_holds_the_time_of_the_validation_before_it(toy_workspace, tmp_path):
@@ -591,6 +606,76 @@ def test_two_processes_equal_one_process_with_two_accumulation_steps(toy_workspa
     assert not torch.equal(a1, a2)
 
 
+def steps_from(run: Path) -> list[dict]:
+    """Per step of a run checkpointed every step: its target tokens and its loss row."""
+    out, seen = [], 0
+    for path in list_checkpoints(run / "checkpoints"):
+        meta = load_checkpoint(path)["meta"]
+        out.append({"step": meta["step"], "tokens": meta["tokens_seen"] - seen,
+                    "batch_tokens": meta["batch_tokens"], "world_size": meta["world_size"]})
+        seen = meta["tokens_seen"]
+    return out
+
+
+@pytest.mark.slow
+def test_the_step_is_the_budget_on_one_or_two_processes_from_shards_cut_once(tmp_path):
+    """Shards cut once, at the one-process step (as wmt14_base cuts 25,000-token batches),
+    trained by 1 and by 2 processes (gloo): both take steps of train.tokens_per_step, no
+    warning, no data stage again. And with the same micro-batches (train.max_tokens: half
+    the step) 1 process accumulating two and 2 processes of one take the same steps.
+
+    8,000 toy pairs: a corpus with enough pairs of each length that length-sorted batches
+    are ~92% real tokens, as real corpora's are (the tiny toy's 400 pairs fill ~80%)."""
+    budget, steps = 640, 10
+    ws = build_toy_workspace(tmp_path / "ws", {
+        "data": {"toy": {"train_pairs": 8000}}, "shard": {"max_tokens": budget}})
+    shards = ws / "data/shards"
+    stored = (shards / "train/batches.npy").read_bytes()
+    changes = {"data": {"toy": {"train_pairs": 8000}}, "shard": {"max_tokens": budget},
+               "model": {"dropout": 0.0},
+               "train": {"steps": steps, "tokens_per_step": budget, "max_tokens": 0,
+                         "checkpoint_every_steps": 1, "keep_checkpoints": steps,
+                         "log_every": 1, **FP32}}
+    env = env_for_subprocess()
+
+    def train(name: str, nproc: int, extra: dict | None = None) -> str:
+        params = write_params(tmp_path / f"{name}.yaml", merge(changes, extra or {}))
+        launch = ([sys.executable, "-m", "stages.train"] if nproc == 1 else
+                  [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={nproc}", "-m", "stages.train"])
+        result = subprocess.run(launch + train_cmd(params, tmp_path / name, ws), env=env,
+                                capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stderr
+
+    logs = {"one": train("one", 1), "two": train("two", 2),
+            "one_by_two": train("one_by_two", 1, {"train": {"max_tokens": budget // 2}})}
+    runs = {name: steps_from(tmp_path / name) for name in logs}
+    for name, log_text in logs.items():
+        assert "warning:" not in log_text, (name, log_text[-2000:])
+        assert len(runs[name]) == steps
+        mean = sum(s["tokens"] for s in runs[name]) / steps
+        assert 0.9 * budget <= mean <= budget, (name, runs[name])
+    assert {(s["batch_tokens"], s["world_size"]) for s in runs["one"]} == {(budget, 1)}
+    assert {(s["batch_tokens"], s["world_size"]) for s in runs["two"]} == {(budget // 2, 2)}
+    assert "2 process(es) x 1 micro-batch(es) of <= 320 tokens" in logs["two"]
+    assert "1 process(es) x 2 micro-batch(es) of <= 320 tokens" in logs["one_by_two"]
+    assert (shards / "train/batches.npy").read_bytes() == stored  # nothing was cut again
+    # the same micro-batches: the same steps (fp32 rounding apart)
+    assert [s["tokens"] for s in runs["two"]] == [s["tokens"] for s in runs["one_by_two"]]
+    for step in range(1, steps + 1):
+        a = load_checkpoint(tmp_path / f"one_by_two/checkpoints/step-{step:08d}.pt")
+        b = load_checkpoint(tmp_path / f"two/checkpoints/step-{step:08d}.pt")
+        ma, mb = without_key_biases(a["model"]), without_key_biases(b["model"])
+        for k in ma:
+            torch.testing.assert_close(ma[k], mb[k], rtol=1e-5, atol=1e-6)
+    losses = {name: [float(line.split("\t")[1]) for line in
+                     (tmp_path / name / "train_log.tsv").read_text().splitlines()[1:]]
+              for name in ("two", "one_by_two")}
+    assert len(losses["two"]) == steps
+    assert losses["two"] == pytest.approx(losses["one_by_two"], rel=1e-5)
+
+
 def call_train_stage(toy_workspace: Path, tmp_path: Path, steps: int, mlflow: bool) -> None:
     """``aiayn train`` in this process on the toy workspace's shards, for ``steps`` steps,
     writing under TMP_PATH/run; the SIGINT and SIGTERM handlers the stage installs are
@@ -799,7 +884,8 @@ def test_out_of_memory_names_the_batch_budget_and_the_param(toy_workspace, tmp_p
         trainer.fit()
     msg = str(err.value)
     assert "out of memory at step 3" in msg and "up to 160 tokens" in msg
-    assert "lower shard.max_tokens" in msg and "resumes from the last checkpoint" in msg
+    assert "set train.max_tokens below that" in msg and "no data stage re-runs" in msg
+    assert "resumes from the last checkpoint" in msg
 
 
 # --------------------------------------------------------------------------- fast path
@@ -1444,7 +1530,7 @@ def test_bf16_weights_are_cast_once_per_step_and_train_bit_for_bit_as_per_micro_
             if mode == "per_micro_batch":
                 m.setattr(trainer_module, "step_casts", lambda *a: contextlib.nullcontext())
             trainer = make_trainer(toy_workspace, tmp_path / mode, changes)
-            assert trainer.accum == 2 and trainer.amp_dtype == torch.bfloat16
+            assert trainer.plan.accumulation == 2 and trainer.amp_dtype == torch.bfloat16
             it = iter(trainer.loader)
             counter = ParameterCasts(trainer.model)
             with counter:
