@@ -21,8 +21,8 @@ Each mode runs in a fresh Python process (a heap is per process), one after the 
 alternating ``notrim``/``trim`` ``--repeats`` times; the machine may be shared, so compare
 the modes of one run as ratios. What trains is the real ``aiayn.trainer.Trainer`` stepping
 through its own loader, as ``bench.train_throughput``'s ``fast`` contender does (its
-worker class, its data preparation): the ``--preset`` (``multi30k`` by default, whose text
-``--corpus`` names; ``demo`` needs none), with ``-S`` overrides, batches of the preset's
+worker class, its data preparation): the ``--preset`` (``multi30k`` by default: from the
+hub, or from its text files in ``--corpus``; ``demo`` needs none), with ``-S`` overrides, batches of the preset's
 size or of ``--max-tokens`` positions, the sampler seeded by ``--seed``: the same sequence of
 batches in both modes. It computes in the precision ``aiayn train`` picks (``--precision``,
 default ``auto``: bf16 autocast on a CPU with native bf16, fp32 elsewhere; see
@@ -173,7 +173,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--preset", default="multi30k", help="conf/experiment preset (multi30k)")
     ap.add_argument("--set", "-S", action="append", default=[], metavar="KEY=VALUE",
                     help="Hydra override of the preset, as `dvc exp run -S` (repeatable)")
-    ap.add_argument("--corpus", type=Path, default=None, help="the local preset's text folder")
+    ap.add_argument("--corpus", type=Path, default=None,
+                    help="the preset's corpus as text files in DIR (data.source: local), "
+                         "not from the hub")
     ap.add_argument("--workdir", type=Path,
                     default=Path(tempfile.gettempdir()) / "aiayn-bench-train",
                     help="where the data stages write (shared with bench.train_throughput)")

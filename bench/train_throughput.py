@@ -47,11 +47,13 @@ is never timed.
   dropout placement (residual and embedding only: its attention and activation dropout set
   to 0, as ``fast``), ``nn+drop`` torch's (0.1 on attention probabilities and FFN
   activations too, as ``fast+drop``). Same batches, in the same order, as the trainers;
-* ``NAME@N`` - any trainer contender above with batches of ``N`` tokens: ``shard.max_tokens``
-  and ``train.tokens_per_step`` set to ``N`` (its own shards, made once in the work folder),
-  e.g. ``fast@2048`` against ``fast``: what a batch size costs or buys in tokens/s, side by
-  side. Such a contender takes its own batches (the same sampler seed over its own shards),
-  so its tokens and FLOPs per round are counted on its own batches;
+* ``NAME@N`` - any trainer contender above with steps of ``N`` tokens in one micro-batch:
+  ``train.tokens_per_step`` ``N`` and ``train.max_tokens`` 0, over the same shards (training
+  plans its batches from them), e.g. ``fast@2048`` against ``fast``: what a batch size
+  costs or buys in tokens/s, side by side. Such a contender takes its own batches (the
+  same sampler seed over its own plan), so its tokens and FLOPs per round are counted on
+  its own batches. A baseline tree from before training planned its own batches takes the
+  shards' batches instead (the preset's ``shard.max_tokens``);
 * ``NAME/ALLOC`` - any contender above (``main``, ``fast@2048`` included) in a worker on C
   heap ``ALLOC``: ``glibc``, ``tcmalloc`` or ``jemalloc``, preloaded as ``aiayn train``
   re-launches itself (``aiayn.memory.allocator_env``; e.g. ``fast/tcmalloc,main/glibc``:
@@ -101,9 +103,9 @@ projection over the tokens the contender's softmax spans; real tokens only); ach
 GFLOP/s = the FLOPs of the round's batches / its wall time.
 
 Data: ``--shards`` (and ``--tokenizer``) if given; otherwise the preset's data stages are run
-once into ``--workdir`` (``aiayn download/vocab/survey/shard``; the ``multi30k`` preset reads
-``../shared/data/multi30k`` beside the repository, ``--corpus`` points elsewhere; ``demo``
-needs nothing) and reused by later runs.
+once into ``--workdir`` (``aiayn download/vocab/survey/shard``; the ``multi30k`` preset
+streams its corpus from the hub, or with ``--corpus DIR`` reads it from the text files there,
+as ``data.source: local``; ``demo`` needs nothing) and reused by later runs.
 """
 
 from __future__ import annotations
@@ -243,6 +245,7 @@ class TorchNNWorker:
         import yaml
         from torch import nn
 
+        from aiayn.batching import plan_step
         from aiayn.config import parse_params
         from aiayn.model import Transformer, sinusoidal_positions
         from aiayn.precision import autocast_dtype
@@ -309,7 +312,9 @@ class TorchNNWorker:
         self.model = TorchTransformer().train()
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4,
                                     betas=tuple(p.train.adam_betas), eps=p.train.adam_eps)
-        data = ShardDataset(Path(spec["shards"]) / "train")
+        # the trainer's micro-batches (one process), one a step
+        plan = plan_step(p.train.tokens_per_step, 1, p.train.max_tokens)
+        data = ShardDataset(Path(spec["shards"]) / "train", max_tokens=plan.batch_tokens)
         self.it = iter(BatchLoader(data, TokenBudgetSampler(data.num_batches, seed=p.seed)))
         self.amp = autocast_dtype(p.train.precision, torch.device("cpu"))
         self.eps, self.pad, self.V = p.train.label_smoothing, cfg.pad_id, cfg.vocab_size
@@ -629,23 +634,27 @@ def parse_arm(text: str) -> tuple[str, dict]:
 
 def prepare_data(args, batch_tokens: int | None = None) -> tuple[Path, Path, Path]:
     """(params file, shards, tokenizer): given, or made once in the work folder; with
-    ``batch_tokens``, the preset with batches (and steps) of that many tokens, in a work
-    folder of its own."""
+    ``batch_tokens``, the preset with steps of that many tokens, one micro-batch a step
+    (training plans its batches from the same shards: no data stage re-runs), its params in
+    a work folder of its own."""
     import yaml
 
     from stages.params import compose
 
-    overrides = list(args.set)
-    work = args.workdir / args.preset
     if batch_tokens is not None:
-        if args.shards:
-            raise SystemExit("error: a NAME@N contender makes its own shards; leave out "
-                             "--shards (or measure batch sizes with shards made for each)")
-        overrides += [f"shard.max_tokens={batch_tokens}",
-                      f"train.tokens_per_step={batch_tokens}"]
+        _, shards, tokenizer = prepare_data(args)
         work = args.workdir / f"{args.preset}@{batch_tokens}"
+        work.mkdir(parents=True, exist_ok=True)
+        raw = yaml.safe_load(compose(REPO / "conf", args.preset, [
+            *args.set, f"train.tokens_per_step={batch_tokens}", "train.max_tokens=0"]))
+        params = work / "params.yaml"
+        params.write_text(yaml.safe_dump(raw, sort_keys=False))
+        return params, shards, tokenizer
+    work = args.workdir / args.preset
     params = work / "params.yaml"
-    raw = yaml.safe_load(compose(REPO / "conf", args.preset, overrides))
+    raw = yaml.safe_load(compose(REPO / "conf", args.preset, list(args.set)))
+    if args.corpus is not None:  # the preset's corpus from its text files, not the hub
+        raw["data"]["source"] = "local"
     if raw["data"]["source"] == "local":
         corpus = args.corpus or (REPO / raw["data"]["local"]["dir"]).resolve()
         if not Path(corpus).is_dir():
@@ -681,13 +690,14 @@ def round_batches(params: Path, shards: Path, steps: int, skip: int) -> list[tup
     import numpy as np
     import yaml
 
+    from aiayn.batching import plan_step
     from aiayn.config import parse_params
     from aiayn.sampler import ShardDataset, TokenBudgetSampler
-    from aiayn.trainer import accumulation_steps
 
     p = parse_params(yaml.safe_load(params.read_text()))
-    data = ShardDataset(shards / "train")
-    accum = accumulation_steps(p.train.tokens_per_step, 1, int(data.meta["max_tokens"]))
+    plan = plan_step(p.train.tokens_per_step, 1, p.train.max_tokens)  # as the trainer's
+    data = ShardDataset(shards / "train", max_tokens=plan.batch_tokens)
+    accum = plan.accumulation
     sampler = TokenBudgetSampler(data.num_batches, seed=p.seed)
     out = []
     for i in range((skip + steps) * accum):
@@ -721,7 +731,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "params re-run the data stages into the work folder)")
     ap.add_argument("--precision", default=None, choices=("auto", "fp32", "bf16"),
                     help="train.precision for every contender (default: the preset's, auto)")
-    ap.add_argument("--corpus", type=Path, default=None, help="the local preset's text folder")
+    ap.add_argument("--corpus", type=Path, default=None,
+                    help="the preset's corpus as text files in DIR (data.source: local), "
+                         "not from the hub")
     ap.add_argument("--shards", type=Path, default=None, help="use these shards (train/valid)")
     ap.add_argument("--tokenizer", type=Path, default=None, help="their tokenizer.json")
     ap.add_argument("--workdir", type=Path,
