@@ -119,7 +119,7 @@ class LocalPairs:
         """Where data.local.dir may be: as given when absolute; else relative to the params
         file's folder, then to ``$DVC_ROOT`` (the user's repository, which DVC names when a
         queued experiment runs in a temporary copy under ``.dvc/tmp/exps/``, where a path
-        such as ``../shared/data`` would point inside the repository)."""
+        such as ``../corpora`` would point inside the repository)."""
         given = Path(self.cfg.dir)
         if given.is_absolute():
             return [given]
@@ -213,9 +213,23 @@ class HubPairs:
 
     cfg: HubSource
     languages: tuple[str, str]
+    # The local source of the same params: the download stage's error names it as the way
+    # to go on without the hub.
+    offline: LocalSource | None = None
 
     def describe(self) -> str:
         return f"hub {self.cfg.path} (config {self.cfg.name})"
+
+    def _without_hub(self) -> str:
+        if self.offline is None:
+            return "or use data.source: local with a folder of text files"
+        local = self.offline
+        names = ", ".join(local.pattern.format(split=getattr(local.splits, split), lang=lang)
+                          for split in SPLITS for lang in self.languages)
+        return (f"without the hub, read the same corpus from text files: set data.source: "
+                f"local (`dvc exp run -S data.source=local`, or `aiayn params <preset> "
+                f"data.source=local`) with the files {names} in the folder {local.dir} "
+                "(data.local.dir; their names: data.local.pattern and data.local.splits)")
 
     def check(self) -> None:
         return None  # reachability is only known by trying; batches() reports it clearly
@@ -232,8 +246,8 @@ class HubPairs:
             raise DataError(
                 f"could not load {self.cfg.path!r} (config {self.cfg.name!r}, split "
                 f"{split_name!r}) through datasets: {type(exc).__name__}: {exc}. Check the "
-                "network and HF_HUB_OFFLINE, data.hub.path/name/splits in params.yaml, or use "
-                "data.source: local with a folder of text files"
+                "network and HF_HUB_OFFLINE, and data.hub.path/name/splits in params.yaml; "
+                f"{self._without_hub()}"
             ) from None
 
     def batches(self, split: str) -> Iterator[Batch]:
@@ -293,7 +307,7 @@ def make_source(cfg: DataConfig, root: Path = Path(".")) -> PairSource:
         return ToyPairs(cfg.toy)
     if cfg.source == "local":
         return LocalPairs(cfg.local, cfg.languages, root)
-    return HubPairs(cfg.hub, cfg.languages)
+    return HubPairs(cfg.hub, cfg.languages, offline=cfg.local)
 
 
 # --------------------------------------------------------------------------- cleaning

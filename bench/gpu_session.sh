@@ -139,7 +139,7 @@ if [ "${1:-}" = prepare ]; then
         $(.venv/bin/python -m pip list --format=freeze 2>/dev/null | grep -iE \
           '^(pydantic|pydantic[-_]core|annotated[-_]types|typing[-_]inspection|typing[-_]extensions|sacremoses)==')
     .venv/bin/aiayn params multi30k train.max_minutes="$MINUTES" train.steps="$STEPS" \
-        data.local.dir="$(realpath "$M30K")" --out .gpu/m30k/params.yaml
+        data.source=local data.local.dir="$(realpath "$M30K")" --out .gpu/m30k/params.yaml
     (cd .gpu/m30k && for s in download vocab survey shard; do
         ../../.venv/bin/aiayn "$s" --params params.yaml; done)
     rm -rf .gpu/m30k/data/survey .gpu/m30k/metrics .gpu/screen && mkdir -p .gpu/screen
@@ -159,7 +159,8 @@ if [ "${1:-}" = prepare ]; then
     m30k8k() {  # $1: the folder; the rest: settings on top of the preset (KEY=VALUE)
         local dir=$1 s; shift
         rm -rf "$dir" && mkdir -p "$dir"
-        .venv/bin/aiayn params multi30k shard.max_tokens=8192 data.local.dir="$(realpath "$M30K")" \
+        .venv/bin/aiayn params multi30k shard.max_tokens=8192 data.source=local \
+            data.local.dir="$(realpath "$M30K")" \
             "$@" --out "$dir/params.yaml" >/dev/null
         (cd "$dir" && for s in download vocab survey shard; do
             ../../.venv/bin/aiayn "$s" --params params.yaml; done)

@@ -218,9 +218,79 @@ def test_unreachable_hub_fails_fast_and_clearly(tmp_path, cli_env):
     result = run_download(params, tmp_path, cli_env)
     assert result.returncode == 2
     assert "could not load 'wmt/wmt14'" in result.stderr and "HF_HUB_OFFLINE" in result.stderr
+    assert "set data.source: local" in result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "data" / "raw").exists()
     assert not (tmp_path / "metrics" / "download.json").exists()
+
+
+# --------------------------------------------------------------------------- Multi30k presets
+
+MULTI30K_PRESETS = ("multi30k", "multi30k_rdrop")
+
+
+def multi30k_params(preset: str, *overrides: str) -> dict:
+    from stages.params import compose
+
+    return yaml.safe_load(compose(REPO / "conf", preset, list(overrides)))
+
+
+def write_multi30k_hub_copy(folder: Path) -> Path:
+    """A local folder laid out as the hub's bentrevett/multi30k: {train,val,test}.jsonl of
+    rows {"en", "de"} and a README without configs (datasets names the splits by file)."""
+    import json
+
+    folder.mkdir(parents=True)
+    pairs = list(zip(SENTENCES_EN, SENTENCES_DE, strict=True))
+    for name, rows in (("train", pairs * 2), ("val", pairs[:2]), ("test", pairs[2:])):
+        (folder / f"{name}.jsonl").write_text(
+            "".join(json.dumps({"en": en, "de": de}) + "\n" for en, de in rows), "utf-8")
+    (folder / "README.md").write_text("---\nlanguage:\n- en\n- de\n---\n# Multi30k\n")
+    return folder
+
+
+@pytest.mark.parametrize("preset", MULTI30K_PRESETS)
+def test_the_multi30k_presets_read_the_hub_as_shipped(preset):
+    data = multi30k_params(preset)["data"]
+    assert data["source"] == "hub" and data["hub"]["path"] == "bentrevett/multi30k"
+    assert data["hub"]["splits"] == {"train": "train", "valid": "validation", "test": "test"}
+    # no preset names a folder that only this project's own machines have
+    for path in (REPO / "conf").rglob("*.yaml"):
+        assert "shared/data" not in path.read_text(), path
+
+
+@pytest.mark.parametrize("preset", MULTI30K_PRESETS)
+def test_the_multi30k_presets_download_from_a_copy_of_the_hubs_layout(preset, tmp_path,
+                                                                      cli_env):
+    hub = write_multi30k_hub_copy(tmp_path / "bentrevett-multi30k")
+    result = run_download(multi30k_params(preset, f"data.hub.path={hub}"), tmp_path, cli_env)
+    assert result.returncode == 0, result.stderr
+    raw = tmp_path / "data" / "raw"
+    assert read_split(raw, "train")["de"] == SENTENCES_DE * 2
+    assert read_split(raw, "valid")["en"] == SENTENCES_EN[:2]  # val.jsonl
+    assert read_split(raw, "test")["en"] == SENTENCES_EN[2:]
+
+
+def test_without_the_hub_the_multi30k_preset_says_the_one_setting_and_it_works(tmp_path,
+                                                                               cli_env):
+    """Offline (HF_HUB_OFFLINE=1 in cli_env), the hub stage fails at once and its error names
+    data.source: local, the folder and the file names; that one setting then reads the
+    corpus's own text files from that folder, next to params.yaml."""
+    result = run_download(multi30k_params("multi30k"), tmp_path, cli_env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    said = " ".join(result.stderr.split())
+    assert "could not load 'bentrevett/multi30k'" in said
+    assert "set data.source: local (`dvc exp run -S data.source=local`" in said
+    assert ("the files train.en, train.de, val.en, val.de, test2016.en, test2016.de in the "
+            "folder data/multi30k") in said
+    assert not (tmp_path / "data" / "raw").exists()
+    folder = tmp_path / "data" / "multi30k"
+    write_parallel(folder, "train", SENTENCES_EN, SENTENCES_DE)
+    write_parallel(folder, "val", SENTENCES_EN[:2], SENTENCES_DE[:2])
+    write_parallel(folder, "test2016", SENTENCES_EN[2:], SENTENCES_DE[2:])
+    result = run_download(multi30k_params("multi30k", "data.source=local"), tmp_path, cli_env)
+    assert result.returncode == 0, result.stderr
+    assert read_split(tmp_path / "data" / "raw", "test")["de"] == SENTENCES_DE[2:]
 
 
 def test_download_stage_on_a_local_folder(tmp_path, local_corpus, cli_env):

@@ -202,7 +202,7 @@ def test_parameter_counts_against_the_papers_column():
 
 @pytest.mark.parametrize("value, text", [
     (1, "1"), (0.3, "0.3"), (1e-9, "1e-09"), (True, "true"), (None, "null"),
-    ("learned", "learned"), ("../shared/data/multi30k", "../shared/data/multi30k"),
+    ("learned", "learned"), ("../corpora/multi30k", "../corpora/multi30k"),
     ("two words", "'two words'"), ("1.0", "'1.0'"), ([1, 3, 5], "[1,3,5]"), ([], "[]"),
     ({"train": "train", "valid": "val"}, "{train:train,valid:val}")])
 def test_values_are_written_in_hydras_override_grammar(value, text):
