@@ -120,6 +120,7 @@ def train(
     train_log: Annotated[Path, typer.Option(help="Step-wise train loss, lr, grad norm, tokens/s (TSV, for dvc plots).")] = Path("metrics/train_log.tsv"),
     valid_log: Annotated[Path, typer.Option(help="Step-wise validation loss and perplexity (TSV).")] = Path("metrics/valid_log.tsv"),
     curves: Annotated[Path, typer.Option(help="The loss, learning-rate and throughput curves as one PNG.")] = Path("metrics/training_curves.png"),
+    run_dir: Annotated[Path | None, typer.Option(help="Write every output of the run under this folder instead (checkpoints/, train.json, train_log.tsv, valid_log.tsv, training_curves.png): a training apart from the pipeline's, e.g. a short check of a multi-GPU setup (docs/gpus.md).")] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
     mlflow: Annotated[bool, typer.Option(help="Log to MLflow (MLFLOW_TRACKING_URI, default sqlite:///mlflow.db).")] = True,
 ) -> None:
@@ -148,9 +149,15 @@ def train(
     machines that share the checkpoint folder:
     `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 2 --nproc-per-node 8
     --rdzv-backend c10d --rdzv-endpoint HOST:29500 --rdzv-id RUN --max-restarts 3
-    -m stages.train` (the variable makes restarts work: pytorch/pytorch#135712).
+    -m stages.train` (the variable makes restarts work: pytorch/pytorch#135712). GPUs,
+    several machines, SLURM and checks: docs/gpus.md. `train.tokens_per_step` is the step on
+    any number of processes: each one's micro-batches are planned when training starts.
     """
     p = read_params(params)
+    if run_dir is not None:
+        checkpoints, metrics = run_dir / "checkpoints", run_dir / "train.json"
+        train_log, valid_log = run_dir / "train_log.tsv", run_dir / "valid_log.tsv"
+        curves = run_dir / "training_curves.png"
     for path in (metrics, train_log, valid_log, curves):  # written at the end: check now
         check_output_path(path)
     check_output_path(checkpoints, directory=True)

@@ -163,22 +163,22 @@ def test_a_killed_process_is_restarted_and_the_run_ends_as_if_it_never_died(
 # --------------------------------------------------------------------------- two machines
 
 
-def readme_multinode_command() -> tuple[dict[str, str], list[str]]:
-    """The multi-node torchrun command as the README gives it: (environment, words)."""
-    text = (REPO / "README.md").read_text(encoding="utf-8")
+def gpu_page_multinode_command() -> tuple[dict[str, str], list[str]]:
+    """The multi-node torchrun command as docs/gpus.md gives it: (environment, words)."""
+    text = (REPO / "docs/gpus.md").read_text(encoding="utf-8")
     found = re.search(r"`((?:[A-Z_]+=\S+ )*torchrun --nnodes 2 [^`]*)`", text)
-    assert found, "README.md lost its multi-node torchrun command"
+    assert found, "docs/gpus.md lost its multi-node torchrun command"
     words = found.group(1).split()
     start = words.index("torchrun")
     return dict(w.split("=", 1) for w in words[:start]), words[start:]
 
 
 @pytest.mark.slow
-def test_the_readme_multinode_command_trains_as_one_machine_and_only_rank0_writes(
+def test_the_gpu_pages_multinode_command_trains_as_one_machine_and_only_rank0_writes(
         toy_workspace, tmp_path, two_process_run):
     from mlflow import MlflowClient
 
-    readme_env, words = readme_multinode_command()  # torchrun --nnodes 2 ... -m stages.train
+    readme_env, words = gpu_page_multinode_command()  # torchrun --nnodes 2 ... -m stages.train
     port = free_port()
     words = [f"127.0.0.1:{port}" if w == "HOST:29500" else w for w in words]
     words[words.index("--nproc-per-node") + 1] = "1"  # two "machines" of one process each
@@ -220,6 +220,51 @@ def test_the_readme_multinode_command_trains_as_one_machine_and_only_rank0_write
     assert "the processes find different latest checkpoints" in "".join(outs)
     assert "shared storage" in "".join(outs)
     assert list_checkpoints(tmp_path / writers[0] / "checkpoints") == written[writers[0]]
+
+
+# SLURM's commands as docs/train.sbatch calls them, standing in for a cluster on one machine:
+# `scontrol show hostnames LIST` names the nodes, `srun [options] CMD` starts CMD once per node.
+FAKE_SCONTROL = """#!/bin/sh
+[ "$1 $2" = "show hostnames" ] || { echo "scontrol stand-in: $*" >&2; exit 2; }
+echo 127.0.0.1; echo 127.0.0.2
+"""
+FAKE_SRUN = """#!/bin/bash
+while [[ "$1" == --* ]]; do shift; done
+pids=()
+for node in $(seq 0 $((SLURM_NNODES - 1))); do
+    SLURM_NODEID=$node SLURM_PROCID=$node "$@" > "srun-node$node.log" 2>&1 &
+    pids+=($!)
+done
+rc=0; for p in "${pids[@]}"; do wait "$p" || rc=$?; done; exit $rc
+"""
+
+
+@pytest.mark.slow
+def test_the_slurm_script_trains_as_torchrun_standalone_does(toy_workspace, tmp_path,
+                                                             two_process_run):
+    """docs/train.sbatch under stand-ins for srun and scontrol: two "nodes" of one process
+    each on this machine train, through one torchrun each, to the weights of
+    `torchrun --standalone --nproc-per-node 2`."""
+    import stat as stat_module
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("scontrol", FAKE_SCONTROL), ("srun", FAKE_SRUN)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755 | stat_module.S_IEXEC)
+    params = write_params(tmp_path / "params.yaml", RUN)
+    env = {**cluster_env(), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+           "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242",
+           "SLURM_SUBMIT_DIR": str(tmp_path), "GPUS_PER_NODE": "1",
+           "MASTER_PORT": str(free_port()), "VENV": sys.prefix}
+    result = subprocess.run(["bash", str(REPO / "docs/train.sbatch"),
+                             *train_cmd(params, tmp_path / "run", toy_workspace)],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    logs = "\n".join(p.read_text()[-3000:] for p in sorted(tmp_path.glob("srun-node*.log")))
+    assert result.returncode == 0, result.stdout + result.stderr + logs
+    assert "2 node(s) x 1 process(es), rendezvous at 127.0.0.1:" in result.stdout
+    assert_same_run(final_state(tmp_path / "run"), final_state(two_process_run),
+                    first_difference(tmp_path / "run", two_process_run))
 
 
 # --------------------------------------------------------------------------- a full disk
