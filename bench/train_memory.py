@@ -26,7 +26,8 @@ hub, or from its text files in ``--corpus``; ``demo`` needs none), with ``-S`` o
 batches of the preset's size or steps of one ``--max-tokens`` micro-batch, the sampler
 seeded by ``--seed``: the same sequence of batches in both modes. It computes in the
 precision ``aiayn train`` picks (``--precision``, default ``auto``: bf16 autocast on a CPU
-with native bf16, fp32 elsewhere; see ``aiayn.precision``). The ``notrim`` worker replaces the trainer's trimmer by a disabled one.
+with native bf16, fp32 elsewhere; see ``aiayn.precision``). The ``notrim`` worker replaces
+the trainer's trimmer by a disabled one.
 
 Reported per mode: the peak RSS in the warm-up (``--warmup`` steps) and in five windows
 after it (peaks, not samples: right after a trim step RSS is low, and sampling there would
