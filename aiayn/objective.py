@@ -3,14 +3,25 @@ paper's warmup schedule (aiayn.schedule: the rate, the cooldown).
 
 ``train.rdrop`` (0 in the paper: off) adds R-Drop's consistency term to the loss (Liang
 et al. 2021, "R-Drop: Regularized Dropout for Neural Networks"): see :func:`rdrop_loss`.
+
+A step's loss on a batch is a criterion, as fairseq's: one object chosen once from the
+params (:func:`make_criterion`), called as ``criterion(net, batch)``. Label-smoothed
+cross-entropy on the full logits (``train.kernels: plain``) or fused with the tied output
+projection on the decoder's real positions (``fast``: :mod:`aiayn.kernels`); R-Drop on top
+of either.
 """
 
 from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from aiayn.kernels import projected_label_smoothed_loss, projected_rdrop_loss
+from aiayn.model import OutputVocab, Packing
 from aiayn.schedule import noam_lr
 
 
@@ -79,3 +90,146 @@ def rdrop_loss(logits: Tensor, labels: Tensor, epsilon: float, alpha: float
     # KL(p1 || p2) + KL(p2 || p1) = sum (p1 - p2) (log p1 - log p2)
     both_kl = ((lprobs[0].exp() - lprobs[1].exp()) * (lprobs[0] - lprobs[1])).sum()
     return smoothed.sum() / 2 + alpha * both_kl / 4, nll.sum() / 2
+
+
+# --------------------------------------------------------------------------- criteria
+
+# (smoothed loss sum, NLL sum, labels): what every criterion returns for a batch; the count
+# may be a device tensor, so that computing the loss never waits for a GPU.
+LossSums = tuple[Tensor, Tensor, "int | Tensor"]
+
+
+@dataclass(kw_only=True)
+class LabelSmoothedCrossEntropy:
+    """Section 5.4 on the full logits: ``criterion(net, batch)`` for ``net`` (the model or
+    its compiled or DDP wrapper) and a batch on the device. With ``output``
+    (model.output_vocab: target) the softmax, and label smoothing's uniform share, span its
+    tokens only: their columns of the full logits. ``amp_dtype``: the autocast dtype of
+    the forward (None: fp32)."""
+
+    label_smoothing: float
+    pad_id: int
+    amp_dtype: torch.dtype | None = None
+    output: OutputVocab | None = None
+
+    def labels(self, batch) -> tuple[Tensor, int]:
+        """The batch's labels and their padding id, in the output vocabulary's ids."""
+        if self.output is None:
+            return batch.tgt_out, self.pad_id
+        return self.output.loss_labels(batch.tgt_out)
+
+    def autocast(self, batch) -> contextlib.AbstractContextManager:
+        return torch.autocast(batch.src.device.type, dtype=self.amp_dtype or torch.float32,
+                              enabled=self.amp_dtype is not None)
+
+    def positions(self, batch) -> Tensor:
+        """The flat positions of the batch's labels (the loader found them on the host)."""
+        if batch.tgt_positions is not None:
+            return batch.tgt_positions
+        return Packing.positions(batch.tgt_out, self.pad_id)
+
+    def logits(self, net: nn.Module, src: Tensor, tgt_in: Tensor) -> Tensor:
+        logits = net(src, tgt_in)
+        return logits if self.output is None else logits.index_select(-1, self.output.ids)
+
+    def __call__(self, net: nn.Module, batch) -> LossSums:
+        labels, label_pad = self.labels(batch)
+        with self.autocast(batch):
+            logits = self.logits(net, batch.src, batch.tgt_in)
+        return label_smoothed_loss(logits, labels, self.label_smoothing, label_pad)
+
+
+@dataclass(kw_only=True)
+class FusedLabelSmoothedCrossEntropy(LabelSmoothedCrossEntropy):
+    """The same loss computed by the fast kernels: the decoder on the real target positions
+    only (``pack``; False: on the padded batch, whose products' shapes repeat when the
+    batch's do) and the tied projection onto ``embedding`` (the model's shared matrix; with
+    ``output`` its rows of the output vocabulary) inside
+    :func:`aiayn.kernels.projected_label_smoothed_loss`, in ``blocks`` (chunk rows, softmax
+    rows; None: the device's, :func:`aiayn.kernels.loss_blocks`)."""
+
+    embedding: Tensor
+    blocks: tuple[int, int] | None = None
+    pack: bool = True
+
+    def weight(self) -> Tensor:
+        return self.embedding if self.output is None else self.output.rows(self.embedding)
+
+    def __call__(self, net: nn.Module, batch) -> LossSums:
+        labels, label_pad = self.labels(batch)
+        with self.autocast(batch):
+            positions = self.positions(batch)
+            rows = (net(batch.src, batch.tgt_in, packed=positions) if self.pack
+                    else net(batch.src, batch.tgt_in, hidden=True))
+            chunk_rows, softmax_rows = self.blocks or (None, None)
+            return projected_label_smoothed_loss(rows, self.weight(), labels,
+                                                 self.label_smoothing, label_pad,
+                                                 positions=positions, chunk_rows=chunk_rows,
+                                                 softmax_rows=softmax_rows)
+
+
+@dataclass(kw_only=True)
+class RDrop:
+    """R-Drop on top of ``base``: with gradients on, the batch goes through the net twice in
+    one call, stacked on itself so that each copy draws its own dropout, and the loss is
+    :func:`rdrop_loss` of the two passes (``alpha``: train.rdrop). Without gradients
+    (validation, where dropout is off) ``base``'s loss."""
+
+    base: LabelSmoothedCrossEntropy
+    alpha: float
+
+    def doubled(self, batch) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The batch stacked on itself, the positions of both copies' labels (the second
+        copy's after the first's) and the labels there."""
+        positions = self.base.positions(batch)
+        flat = batch.tgt_out.numel()
+        labels, _ = self.base.labels(batch)
+        return (torch.cat([batch.src, batch.src]), torch.cat([batch.tgt_in, batch.tgt_in]),
+                torch.cat([positions, positions + flat]),
+                labels.reshape(-1).index_select(0, positions))
+
+    def __call__(self, net: nn.Module, batch) -> LossSums:
+        if not torch.is_grad_enabled():
+            return self.base(net, batch)
+        src, tgt_in, both, kept = self.doubled(batch)
+        n = kept.numel()
+        with self.base.autocast(batch):
+            logits = self.base.logits(net, src, tgt_in)                    # (2B, T, V)
+            logits = logits.reshape(-1, logits.shape[-1]).index_select(0, both)
+        loss, nll = rdrop_loss(logits.view(2, n, logits.shape[-1]), kept,
+                               self.base.label_smoothing, self.alpha)
+        return loss, nll, n
+
+
+@dataclass(kw_only=True)
+class FusedRDrop(RDrop):
+    """R-Drop with the fused loss (:func:`aiayn.kernels.projected_rdrop_loss`): the decoder on
+    both copies' real positions, the tied projection inside the loss, the default blocks."""
+
+    base: FusedLabelSmoothedCrossEntropy
+
+    def __call__(self, net: nn.Module, batch) -> LossSums:
+        if not torch.is_grad_enabled():
+            return self.base(net, batch)
+        src, tgt_in, both, kept = self.doubled(batch)
+        with self.base.autocast(batch):
+            rows = net(src, tgt_in, packed=both)                            # (2N, d)
+            return projected_rdrop_loss(rows, self.base.weight(), kept,
+                                        self.base.label_smoothing, self.alpha)
+
+
+def make_criterion(*, kernels: str, label_smoothing: float, rdrop: float, pad_id: int,
+                   embedding: Tensor, amp_dtype: torch.dtype | None = None,
+                   output: OutputVocab | None = None, blocks: tuple[int, int] | None = None,
+                   pack: bool = True) -> LabelSmoothedCrossEntropy | RDrop:
+    """The criterion of ``train.kernels`` (``fast``: fused, ``plain``: on full logits) and
+    ``train.rdrop`` (> 0: R-Drop on top). ``blocks`` and ``pack``: the fused loss's (see
+    :class:`FusedLabelSmoothedCrossEntropy`; R-Drop's fused loss takes the defaults)."""
+    common = {"label_smoothing": label_smoothing, "pad_id": pad_id, "amp_dtype": amp_dtype,
+              "output": output}
+    if kernels == "fast":
+        fused = FusedLabelSmoothedCrossEntropy(**common, embedding=embedding, blocks=blocks,
+                                               pack=pack)
+        return FusedRDrop(base=fused, alpha=rdrop) if rdrop > 0 else fused
+    plain = LabelSmoothedCrossEntropy(**common)
+    return RDrop(base=plain, alpha=rdrop) if rdrop > 0 else plain

@@ -49,17 +49,14 @@ from aiayn.config import Params, TrainConfig
 from aiayn.distributed import World
 from aiayn.errors import AiaynError, DataError, ParamsError
 from aiayn.io import write_json
-from aiayn.kernels import projected_label_smoothed_loss, projected_rdrop_loss
 from aiayn.memory import HeapTrimmer, loaded_allocator
 from aiayn.model import (
-    OutputVocab,
-    Packing,
     Transformer,
     TransformerConfig,
     avoid_cudnn_attention,
     count_parameters,
 )
-from aiayn.objective import label_smoothed_loss, make_optimizer, rdrop_loss
+from aiayn.objective import make_criterion, make_optimizer
 from aiayn.precision import (
     autocast_dtype,
     hardware,
@@ -190,82 +187,6 @@ def target_vocabulary(datasets: list[ShardDataset], pad_id: int, bos_id: int,
     return np.flatnonzero(seen)
 
 
-def batch_loss(net: nn.Module, embedding: torch.Tensor, batch: Batch, label_smoothing: float,
-               pad_id: int, fast: bool, amp_dtype: torch.dtype | None,
-               output: OutputVocab | None = None, blocks: tuple[int, int] | None = None,
-               pack: bool = True, rdrop: float = 0.0
-               ) -> tuple[torch.Tensor, torch.Tensor, int | torch.Tensor]:
-    """(smoothed loss sum, NLL sum, labels) of ``net`` (the model, or its compiled or DDP
-    wrapper, whose shared embedding matrix is ``embedding``) on a batch already on the
-    device: the plain kernels (full logits, ``label_smoothed_loss``) or the fast ones (a
-    decoder without padding, the tied projection inside ``projected_label_smoothed_loss``).
-    With ``output`` (model.output_vocab: target) the softmax, and label smoothing's uniform
-    share, span its tokens only: the fast path projects onto their rows of the matrix, the
-    plain one keeps their columns of the full logits. ``blocks``: the fused loss's
-    (chunk_rows, softmax_rows), by default ``aiayn.kernels.loss_blocks`` for the device.
-    ``pack=False``: the fast path's decoder runs on the padded (B, T) batch instead of its
-    real positions only (more rows, but products whose shapes repeat when the batch's do:
-    bench.gpu_step --no-packing); the loss is the same.
-
-    ``rdrop`` (train.rdrop, > 0) with gradients on: the batch goes through ``net`` twice in
-    one call, stacked on itself, so that each copy draws its own dropout, and the loss is
-    :func:`aiayn.objective.rdrop_loss` of the two passes' logits: on the fast path fused
-    (:func:`aiayn.kernels.projected_rdrop_loss`, the decoder on packed rows whatever
-    ``pack``, the default blocks), on the plain one from the full logits. Without gradients
-    (validation) the plain loss, as dropout is off there."""
-    device = batch.src.device.type
-    labels, label_pad = batch.tgt_out, pad_id
-    if output is not None:
-        labels, label_pad = output.loss_labels(batch.tgt_out)
-    if rdrop > 0 and torch.is_grad_enabled():
-        return _rdrop_batch_loss(net, embedding, batch, labels, label_smoothing, pad_id,
-                                 rdrop, fast, amp_dtype, output)
-    with torch.autocast(device, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-        if fast:
-            positions = batch.tgt_positions
-            if positions is None:
-                positions = Packing.positions(batch.tgt_out, pad_id)
-            rows = (net(batch.src, batch.tgt_in, packed=positions) if pack
-                    else net(batch.src, batch.tgt_in, hidden=True))
-            weight = embedding if output is None else output.rows(embedding)
-            chunk_rows, softmax_rows = blocks or (None, None)
-            return projected_label_smoothed_loss(rows, weight, labels, label_smoothing,
-                                                 label_pad, positions=positions,
-                                                 chunk_rows=chunk_rows, softmax_rows=softmax_rows)
-        logits = net(batch.src, batch.tgt_in)
-        if output is not None:
-            logits = logits.index_select(-1, output.ids)
-    return label_smoothed_loss(logits, labels, label_smoothing, label_pad)
-
-
-def _rdrop_batch_loss(net: nn.Module, embedding: torch.Tensor, batch: Batch,
-                      labels: torch.Tensor, label_smoothing: float, pad_id: int, alpha: float,
-                      fast: bool, amp_dtype: torch.dtype | None, output: OutputVocab | None
-                      ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """:func:`batch_loss` with train.rdrop: both passes in one forward of the doubled batch;
-    the fast path's loss is the fused :func:`aiayn.kernels.projected_rdrop_loss`."""
-    device = batch.src.device.type
-    positions = batch.tgt_positions
-    if positions is None:
-        positions = Packing.positions(batch.tgt_out, pad_id)
-    flat = batch.tgt_out.numel()
-    both = torch.cat([positions, positions + flat])  # the second copy's follow the first's
-    kept = labels.reshape(-1).index_select(0, positions)
-    n = positions.numel()
-    with torch.autocast(device, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-        src, tgt_in = torch.cat([batch.src, batch.src]), torch.cat([batch.tgt_in, batch.tgt_in])
-        if fast:
-            rows = net(src, tgt_in, packed=both)                       # (2N, d)
-            weight = embedding if output is None else output.rows(embedding)
-            return projected_rdrop_loss(rows, weight, kept, label_smoothing, alpha)
-        logits = net(src, tgt_in)                                      # (2B, T, V)
-        if output is not None:
-            logits = logits.index_select(-1, output.ids)
-        logits = logits.reshape(2 * flat, -1).index_select(0, both)
-    loss, nll = rdrop_loss(logits.view(2, n, logits.shape[-1]), kept, label_smoothing, alpha)
-    return loss, nll, n
-
-
 # --------------------------------------------------------------------------- RNG state
 
 
@@ -385,6 +306,10 @@ class Trainer:
         if (found := self.store.resume_point()) is not None:
             self._load(*found)
         self.output_vocab = self.model.output_vocab()  # as the (resumed) weights say
+        self.criterion = make_criterion(
+            kernels=p.train.kernels, label_smoothing=p.train.label_smoothing,
+            rdrop=p.train.rdrop, pad_id=self.cfg.pad_id, embedding=self.model.embedding.weight,
+            amp_dtype=self.amp_dtype, output=self.output_vocab)
         # Dropout differs between ranks; the seed offset keeps it reproducible per rank.
         if self.state.step == 0:
             torch.manual_seed(p.seed + 1 + world.rank)
@@ -520,9 +445,7 @@ class Trainer:
         return self._loss(self.net, batch.to(self.device, non_blocking=True))
 
     def _loss(self, net: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, int]:
-        return batch_loss(net, self.model.embedding.weight, batch, self.p.train.label_smoothing,
-                          self.cfg.pad_id, self.fast, self.amp_dtype, self.output_vocab,
-                          rdrop=self.p.train.rdrop)
+        return self.criterion(net, batch)
 
     def train_step(self, batches: list[Batch]) -> None:
         """Accumulate gradients over this rank's micro-batches and take one Adam step.

@@ -56,11 +56,10 @@ import torch.distributed as dist
 from aiayn import kernels
 from aiayn.batching import plan_step
 from aiayn.model import Dropout, Transformer, TransformerConfig, avoid_cudnn_attention
-from aiayn.objective import make_optimizer
+from aiayn.objective import make_criterion, make_optimizer
 from aiayn.precision import autocast_dtype, no_autocast, precision_name, step_casts
 from aiayn.sampler import Batch
 from aiayn.shards import cut_batches
-from aiayn.trainer import batch_loss
 from bench import harness
 from bench.flops import train_flops
 
@@ -213,6 +212,9 @@ def measure(name: str, args, device: torch.device) -> dict:
     # --cpu-loss-blocks, the baseline: whatever the device, the CPU's blocks
     blocks = (kernels.loss_blocks(torch.device("cpu"), cfg.vocab_size) if args.cpu_loss_blocks
               else None)
+    criterion = make_criterion(kernels="fast", label_smoothing=0.1, rdrop=0.0, pad_id=0,
+                               embedding=model.embedding.weight, amp_dtype=amp, blocks=blocks,
+                               pack=not args.no_packing)
     batches = make_batches(fresh * accum, plan.batch_tokens, 1, device, args.pad_multiple)
     timer = Timer(device)
     parts = {"forward+loss": [], "backward": [], "optimizer": [], "step": []}
@@ -227,8 +229,7 @@ def measure(name: str, args, device: torch.device) -> dict:
             for b in group:
                 b = b.to(device, non_blocking=True)
                 a = timer.mark()
-                loss, _, _ = batch_loss(net, model.embedding.weight, b, 0.1, 0, True, amp,
-                                        blocks=blocks, pack=not args.no_packing)
+                loss, _, _ = criterion(net, b)
                 m = timer.mark()
                 with no_autocast(device.type):
                     scaler.scale(loss / total).backward()
@@ -389,7 +390,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "new but their shapes were met (with --pad-multiple, few shapes)")
     ap.add_argument("--no-packing", action="store_true",
                     help="run the decoder on the padded batch, not on its real positions "
-                         "only (trainer.batch_loss pack=False): its products then have the "
+                         "only (the fused criterion's pack=False): its products then have the "
                          "batch's shape, which repeats with --pad-multiple")
     ap.add_argument("--cudnn-attention", action="store_true",
                     help="leave cuDNN attention in SDPA's choice (the trainer takes it out)")

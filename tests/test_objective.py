@@ -128,3 +128,56 @@ def test_rdrop_loss_of_two_equal_passes_is_the_plain_loss_with_its_gradient():
 def test_rdrop_loss_wants_two_passes_of_every_label():
     with pytest.raises(ValueError, match=r"\(2, N, V\)"):
         rdrop_loss(torch.randn(3, 4, 5), torch.zeros(4, dtype=torch.long), 0.1, 1.0)
+
+
+# --------------------------------------------------------------------------- criteria
+
+
+@pytest.mark.parametrize("output_vocab", [False, True], ids=["shared", "target"])
+def test_the_criteria_compute_one_loss_four_ways(toy_workspace, output_vocab):
+    """Without dropout the fused criterion equals the plain one (fp32 rounding), R-Drop of two
+    equal passes is the plain loss (its KL terms are 0), and without gradients R-Drop is its
+    base; each is what make_criterion returns for its settings."""
+    from aiayn.model import OutputVocab, Transformer, TransformerConfig
+    from aiayn.objective import (
+        FusedLabelSmoothedCrossEntropy,
+        FusedRDrop,
+        LabelSmoothedCrossEntropy,
+        RDrop,
+        make_criterion,
+    )
+    from aiayn.sampler import ShardDataset
+
+    data = ShardDataset(toy_workspace / "data/shards/train")
+    batch = data.batch(0)
+    vocab = int(data.meta["vocab_size"])
+    cfg = TransformerConfig(vocab_size=vocab, d_model=32, heads=4, encoder_layers=1,
+                            decoder_layers=1, d_ff=64, dropout=0.0, max_positions=64)
+    torch.manual_seed(0)
+    plain_model = Transformer(cfg).train()
+    fast_model = Transformer(cfg, fast=True).train()
+    fast_model.load_state_dict(plain_model.state_dict())
+    output = None
+    if output_vocab:
+        ids = torch.unique(torch.cat([batch.tgt_out.reshape(-1), torch.tensor([0])]))
+        output = OutputVocab.of(ids, vocab, 0)
+
+    def make(kernels, rdrop, model):
+        return make_criterion(kernels=kernels, label_smoothing=0.1, rdrop=rdrop, pad_id=0,
+                              embedding=model.embedding.weight, output=output)
+
+    kinds = {("plain", 0.0): LabelSmoothedCrossEntropy, ("fast", 0.0):
+             FusedLabelSmoothedCrossEntropy, ("plain", 5.0): RDrop, ("fast", 5.0): FusedRDrop}
+    for (kernels, rdrop), kind in kinds.items():
+        assert type(make(kernels, rdrop, plain_model)) is kind
+    want_loss, want_nll, want_n = make("plain", 0.0, plain_model)(plain_model, batch)
+    assert int(want_n) == batch.tgt_tokens
+    for kernels, rdrop, model in (("fast", 0.0, fast_model), ("plain", 5.0, plain_model),
+                                  ("fast", 5.0, fast_model)):
+        loss, nll, n = make(kernels, rdrop, model)(model, batch)
+        assert int(n) == int(want_n), (kernels, rdrop)
+        torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(nll, want_nll, rtol=1e-5, atol=1e-4)
+        with torch.no_grad():  # validation: R-Drop is its base
+            again = make(kernels, rdrop, model)(model, batch)
+        torch.testing.assert_close(again[0], want_loss, rtol=1e-5, atol=1e-4)
