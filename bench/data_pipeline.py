@@ -482,9 +482,10 @@ def generate_corpus(raw: Path, pairs: int, seed: int) -> dict:
 
 
 def row_counts(raw: Path) -> dict[str, int]:
-    """Rows of each split's parquet file (its footer only)."""
-    return {s: pq.ParquetFile(raw / f"{s}.parquet").metadata.num_rows
-            for s in ("train", "valid", "test")}
+    """Rows of each split's parquet file (its footer only: ``aiayn.corpus.raw_rows``)."""
+    from aiayn.corpus import raw_rows
+
+    return {s: raw_rows(raw, s) for s in ("train", "valid", "test")}
 
 
 def check_corpus(raw: Path, stats: dict) -> None:

@@ -173,10 +173,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from aiayn.beam import BeamConfig, beam_search, max_lengths
+from aiayn.beam import BeamConfig, beam_search, length_penalty, max_lengths
 from aiayn.model import Transformer, TransformerConfig
 from aiayn.precision import cpu_has_native_bf16
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, decode, encode_ids
+from aiayn.translation import source_batch
 from bench import harness
 
 VOCAB = 8000
@@ -230,11 +231,12 @@ class Batch:
 def cut_batches(pool: list[list[int]], batch_size: int, vocab: list[str], cfg: BeamConfig,
                 limit: int, texts: list[str] | None = None, refs: list[str] | None = None
                 ) -> list[Batch]:
-    """``pool`` (sorted by length) in consecutive batches, each source + EOS, PAD-padded."""
+    """``pool`` (sorted by length) in consecutive batches, each source + EOS, PAD-padded
+    (``aiayn.translation.source_batch``)."""
     batches = []
     for start in range(0, len(pool), batch_size):
         words = pool[start:start + batch_size]
-        src = pad(words, post=(EOS_ID,))
+        src = source_batch(words)
         batches.append(Batch(words, src, [[vocab[i] for i in w] + [vocab[EOS_ID]] for w in words],
                              max_lengths(src, cfg.max_len_a, cfg.max_len_b, limit),
                              list(texts[start:start + batch_size]) if texts else [],
@@ -293,8 +295,8 @@ def train_copy(model: Transformer, steps: int, seed: int, batch_size: int = 32) 
         for group in opt.param_groups:
             group["lr"] = 1e-3 * min(1.0, step / 30)
         words = sentences(rng, batch_size, *TRAIN_LENGTHS)
-        logits = model(pad(words, post=(EOS_ID,)), pad(words, pre=(BOS_ID,)))
-        labels = pad(words, post=(EOS_ID,))
+        labels = source_batch(words)  # the source is the target
+        logits = model(labels, pad(words, pre=(BOS_ID,)))
         loss = F.cross_entropy(logits.view(-1, VOCAB), labels.view(-1), ignore_index=PAD_ID,
                                label_smoothing=0.1)
         opt.zero_grad(set_to_none=True)
@@ -408,36 +410,25 @@ def ours_decode(model, batch: Batch, cfg: BeamConfig, use_cache: bool = True,
         return beam_search(model, batch.src, cfg, use_cache=use_cache, spanned_only=not masked)
 
 
-@torch.no_grad()
 def log_probs_of(model, batch: Batch, hyps: list[list[int]], max_len: list[int]
                  ) -> tuple[list[float], list[bool]]:
-    """log P(hyp [+ EOS] | src) under ``model`` in fp32, PAD and BOS banned as in beam.py.
+    """log P(hyp [+ EOS] | src) under ``model`` in fp32, PAD and BOS banned as in beam.py
+    (``bench.export_agreement.our_log_p``), and whether each hypothesis ended: one as long
+    as its sentence's maximum length was cut there, with no EOS."""
+    from bench.export_agreement import our_log_p
 
-    A hypothesis as long as its sentence's maximum length was cut there: no EOS.
-    """
     ended = [len(h) < m for h, m in zip(hyps, max_len, strict=True)]
-    outs = [h + [EOS_ID] if e else list(h) for h, e in zip(hyps, ended, strict=True)]
-    if max(len(o) for o in outs) == 0:
-        return [0.0] * len(hyps), ended
-    tgt_in = pad([[BOS_ID] + o[:-1] if o else [BOS_ID] for o in outs])
-    logits = model(batch.src, tgt_in).float()
-    logits[..., PAD_ID] = float("-inf")
-    logits[..., BOS_ID] = float("-inf")
-    lp = F.log_softmax(logits, dim=-1)
-    scores = []
-    for i, o in enumerate(outs):
-        idx = torch.tensor(o, dtype=torch.long)
-        scores.append(float(lp[i, torch.arange(len(o)), idx].sum()) if o else 0.0)
-    return scores, ended
+    return our_log_p(model, batch.words, hyps, max_len), ended
 
 
 def gnmt(logp: float, n_out: int, alpha: float) -> float:
-    return logp / ((5 + n_out) / 6) ** alpha
+    """Ours: log P / ((5 + |Y|) / 6)^alpha (``aiayn.beam.length_penalty``)."""
+    return logp / length_penalty(n_out, alpha)
 
 
 def ct2_norm(logp: float, n_out: int, alpha: float) -> float:
     """CTranslate2 4.x: log P / |Y|^alpha, |Y| with EOS (its scores match this, see below)."""
-    return logp / n_out ** alpha if alpha and n_out else logp
+    return logp / length_penalty(n_out, alpha, "length") if alpha and n_out else logp
 
 
 # -- agreement ---------------------------------------------------------------------------
