@@ -458,7 +458,7 @@ VALIDATION_BLEU = Affects(("train", "average"))  # training's curve, the average
 # section, as dvc.yaml's `params:` lists name them: each stage there lists exactly the keys
 # declared for it here (tests/test_config.py checks, also that every setting is covered),
 # and a training run's identity is the values of the keys that shape training
-# (aiayn.trainer.run_identity).
+# (aiayn.run_store.run_identity).
 PARAM_EFFECTS: dict[str, Affects] = {
     "seed": TRAINS,
     "data.source": Affects(("download",)),

@@ -52,7 +52,6 @@ from aiayn.model import TransformerConfig
 
 log = logging.getLogger("aiayn")
 
-RUN_FILE = "mlflow_run.json"  # the tracking run's id, beside the checkpoints (stages/train.py)
 
 
 def run_identity(p: Params, cfg: TransformerConfig, tokenizer_sha256: str,
@@ -109,14 +108,21 @@ class RunStore:
     """One run's checkpoint folder (see the module's docstring).
 
     ``lr_factor(step, elapsed_s)`` is the cooldown's multiplier that this run's end gives a
-    step (aiayn.trainer.lr_multiplier); ``end`` describes that end for messages.
+    step (aiayn.training.loop.lr_multiplier); ``end`` describes that end for messages.
+    ``run_files``: names of files beside the checkpoints that belong to the run (a
+    tracker's record of it): a branch moves them aside with the checkpoints after the
+    branch point, as setting a run aside moves the whole folder.
     """
 
     def __init__(self, folder: Path, world: World, device: torch.device, identity: dict,
-                 lr_factor: Callable[[int, float], float], end: dict):
+                 lr_factor: Callable[[int, float], float], end: dict,
+                 run_files: tuple[str, ...] = ()):
         self.folder, self.world, self.device = Path(folder), world, device
         self.identity, self.lr_factor, self.end = identity, lr_factor, end
-        self.branched_from: dict | None = None  # {"mlflow_run_id", "step"} after a branch
+        self.run_files = tuple(run_files)
+        # After a branch: {"step": the branch point, "aside": where the run's later
+        # checkpoints and its run files went}; else None.
+        self.branched_from: dict | None = None
         self._mirroring = True  # hard links in <folder>.progress (mirror)
 
     # -- before training -------------------------------------------------------------------
@@ -300,8 +306,8 @@ class RunStore:
         part of the run the new end makes. Up to the cooldown the rate did not depend on the
         end: the newest checkpoint taken at the full rate under both ends (the loop protects
         one for this) is where the longer run from scratch would have been, and the run goes
-        on from it, in a new MLflow run that repeats its history. The later checkpoints (and
-        the old MLflow run's id) are moved aside. None: no such checkpoint, the run is set
+        on from it, as a new run that repeats its history. The later checkpoints (and the
+        run's files, ``run_files``) are moved aside. None: no such checkpoint, the run is set
         aside and a new one starts.
         """
         step = checkpoint_step(path)
@@ -326,26 +332,25 @@ class RunStore:
             if factor != 1.0 or self._schedule_moved(found):
                 continue
             later = [q for q in list_checkpoints(self.folder) if checkpoint_step(q) > at]
-            run_file = [q for q in (self.folder / RUN_FILE,) if q.exists()]
-            dest = self._move_aside(later + run_file)
+            run_files = [q for q in (self.folder / n for n in self.run_files) if q.exists()]
+            dest = self._move_aside(later + run_files)
             if self.world.is_main and beyond:
                 log.warning(
                     "train: the run in %s trained to step %d, beyond train.steps %d (%s). "
                     "It goes back to step %d, its last checkpoint within the new end, where "
                     "the shorter run from scratch would be; the %d later checkpoint(s) were "
-                    "moved to %s (delete them when no longer needed), and a new MLflow run "
-                    "continues it.", self.folder, step, last, ends, at, len(later), dest)
+                    "moved to %s (delete them when no longer needed), and it goes on as a new "
+                    "run (a new MLflow run too).", self.folder, step, last, ends, at, len(later),
+                    dest)
             elif self.world.is_main:
                 log.warning(
                     "train: the end of the run in %s moved (%s) after its cooldown began, "
                     "so its checkpoints since took rates for the old end. It goes on from "
                     "step %d, its last checkpoint before the cooldown, where the longer run "
                     "from scratch would be; the %d later checkpoint(s) were moved to %s "
-                    "(delete them when no longer needed), and a new MLflow run continues "
-                    "it.", self.folder, ends, at, len(later), dest)
-            self.branched_from = {"mlflow_run_id": found["meta"].get("mlflow_run_id"),
-                                  "step": at}
-            found["meta"]["mlflow_run_id"] = None
+                    "(delete them when no longer needed), and it goes on as a new run (a new "
+                    "MLflow run too).", self.folder, ends, at, len(later), dest)
+            self.branched_from = {"step": at, "aside": dest}
             return earlier, found
         self._set_aside(f"trained beyond train.steps ({ends}) and keeps no checkpoint "
                         "within the new end" if beyond else

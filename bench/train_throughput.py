@@ -16,7 +16,7 @@ Usage (from the repository root)::
 
 What runs
 ---------
-Every contender but ``nn``/``nn+drop``/``matmul`` is the real ``aiayn.trainer.Trainer`` of
+Every contender but ``nn``/``nn+drop``/``matmul`` is the real ``aiayn.training.Trainer`` of
 a source tree, built from one params file (the ``--preset``, ``multi30k`` by default:
 d_model 256, 3+3 layers, d_ff 1024, 4 heads, 8k BPE, batches of <= 4096 tokens, dropout
 0.1, post-LN) on one set of shards, and timed through ``Trainer.train_step`` as ``fit``
@@ -173,7 +173,12 @@ class TrainerWorker:
         from aiayn.config import Params, parse_params
         from aiayn.distributed import World
         from aiayn.tokenizer import load_tokenizer
-        from aiayn.trainer import Trainer, TrainPaths
+        try:
+            from aiayn.training import TrainPaths
+            from aiayn.training import build_trainer as make_trainer
+        except ImportError:  # a baseline tree from before aiayn.training
+            from aiayn.trainer import Trainer as make_trainer
+            from aiayn.trainer import TrainPaths
 
         raw, train, model = with_settings(yaml.safe_load(Path(spec["params"]).read_text()),
                                           spec["train"])
@@ -196,26 +201,31 @@ class TrainerWorker:
             from aiayn.translation import ValidationBleu
 
             hook = ValidationBleu.from_params(p, Path(spec["raw"]), load_tokenizer(tok))
-        self.trainer = Trainer(p, load_tokenizer(tok).get_vocab_size(), file_sha256(tok),
-                               paths, World(), progress=False,
-                               **({"valid_bleu": hook} if hook else {}))
+        self.trainer = make_trainer(p, load_tokenizer(tok).get_vocab_size(), file_sha256(tok),
+                                    paths, World(), progress=False,
+                                    **({"valid_bleu": hook} if hook else {}))
         self.valid_every, self.bleu_every = p.train.valid_every, p.train.valid_bleu_every
         self.paused = Paused()
         self.trainer.model.train()
         self.it = iter(self.trainer.loader)
         self.log_every = p.train.log_every
-        self.flush = getattr(self.trainer, "_flush", None)  # trees that defer the loss read
+        # trees that defer the loss read (its name in older trees: _flush)
+        self.flush = getattr(self.trainer, "flush", None) or getattr(self.trainer, "_flush",
+                                                                        None)
+        self.micro_batches = (getattr(self.trainer, "micro_batches", None)
+                              or self.trainer._micro_batches)
         self.heap = getattr(self.trainer, "heap", None)
         self.torch = torch
-        spanned = getattr(self.trainer, "output_vocab", None)  # model.output_vocab: target
+        model = self.trainer.model
+        spanned = model.output_vocab() if hasattr(model, "output_vocab") else None
         self.info = {"aiayn": str(Path(sys.modules["aiayn"].__file__).parent),
                      "dropped_params": dropped, "precision": p.train.precision,
-                     "output_vocab": (self.trainer.cfg.vocab_size if spanned is None
+                     "output_vocab": (model.cfg.vocab_size if spanned is None
                                       else int(spanned.ids.numel()))}
 
     def step(self) -> None:
         t = self.trainer
-        t.train_step(t._micro_batches(self.it))
+        t.train_step(self.micro_batches(self.it))
         if self.heap is not None:
             self.heap.after_step(t.state.step)
         if self.flush is not None and t.state.step % self.log_every == 0:
@@ -251,7 +261,7 @@ class TorchNNWorker:
         from aiayn.precision import autocast_dtype
         from aiayn.sampler import BatchLoader, ShardDataset, TokenBudgetSampler
         from aiayn.tokenizer import load_tokenizer
-        from aiayn.trainer import model_config
+        from aiayn.training import model_config
 
         p = parse_params(yaml.safe_load(Path(spec["params"]).read_text()), spec["params"])
         cfg = model_config(p, load_tokenizer(Path(spec["tokenizer"])).get_vocab_size())
@@ -1053,7 +1063,7 @@ def main(argv: list[str] | None = None) -> dict:
     from aiayn.config import parse_params
     from aiayn.precision import autocast_dtype
     from aiayn.tokenizer import load_tokenizer
-    from aiayn.trainer import model_config
+    from aiayn.training import model_config
 
     c = choose_contenders(args)
     threads = args.threads or torch.get_num_threads()

@@ -41,7 +41,7 @@ class _StderrHandler(logging.StreamHandler):
 
 
 class _Formatter(logging.Formatter):
-    """``12:00:00 aiayn.trainer: message``; a warning says so: ``... aiayn.trainer: warning:
+    """``12:00:00 aiayn: message``; a warning says so: ``12:00:00 aiayn: warning:
     message``, so that it stands out among the progress lines (and a script can find it)."""
 
     def __init__(self) -> None:

@@ -18,11 +18,10 @@ from aiayn.io import check_output_path, file_sha256
 from aiayn.plots import plot_training_curves
 from aiayn.precision import hardware, precision_name
 from aiayn.run_log import TrainRow, ValidRow
-from aiayn.run_store import RUN_FILE
 from aiayn.subword import merge_parents
 from aiayn.tokenizer import load_tokenizer
 from aiayn.tracking import Tracker, default_run_name, git_commit, load_run_id, save_run_id
-from aiayn.trainer import Trainer, TrainPaths, device_kind
+from aiayn.training import Trainer, TrainingListener, TrainPaths, build_trainer, device_kind
 from stages.common import ParamsPath, log, read_params, single_command_app, stage
 from stages.params import nearest_preset
 
@@ -41,6 +40,10 @@ def torchrun_command(nproc: int, max_restarts: int, argv: list[str]) -> list[str
 # new workers can then read the previous attempt's addresses from it and fail to connect
 # (pytorch/pytorch#135712, #167288). Unshared, every attempt gets a store of its own.
 TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+# The MLflow run's id, beside the checkpoints: a resumed training logs into the same run,
+# and the later stages log into it too. It belongs to the run: set aside with it.
+RUN_FILE = "mlflow_run.json"
 
 
 def relaunch_under_torchrun(nproc: int, max_restarts: int) -> None:
@@ -190,10 +193,11 @@ def train(
             hook = (validation_bleu(p, raw, tok) if p.train.valid_bleu_every and world.is_main
                     else None)
             merges = merge_parents(tok) if p.train.subword_split else None
-            trainer = Trainer(p, tok.get_vocab_size(), file_sha256(tokenizer), paths, world,
-                              tracker=tracker, progress=progress, valid_bleu=hook,
-                              merges=merges)
-            start_tracking(tracker, trainer, p, checkpoints / RUN_FILE)
+            rows = TrackedRows(tracker)
+            trainer = build_trainer(p, tok.get_vocab_size(), file_sha256(tokenizer), paths,
+                                    world, progress=progress, valid_bleu=hook, merges=merges,
+                                    listeners=[rows], run_files=(RUN_FILE,))
+            start_tracking(tracker, trainer, p, checkpoints / RUN_FILE, rows)
             signal.signal(signal.SIGTERM, request_stop)
             signal.signal(signal.SIGINT, request_stop)
             resumed_at = trainer.state.step
@@ -223,10 +227,35 @@ def train(
         raise typer.Exit(code)
 
 
-def start_tracking(tracker: Tracker, trainer: Trainer, p, run_file: Path) -> None:
-    """Start (or resume) the run's MLflow run, and record its id beside the checkpoints and
-    in them, so that a resumed training and the later stages log into the same run."""
+class TrackedRows(TrainingListener):
+    """The loop's log rows into the MLflow run. A run killed after its last checkpoint had
+    logged the rows after it; resumed, it computes them again, and they are not sent twice
+    (``since``: the last step the run holds, per row type)."""
+
+    def __init__(self, tracker: Tracker):
+        self.tracker = tracker
+        self.since: dict[type, int] = {}
+
+    def _send(self, row: TrainRow | ValidRow) -> None:
+        if row.step > self.since.get(type(row), -1):
+            self.tracker.log_metrics(row.metrics(), step=row.step)
+
+    def on_train_row(self, row: TrainRow) -> None:
+        self._send(row)
+
+    def on_valid_row(self, row: ValidRow) -> None:
+        self._send(row)
+
+
+def start_tracking(tracker: Tracker, trainer: Trainer, p, run_file: Path,
+                   rows: TrackedRows) -> None:
+    """Start (or resume) the run's MLflow run and record its id beside the checkpoints
+    (RUN_FILE), so that a resumed training and the later stages log into the same run. A
+    run that goes on from before its cooldown (aiayn.run_store) starts a new MLflow run
+    holding its curves up to there and naming the run it branched from."""
     world = trainer.world
+    branched = trainer.store.branched_from
+    saved = load_run_id(run_file)  # none after a set-aside or a branch: they move it aside
     run_id = tracker.start(
         run_name(p), p.model_dump(mode="json"),
         tags={"stage": "train", "world_size": str(world.size),
@@ -235,24 +264,19 @@ def start_tracking(tracker: Tracker, trainer: Trainer, p, run_file: Path) -> Non
               **hardware(trainer.device),  # the CPU or GPU, and any instruction caps
               "kernels": p.train.kernels, "compile": str(p.train.compile).lower(),
               "allocator": trainer.allocator},
-        run_id=trainer.state.mlflow_run_id or load_run_id(run_file))
+        run_id=saved)
     if not world.is_main:
         return
-    resumed = run_id is not None and run_id == trainer.state.mlflow_run_id
-    trainer.state.mlflow_run_id = run_id
     save_run_id(run_file, run_id)
-    if resumed:  # rows logged after the checkpoint, before a kill, are not sent again
+    if saved is not None and run_id == saved:  # rows logged before a kill are not sent again
         for row_type, key in ((TrainRow, "train/loss"), (ValidRow, "valid/loss")):
             if (last := tracker.last_step(key)) is not None:
-                trainer.tracked_until[row_type] = last
-    if trainer.branched_from is not None and run_id is not None:
-        # A run that goes on from before its cooldown: the new MLflow run gets the curves
-        # up to there, and names the run it branched from.
+                rows.since[row_type] = last
+    if branched is not None and run_id is not None:
         for row in [*trainer.log.train, *trainer.log.valid]:
             tracker.log_metrics(row.metrics(), step=row.step)
-        old = trainer.branched_from
-        tracker.set_tags({"branched_from_run": str(old["mlflow_run_id"]),
-                          "branched_at_step": str(old["step"])})
+        old = load_run_id(branched["aside"] / run_file.name)
+        tracker.set_tags({"branched_from_run": str(old), "branched_at_step": str(branched["step"])})
 
 
 def run_name(p) -> str | None:

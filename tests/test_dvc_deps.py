@@ -87,7 +87,7 @@ def test_the_closure_follows_imports_inside_functions_and_through_other_modules(
     """The reader against what the train stage is known to need: the trainer (imported inside
     the command's function), the model (through the trainer) and the kernels' C++ source."""
     code = code_of("aiayn train")
-    assert {"stages/train.py", "aiayn/trainer.py", "aiayn/model.py",
+    assert {"stages/train.py", "aiayn/training/loop.py", "aiayn/model.py",
             str(kernels._SOURCE.relative_to(REPO))} <= code
     assert "aiayn/export.py" not in code  # nothing in training imports the exporter
 

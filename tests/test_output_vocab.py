@@ -14,7 +14,7 @@ from aiayn.objective import make_criterion
 from aiayn.sampler import Batch, BatchLoader, ShardDataset, TokenBudgetSampler
 from aiayn.subword import NO_PARENT, SubwordSplitter, merge_parents, split_closure
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, load_tokenizer
-from aiayn.trainer import target_vocabulary
+from aiayn.training import target_vocabulary
 from aiayn.translation import source_batch
 from tests.test_training import make_trainer
 
@@ -207,7 +207,7 @@ def test_a_run_keeps_its_output_vocabulary_through_checkpoints_and_averaging(toy
     # A resumed trainer restores it from the checkpoint and trains on the same columns.
     again = make_trainer(toy_workspace, tmp_path / "run", {"model": {"output_vocab": "target"}})
     assert again.state.step == summary["steps"]
-    assert torch.equal(again.output_vocab.ids, torch.from_numpy(expected))
+    assert torch.equal(again.model.output_vocab().ids, torch.from_numpy(expected))
 
 
 def dropped(seed: int = 0, dropout: float = 0.3) -> Transformer:

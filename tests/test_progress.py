@@ -135,15 +135,15 @@ def test_a_folder_deleted_by_hand_starts_afresh_and_its_files_are_kept_aside(
 def test_a_first_run_into_a_folder_whose_parents_do_not_exist_yet_keeps_its_mirror(
         toy_workspace, tmp_path, caplog):
     from aiayn.distributed import World
-    from aiayn.trainer import Trainer
+    from aiayn.training import build_trainer
     from tests.test_training import paths
 
     settings = make_trainer(toy_workspace, tmp_path / "settings", {"train": {"steps": 6}})
     run = tmp_path / "new" / "run"  # as `aiayn train --checkpoints new/run/checkpoints`
     with caplog.at_level(logging.WARNING, logger="aiayn"):
-        trainer = Trainer(settings.p, settings.fingerprint["vocab_size"],
-                          settings.fingerprint["tokenizer_sha256"], paths(toy_workspace, run),
-                          World(), progress=False)
+        trainer = build_trainer(settings.p, settings.checkpoint_meta["vocab_size"],
+                                settings.checkpoint_meta["tokenizer_sha256"],
+                                paths(toy_workspace, run), World(), progress=False)
         trainer.fit()
     assert "cannot keep hard links" not in caplog.text
     folder = run / "checkpoints"

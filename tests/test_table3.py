@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from aiayn import table3 as t3
 from aiayn.config import flatten, parse_params
 from aiayn.model import Transformer, count_parameters
-from aiayn.trainer import model_config
+from aiayn.training import model_config
 from stages.params import compose
 from stages.table3 import base_of, hydra_value
 from tests.conftest import REPO

@@ -32,7 +32,7 @@ from aiayn.schedule import cooldown_factor, noam_lr
 from aiayn.subword import merge_parents
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, decode, load_tokenizer
 from aiayn.toy import generate_pairs
-from aiayn.trainer import Trainer, TrainingDiverged, TrainPaths
+from aiayn.training import Trainer, TrainingDiverged, TrainPaths, build_trainer
 from bench import harness
 from tests.conftest import REPO, build_toy_workspace, merge, write_params
 
@@ -54,7 +54,7 @@ def make_trainer(ws: Path, run: Path, changes: dict | None = None) -> Trainer:
     p = load_params(write_params(run / "params.yaml", changes))
     tok = ws / "data/vocab/tokenizer.json"
     tokenizer = load_tokenizer(tok)
-    return Trainer(p, tokenizer.get_vocab_size(), file_sha256(tok), paths(ws, run),
+    return build_trainer(p, tokenizer.get_vocab_size(), file_sha256(tok), paths(ws, run),
                    World(), progress=False, merges=merge_parents(tokenizer))
 
 
@@ -336,17 +336,17 @@ def test_an_fp16_step_whose_gradients_overflow_is_skipped_and_the_scale_halves(
         toy_workspace, tmp_path):
     trainer = make_trainer(toy_workspace, tmp_path, {"train": {"precision": "fp16"}})
     it = iter(trainer.loader)
-    trainer.train_step(trainer._micro_batches(it))
+    trainer.train_step(trainer.micro_batches(it))
     scale = trainer.scaler.get_scale()
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     weight = trainer.model.embedding.weight
     hook = weight.register_hook(lambda g: torch.full_like(g, float("inf")))
-    trainer.train_step(trainer._micro_batches(it))  # its gradients overflow
+    trainer.train_step(trainer.micro_batches(it))  # its gradients overflow
     hook.remove()
     after = trainer.model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # Adam did not step
     assert trainer.scaler.get_scale() == scale / 2
-    trainer.train_step(trainer._micro_batches(it))  # the next step goes on as usual
+    trainer.train_step(trainer.micro_batches(it))  # the next step goes on as usual
     assert not torch.equal(trainer.model.embedding.weight, before["embedding.weight"])
     assert torch.isfinite(trainer.model.embedding.weight).all()
 
@@ -362,7 +362,7 @@ def test_subword_split_trains_on_more_target_tokens_of_the_same_batches(toy_work
     tok = toy_workspace / "data/vocab/tokenizer.json"
     p = load_params(write_params(tmp_path / "params.yaml", {"train": {"subword_split": 0.3}}))
     with pytest.raises(ValueError, match="needs the tokenizer's merges"):
-        Trainer(p, load_tokenizer(tok).get_vocab_size(), file_sha256(tok),
+        build_trainer(p, load_tokenizer(tok).get_vocab_size(), file_sha256(tok),
                 paths(toy_workspace, tmp_path / "none"), World(), progress=False)
 
 
@@ -488,7 +488,7 @@ def test_nan_loss_stops_with_the_steps_and_keeps_the_last_good_checkpoint(
 def test_shards_from_another_vocabulary_are_refused(toy_workspace, tmp_path):
     p = load_params(write_params(tmp_path / "params.yaml"))
     with pytest.raises(DataError, match="re-run `aiayn survey` and `aiayn shard`"):
-        Trainer(p, 999, "x", paths(toy_workspace, tmp_path), World(), progress=False)
+        build_trainer(p, 999, "x", paths(toy_workspace, tmp_path), World(), progress=False)
 
 
 def test_shards_from_another_tokenizer_of_the_same_size_are_refused(toy_workspace, tmp_path):
@@ -510,7 +510,7 @@ def test_shards_from_another_tokenizer_of_the_same_size_are_refused(toy_workspac
     p = load_params(write_params(tmp_path / "params.yaml"))
     with pytest.raises(DataError, match=rf"{SOURCE_FILE}: the shards hold the token ids of "
                                         r"the tokenizer of sha256 .*re-run `aiayn survey`"):
-        Trainer(p, size, file_sha256(other), paths(toy_workspace, tmp_path), World(),
+        build_trainer(p, size, file_sha256(other), paths(toy_workspace, tmp_path), World(),
                 progress=False)
 
 
@@ -864,7 +864,7 @@ def test_a_run_that_goes_on_from_before_its_cooldown_gets_a_new_mlflow_run_with_
 
 def test_out_of_memory_names_the_batch_budget_and_the_param(toy_workspace, tmp_path,
                                                             monkeypatch):
-    from aiayn.trainer import OutOfMemory
+    from aiayn.training import OutOfMemory
 
     trainer = make_trainer(toy_workspace, tmp_path)
     calls = {"n": 0}
@@ -974,7 +974,7 @@ def test_a_train_step_never_reads_a_tensor_back(toy_workspace, tmp_path, monkeyp
     host queues work and runs ahead. Reading a tensor's value is what would wait."""
     trainer = make_trainer(toy_workspace, tmp_path, {"train": {"steps": 4}})
     it = iter(trainer.loader)
-    batches = [trainer._micro_batches(it) for _ in range(3)]
+    batches = [trainer.micro_batches(it) for _ in range(3)]
 
     def forbidden(*args, **kwargs):
         raise AssertionError("a tensor was read back inside train_step")
@@ -988,7 +988,7 @@ def test_a_train_step_never_reads_a_tensor_back(toy_workspace, tmp_path, monkeyp
         for micro in batches[:2]:
             trainer.train_step(micro)  # steps 1 and 2; step 2 logs, the norm stays a tensor
     trainer.train_step(batches[2])
-    tokens, loss, _ = trainer._flush()  # the one read, at logging / checkpoint steps
+    tokens, loss, _ = trainer.flush()  # the one read, at logging / checkpoint steps
     assert tokens == sum(b.tgt_tokens for micro in batches for b in micro) and loss > 0
     trainer.loader.close()
 
@@ -1027,7 +1027,7 @@ def test_a_longer_end_after_the_cooldown_began_goes_on_from_before_it_as_a_fresh
     # checkpoint at the full rate is kept beside the newest two.
     assert checkpoint_steps(tmp_path / "ext/checkpoints") == [6, 9, 12]
     longer = make_trainer(toy_workspace, tmp_path / "ext", {"train": {**COOL, "steps": 24}})
-    assert longer.state.step == 6 and longer.branched_from["step"] == 6
+    assert longer.state.step == 6 and longer.store.branched_from["step"] == 6
     assert "train.steps 12 -> 24" in caplog.text and "goes on from step 6" in caplog.text
     moved = sorted(q.name for q in (tmp_path / "ext/checkpoints.replaced").glob("*/*.pt"))
     assert moved == ["step-00000009.pt", "step-00000012.pt"]  # kept, not deleted
@@ -1048,14 +1048,14 @@ def test_an_unchanged_end_or_one_that_changes_no_rate_resumes_from_the_newest_ch
     part = make_trainer(toy_workspace, tmp_path / "cut", {"train": {**COOL, "steps": 12}})
     part.fit(should_stop=lambda: part.state.step == 8)
     again = make_trainer(toy_workspace, tmp_path / "cut", {"train": {**COOL, "steps": 12}})
-    assert again.state.step == 8 and again.branched_from is None
+    assert again.state.step == 8 and again.store.branched_from is None
     # A run whose time budget set its rates (spent at step 1: the rate there is already 0)
     # keeps them when only train.steps rises: it resumes, and has nothing left to train.
     timed = {**COOL, "max_minutes": 1e-6}
     first = make_trainer(toy_workspace, tmp_path / "timed", {"train": timed})
     assert first.fit()["stopped_by"] == "time budget"
     more = make_trainer(toy_workspace, tmp_path / "timed", {"train": {**timed, "steps": 24}})
-    assert more.state.step == 1 and more.branched_from is None
+    assert more.state.step == 1 and more.store.branched_from is None
     assert more.fit()["steps"] == 1
     assert not list(tmp_path.glob("*/checkpoints.replaced"))
 
@@ -1066,7 +1066,7 @@ def test_a_moved_end_without_a_checkpoint_before_the_cooldown_starts_a_new_run(
     make_trainer(toy_workspace, tmp_path, {"train": {**COOL, "cooldown": 1.0}}).fit()
     longer = make_trainer(toy_workspace, tmp_path, {"train": {**COOL, "cooldown": 1.0,
                                                               "steps": 24}})
-    assert longer.state.step == 0 and longer.branched_from is None
+    assert longer.state.step == 0 and longer.store.branched_from is None
     assert "keeps no checkpoint from before its cooldown" in caplog.text
     assert list_checkpoints(tmp_path / "checkpoints") == []
     assert sorted(q.name for q in (tmp_path / "checkpoints.replaced").glob("*/*.pt")) == [
@@ -1099,12 +1099,12 @@ def test_under_a_time_budget_the_cooldown_follows_the_clock(toy_workspace, tmp_p
     # the time spent, to nearly zero at the last step.
     import types
 
-    import aiayn.trainer
+    import aiayn.training.clock
 
     readings = iter(range(1, 1_000_000))
     clock = {k: getattr(time, k) for k in dir(time) if not k.startswith("_")}
     clock["perf_counter"] = lambda: 0.1 * next(readings)
-    monkeypatch.setattr(aiayn.trainer, "time", types.SimpleNamespace(**clock))
+    monkeypatch.setattr(aiayn.training.clock, "time", types.SimpleNamespace(**clock))
     budget_s = 3.0
     trainer = make_trainer(toy_workspace, tmp_path, {"train": {
         "cooldown": 0.5, "log_every": 1, "steps": 10_000, "max_minutes": budget_s / 60,
@@ -1133,12 +1133,12 @@ def test_the_logged_training_rate_leaves_out_validation_and_checkpoints(toy_work
     # seconds, while the run's wall time holds all of it.
     import types
 
-    import aiayn.trainer
+    import aiayn.training.clock
 
     now = [0.0]
     clock = {k: getattr(time, k) for k in dir(time) if not k.startswith("_")}
     clock["perf_counter"] = lambda: now[0]
-    monkeypatch.setattr(aiayn.trainer, "time", types.SimpleNamespace(**clock))
+    monkeypatch.setattr(aiayn.training.clock, "time", types.SimpleNamespace(**clock))
     trainer = make_trainer(toy_workspace, tmp_path, {"train": {
         "steps": 12, "log_every": 2, "valid_every": 3, "checkpoint_every_steps": 4,
         "checkpoint_every_minutes": 0, "valid_bleu_every": 0}})
@@ -1194,14 +1194,14 @@ def test_compiled_training_matches_eager_with_two_graphs_whatever_the_shapes(toy
     compiled = make_trainer(toy_workspace, tmp_path / "compiled",
                             merge(changes, {"train": {"compile": True}}))
     shapes = set()
-    micro_batches = compiled._micro_batches
+    micro_batches = compiled.micro_batches
 
     def seen(it):  # outside the compiled region, so that watching adds no guards
         batches = micro_batches(it)
         shapes.update((tuple(b.src.shape), tuple(b.tgt_in.shape)) for b in batches)
         return batches
 
-    compiled._micro_batches = seen
+    compiled.micro_batches = seen
     summary = compiled.fit()
     assert summary["compile"] is True and summary["steps"] == 12
     assert len(shapes) >= 6  # many batch shapes went through the compiled model...
@@ -1518,7 +1518,7 @@ def test_bf16_weights_are_cast_once_per_step_and_train_bit_for_bit_as_per_micro_
     weights after two steps equal, bit for bit, those of the same steps with the step scope
     taken out (each micro-batch casting anew, as before the scope existed). Tiny shapes: bf16
     is emulated on a CPU without native bf16, and slow, but exact either way."""
-    import aiayn.trainer as trainer_module
+    import aiayn.training.loop as trainer_module
 
     changes = {"train": {"precision": "bf16", "steps": 2}}
     results = {}
@@ -1531,8 +1531,8 @@ def test_bf16_weights_are_cast_once_per_step_and_train_bit_for_bit_as_per_micro_
             it = iter(trainer.loader)
             counter = ParameterCasts(trainer.model)
             with counter:
-                trainer.train_step(trainer._micro_batches(it))
-            trainer.train_step(trainer._micro_batches(it))
+                trainer.train_step(trainer.micro_batches(it))
+            trainer.train_step(trainer.micro_batches(it))
             trainer.loader.close()
         results[mode] = (counter.casts, {k: v.clone() for k, v in
                                          trainer.model.state_dict().items()})
