@@ -9,8 +9,8 @@ Chromium, e.g. Debian's ``apt install chromium``)::
 
 Each NAME is a DVC experiment name (``dvc exp run -n NAME``): the training logs its MLflow
 run under that name, tagged ``dvc_experiment``. A decoding or averaging experiment that
-reused a training is a child run of it, under its own name. The script starts ``mlflow
-server`` on the tracking store (one worker, jobs off, a free local port), opens
+reused a training is a child run of it, named for the settings it changed and tagged with
+NAME. The script starts ``mlflow server`` on the tracking store (``local_server``), opens
 ``#/compare-runs`` of those runs, closes the assistant panel, sets the parallel-coordinates
 plot's axes to --param and --metric when given (otherwise MLflow's own choice), switches the
 parameter and metric tables to "show diff only", and writes one PNG. The server stops
@@ -19,20 +19,82 @@ afterwards; the store is only read.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import socket
+import subprocess
 import sys
+import tempfile
 import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
 
 from aiayn.io import atomic_path
-from aiayn.tracking import ServerError, local_server, resolve_tracking_uri, sqlite_path
+from aiayn.tracking import resolve_tracking_uri, sqlite_path
 from bench import harness
 
 
 class CompareError(RuntimeError):
     """A problem the user can fix (unknown name, no server, no browser): no traceback."""
+
+
+class ServerError(RuntimeError):
+    """``mlflow server`` exited or did not answer in time (the message ends with its log)."""
+
+
+@contextlib.contextmanager
+def local_server(backend_store_uri: str, artifact_root: Path | None = None,
+                 cwd: Path | None = None, timeout: float = 60) -> Iterator[str]:
+    """Run ``mlflow server`` on the store, on a free 127.0.0.1 port; yield its address.
+
+    One worker and job execution off (``MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false``): it
+    starts in seconds. Raises ``ServerError`` with the tail of the server's log if it exits
+    or does not answer ``/health`` within ``timeout`` s; stops the server on exit. (The
+    tests' MLflow server is this one too.)
+    """
+    with socket.socket() as s:  # a port nothing listens on now
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exe = Path(sys.executable).with_name("mlflow")
+    cmd = [str(exe) if exe.exists() else "mlflow", "server", "--host", "127.0.0.1",
+           "--port", str(port), "--backend-store-uri", backend_store_uri, "--workers", "1"]
+    if artifact_root is not None:
+        cmd += ["--default-artifact-root", str(artifact_root)]
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    with tempfile.TemporaryDirectory(prefix="aiayn-mlflow-server-") as tmp:
+        log_path = Path(tmp) / "server.log"
+        with log_path.open("wb") as log_file:
+            proc = subprocess.Popen(cmd, cwd=cwd or tmp, env=env, stdout=log_file,
+                                    stderr=subprocess.STDOUT)
+            try:
+                address = f"http://127.0.0.1:{port}"
+                deadline = time.monotonic() + timeout
+                while True:
+                    if proc.poll() is not None:
+                        raise ServerError(f"mlflow server exited ({proc.returncode}):\n"
+                                          + log_path.read_text(errors="replace")[-3000:])
+                    try:
+                        with urllib.request.urlopen(address + "/health", timeout=2) as r:
+                            if r.status == 200:
+                                break
+                    except OSError:
+                        pass
+                    if time.monotonic() > deadline:
+                        raise ServerError(f"mlflow server not up in {timeout:.0f} s:\n"
+                                          + log_path.read_text(errors="replace")[-3000:])
+                    time.sleep(0.5)
+                yield address
+            finally:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
 
 
 def find_runs(tracking_uri: str, experiment: str, names: list[str]) -> list:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,8 +12,6 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
-from aiayn.tracking import ServerError, free_port, local_server  # noqa: F401 (free_port: for tests)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -178,11 +177,20 @@ def toy_workspace(tmp_path_factory) -> Path:
     return build_toy_workspace(tmp_path_factory.mktemp("toy"))
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 # --------------------------------------------------------------------------- MLflow server
 
 
 @pytest.fixture
 def mlflow_server(tmp_path: Path):
+    from bench.mlflow_compare import ServerError, local_server
+
     try:
         with local_server(f"sqlite:///{tmp_path}/db.sqlite", artifact_root=tmp_path / "artifacts",
                           cwd=tmp_path, timeout=120) as address:

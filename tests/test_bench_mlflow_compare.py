@@ -1,8 +1,11 @@
-"""bench/mlflow_compare.py: which runs it compares and the address it opens (no browser here)."""
+"""bench/mlflow_compare.py: which runs it compares, the address it opens (no browser here), and
+the local MLflow server it (and the tests' mlflow_server fixture) runs."""
 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 from urllib.parse import parse_qs, unquote
 
 import pytest
@@ -68,3 +71,26 @@ def test_missing_store_exits_2_and_writes_nothing(tmp_path, capsys):
     code = compare.main(["ls0.2", "--tracking-uri", uri, "--out", str(out)])
     assert code == 2 and not out.exists()
     assert "none.db: no MLflow store there" in capsys.readouterr().err
+
+
+def _children() -> list[str]:
+    """Command lines of this process's live children (Linux /proc; [] elsewhere)."""
+    found = []
+    for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid():
+                found.append(Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " "))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+@pytest.mark.slow
+def test_local_server_that_cannot_start_says_why_and_leaves_no_process() -> None:
+    with pytest.raises(compare.ServerError) as e:
+        with compare.local_server("nosuchscheme://store", timeout=60):
+            pytest.fail("a server on an unsupported store must not come up")
+    # The message carries the server's own log: the store it could not use.
+    assert "mlflow server exited" in str(e.value) and "nosuchscheme://store" in str(e.value)
+    assert [c for c in _children() if "mlflow" in c] == []

@@ -259,9 +259,10 @@ def test_a_queued_sweep_reruns_only_training_onwards_and_compares(tiny_repo):
         curve = client.get_metric_history(mlrun.info.run_id, "train/loss")
         assert [m.step for m in curve] == [2, 4, 6, 8]  # the whole curve, nothing lost
         assert mlrun.info.status == "FINISHED"
-    beam = by_name["wide-beam"]
+    beam = by_name["decode.beam=6"]  # a child run is named for the settings it changed
+    assert beam.data.tags["dvc_experiment"] == "wide-beam"
     baseline_run = next(r for name, r in by_name.items()
-                        if name not in {e["name"] for e in exps.values()} | {"wide-beam"})
+                        if name not in {e["name"] for e in exps.values()} | {"decode.beam=6"})
     assert beam.data.tags["mlflow.parentRunId"] == baseline_run.info.run_id
     assert beam.data.params["decode.beam"] == "6"
     assert beam.data.metrics["test/sacrebleu"] == pytest.approx(wide)
