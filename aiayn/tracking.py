@@ -27,6 +27,9 @@ from aiayn.io import write_json
 log = logging.getLogger("aiayn")
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+# Beside a run's checkpoints: its MLflow run's id, which a resumed training and the later
+# stages log into (save_run_id, load_run_id).
+RUN_FILE = "mlflow_run.json"
 # MLflow 3's UI opens an experiment in its model-training view by this tag, not by a guess.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 MODEL_TRAINING_KIND = "custom_model_development"

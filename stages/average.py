@@ -18,6 +18,7 @@ from aiayn.checkpoint import (
 from aiayn.errors import DataError
 from aiayn.io import check_output_path, file_sha256, write_json
 from aiayn.model import Transformer, TransformerConfig
+from aiayn.tracking import RUN_FILE, load_run_id
 from stages.common import ParamsPath, log, read_params, single_command_app, stage
 
 META_KEYS = ("model_config", "vocab_size", "tokenizer_sha256")
@@ -105,7 +106,7 @@ def average(
         "model": newest["model_config"],
         "vocab_size": newest["vocab_size"],
         "tokenizer_sha256": newest["tokenizer_sha256"],
-        "mlflow_run_id": newest.get("mlflow_run_id"),
+        "mlflow_run_id": load_run_id(checkpoints / RUN_FILE),
         "average": how,
         "averaged_steps": steps,
         "averaged_valid_bleu": bleu,
@@ -125,7 +126,7 @@ def average(
         tags = {"average": how, "averaged_steps": ",".join(map(str, steps))}
         if candidates:
             tags["average_candidates"] = ",".join(map(str, candidates))
-        log_into_run(checkpoints / "mlflow_run.json", "average",
+        log_into_run(checkpoints / RUN_FILE, "average",
                      {"averaged_checkpoints": len(chosen),
                       **{f"average/valid_bleu_{how}_{n}": s for n, s in scores.items()}},
                      [(out, "model"), (metrics, "metrics")], tags=tags,

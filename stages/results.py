@@ -51,7 +51,7 @@ def results(
     if table3:
         _table3(metrics / "table3.md", runs, save_runs)
         return
-    from aiayn.tracking import resolve_tracking_uri
+    from aiayn.tracking import RUN_FILE, resolve_tracking_uri
 
     bleu, train = _read(metrics / "bleu.json"), _read(metrics / "train.json")
     if bleu is None:
@@ -109,7 +109,7 @@ def results(
     echo(f"  translations    {bleu['hypotheses']}")
     if model.is_dir():
         echo(f"  model           {model}/   (aiayn translate \"A man is walking his dog.\")")
-    run = _read(checkpoints / "mlflow_run.json")
+    run = _read(checkpoints / RUN_FILE)
     if run and run.get("run_id"):
         uri = run.get("tracking_uri") or resolve_tracking_uri()
         echo(f"  MLflow run      {run['run_id']} in {uri}")

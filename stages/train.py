@@ -20,7 +20,14 @@ from aiayn.precision import hardware, precision_name
 from aiayn.run_log import TrainRow, ValidRow
 from aiayn.subword import merge_parents
 from aiayn.tokenizer import load_tokenizer
-from aiayn.tracking import Tracker, default_run_name, git_commit, load_run_id, save_run_id
+from aiayn.tracking import (
+    RUN_FILE,
+    Tracker,
+    default_run_name,
+    git_commit,
+    load_run_id,
+    save_run_id,
+)
 from aiayn.training import Trainer, TrainingListener, TrainPaths, build_trainer, device_kind
 from stages.common import ParamsPath, log, read_params, single_command_app, stage
 from stages.params import nearest_preset
@@ -40,10 +47,6 @@ def torchrun_command(nproc: int, max_restarts: int, argv: list[str]) -> list[str
 # new workers can then read the previous attempt's addresses from it and fail to connect
 # (pytorch/pytorch#135712, #167288). Unshared, every attempt gets a store of its own.
 TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-
-# The MLflow run's id, beside the checkpoints: a resumed training logs into the same run,
-# and the later stages log into it too. It belongs to the run: set aside with it.
-RUN_FILE = "mlflow_run.json"
 
 
 def relaunch_under_torchrun(nproc: int, max_restarts: int) -> None:

@@ -359,8 +359,11 @@ def trained(tmp_path) -> dict:
             "model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
             "rng": {"torch": torch.get_rng_state()}, "cursor": {"shard": 0, "batch": step},
             "meta": {"model_config": model.cfg.to_dict(), "vocab_size": vocab,
-                     "tokenizer_sha256": sha, "mlflow_run_id": "run-abc", "step": step,
+                     "tokenizer_sha256": sha, "step": step,
                      "tokens_seen": 1000 * step}}, keep=10)
+    from aiayn.tracking import RUN_FILE, save_run_id
+
+    save_run_id(folder / RUN_FILE, "run-abc")  # as the train stage records its MLflow run
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["train"]["average_last"] = 2
     params_path = tmp_path / "params.yaml"

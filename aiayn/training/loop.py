@@ -112,6 +112,29 @@ def lr_multiplier(t, step: int, elapsed_s: float) -> float:
     return cooldown_factor(progress, t.cooldown)
 
 
+@torch.no_grad()
+def validation_loss(model: nn.Module, criterion: Callable, data: ShardDataset, world: World,
+                    device: torch.device, seed: int) -> dict:
+    """The loss, NLL and perplexity per target token of ``data`` (every batch once, dealt
+    to the ranks, summed over them), in eval mode."""
+    model.eval()
+    sampler = TokenBudgetSampler(data.num_batches, world.rank, world.size, seed=seed,
+                                 shuffle=False)
+    loss_sum = nll_sum = tokens = 0.0
+    for index in sampler.epoch_iter():
+        batch = data.batch(index)
+        if batch.is_empty:
+            continue
+        loss, nll, n = criterion(model, batch.to(device))
+        loss_sum, nll_sum = loss_sum + loss.item(), nll_sum + nll.item()
+        tokens += int(n)
+    loss_sum, nll_sum, tokens = distributed.all_sum([loss_sum, nll_sum, tokens], device, world)
+    model.train()
+    nll = nll_sum / max(tokens, 1)
+    return {"valid_loss": loss_sum / max(tokens, 1), "valid_nll": nll,
+            "valid_ppl": math.exp(min(nll, 50.0)), "tokens": int(tokens)}
+
+
 @dataclass(kw_only=True)
 class Trainer:
     """The loop over components built by :func:`aiayn.training.build.build_trainer`."""
@@ -245,25 +268,9 @@ class Trainer:
 
     # -- validation, log rows, checkpoints ----------------------------------------------
 
-    @torch.no_grad()
     def validate(self) -> dict:
-        self.model.eval()
-        sampler = TokenBudgetSampler(self.valid_data.num_batches, self.world.rank,
-                                     self.world.size, seed=self.p.seed, shuffle=False)
-        loss_sum = nll_sum = tokens = 0.0
-        for index in sampler.epoch_iter():
-            batch = self.valid_data.batch(index)
-            if batch.is_empty:
-                continue
-            loss, nll, n = self.criterion(self.model, batch.to(self.device))
-            loss_sum, nll_sum = loss_sum + loss.item(), nll_sum + nll.item()
-            tokens += int(n)
-        loss_sum, nll_sum, tokens = distributed.all_sum([loss_sum, nll_sum, tokens],
-                                                        self.device, self.world)
-        self.model.train()
-        nll = nll_sum / max(tokens, 1)
-        return {"valid_loss": loss_sum / max(tokens, 1), "valid_nll": nll,
-                "valid_ppl": math.exp(min(nll, 50.0)), "tokens": int(tokens)}
+        return validation_loss(self.model, self.criterion, self.valid_data, self.world,
+                               self.device, self.p.seed)
 
     def _valid_bleu(self) -> float | None:
         """Rank 0 translates and scores; the other ranks wait for it."""
@@ -317,20 +324,7 @@ class Trainer:
             s.stable_step = s.step
         if not self.world.is_main:
             return None
-        state = {
-            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict(),  # {} unless fp16
-            "data": self.loader.state_dict(), "rng": rngs,
-            "run": {"step": s.step, "tokens_seen": s.tokens_seen, "elapsed_s": s.elapsed_s,
-                    **self.log.to_saved(), "window": list(s.window), "window_s": s.window_s,
-                    "bleu_seconds": s.bleu_seconds, "stable_step": s.stable_step},
-            "meta": {**self.checkpoint_meta, "step": s.step, "tokens_seen": s.tokens_seen,
-                     "world_size": self.world.size, "batch_tokens": self.plan.batch_tokens,
-                     "valid_bleu": self.log.bleu_at(s.step), "interim": interim,
-                     "schedule": {"steps": t.steps, "max_minutes": t.max_minutes,
-                                  "lr_factor": factor}},
-        }
+        state = checkpoint_state(self, rngs, interim, factor)
         # train.average "best": the best-BLEU checkpoints stay for the average stage (it may
         # try up to max(train.average_candidates) of them); with a cooldown, the last
         # checkpoint before it stays: a run whose end moves later goes on from there.
@@ -351,7 +345,7 @@ class Trainer:
         p, s = self.p.train, self.state
         clock = Clock(s.elapsed_s, p.max_minutes, s.window_s)
         if self.world.is_main:
-            self._log_start()
+            log_plan(self)
         if s.step < p.steps and clock.spent(s.elapsed_s):
             s.stopped_by = "time budget"
             if self.world.is_main:
@@ -435,59 +429,85 @@ class Trainer:
             self.loader.close()
         return self.summary()
 
-    def _log_start(self) -> None:
-        p = self.p.train
-        log.info("train: %s parameters on %s, %s, %s kernels%s%s",
-                 f"{count_parameters(self.model):,}", self.device,
-                 f"{precision_name(self.amp_dtype)} autocast" if self.amp_dtype else "fp32",
-                 p.kernels,
-                 (", compiled" if p.compile else "")
-                 + (f", subword split {p.subword_split:g}" if p.subword_split else "")
-                 + (f", R-Drop alpha {p.rdrop:g}" if p.rdrop else ""),
-                 f", time budget {p.max_minutes:g} min" if p.max_minutes else "")
-        # what the budget holds once padding is counted: the plan's mean micro-batch
-        real = (self.train_data.target_tokens() / self.train_data.num_batches
-                * self.plan.world_size * self.plan.accumulation)
-        log.info("train: %s, planned from %s: ~%s target tokens a step on average (the rest "
-                 "is padding)", self.plan.describe(), self.paths.shards / "train",
-                 f"{real:,.0f}")
-
     def summary(self) -> dict:
-        s, t, cfg = self.state, self.p.train, self.model.cfg
-        last_train = self.log.train[-1] if self.log.train else None
-        last_valid = self.log.valid[-1] if self.log.valid else None
-        output_vocab = self.model.output_vocab()
-        return {
-            "steps": s.step,
-            "tokens_seen": s.tokens_seen,
-            "wall_time_s": round(s.elapsed_s, 3),
-            "tokens_per_s": s.tokens_seen / s.elapsed_s if s.elapsed_s else 0.0,
-            "train_loss": last_train.loss if last_train else None,
-            "train_nll": last_train.nll if last_train else None,
-            "valid_loss": last_valid.valid_loss if last_valid else None,
-            "valid_nll": last_valid.valid_nll if last_valid else None,
-            "valid_ppl": last_valid.valid_ppl if last_valid else None,
-            "parameters": count_parameters(self.model),
-            "world_size": self.world.size,
-            "accumulation": self.plan.accumulation,
-            "batch_tokens": self.plan.batch_tokens,
-            "device": self.device.type,
-            "precision": precision_name(self.amp_dtype),
-            **({"loss_scale": self.scaler.get_scale()} if self.scaler.is_enabled() else {}),
-            **hardware(self.device),
-            "kernels": t.kernels,
-            "allocator": self.allocator,
-            "output_vocab": cfg.output_vocab,
-            "output_vocab_size": (cfg.vocab_size if output_vocab is None
-                                  else int(output_vocab.ids.numel())),
-            "compile": t.compile,
-            "subword_split": t.subword_split,
-            "rdrop": t.rdrop,
-            "max_minutes": t.max_minutes,
-            "stopped_by": s.stopped_by,
-            **self.log.bleu_summary(s.bleu_seconds, s.elapsed_s),
-        }
+        return run_summary(self)
 
     def write_summary(self, summary: dict) -> None:
         if self.world.is_main:
             write_json(self.paths.metrics, summary)
+
+
+def checkpoint_state(trainer: Trainer, rngs: list[dict], interim: bool, factor: float) -> dict:
+    """What a checkpoint holds: everything a resumed run needs to end where an unbroken one
+    ends, and the meta the run store and the average stage read (``factor``: the cooldown's
+    lr multiplier for the next step under the end that made this one)."""
+    s, t, log_ = trainer.state, trainer.p.train, trainer.log
+    return {
+        "model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
+        "scheduler": trainer.scheduler.state_dict(),
+        "scaler": trainer.scaler.state_dict(),  # {} unless fp16
+        "data": trainer.loader.state_dict(), "rng": rngs,
+        "run": {"step": s.step, "tokens_seen": s.tokens_seen, "elapsed_s": s.elapsed_s,
+                **log_.to_saved(), "window": list(s.window), "window_s": s.window_s,
+                "bleu_seconds": s.bleu_seconds, "stable_step": s.stable_step},
+        "meta": {**trainer.checkpoint_meta, "step": s.step, "tokens_seen": s.tokens_seen,
+                 "world_size": trainer.world.size, "batch_tokens": trainer.plan.batch_tokens,
+                 "valid_bleu": log_.bleu_at(s.step), "interim": interim,
+                 "schedule": {"steps": t.steps, "max_minutes": t.max_minutes,
+                              "lr_factor": factor}},
+    }
+
+
+def log_plan(trainer: Trainer) -> None:
+    """The run's first lines: the model, device, precision and kernels; the step's plan."""
+    t, p = trainer, trainer.p.train
+    log.info("train: %s parameters on %s, %s, %s kernels%s%s",
+             f"{count_parameters(t.model):,}", t.device,
+             f"{precision_name(t.amp_dtype)} autocast" if t.amp_dtype else "fp32", p.kernels,
+             (", compiled" if p.compile else "")
+             + (f", subword split {p.subword_split:g}" if p.subword_split else "")
+             + (f", R-Drop alpha {p.rdrop:g}" if p.rdrop else ""),
+             f", time budget {p.max_minutes:g} min" if p.max_minutes else "")
+    # what the budget holds once padding is counted: the plan's mean micro-batch
+    real = (t.train_data.target_tokens() / t.train_data.num_batches
+            * t.plan.world_size * t.plan.accumulation)
+    log.info("train: %s, planned from %s: ~%s target tokens a step on average (the rest is "
+             "padding)", t.plan.describe(), t.paths.shards / "train", f"{real:,.0f}")
+
+
+def run_summary(trainer: Trainer) -> dict:
+    """metrics/train.json: where the run ended, its last losses, and what it ran on."""
+    s, t, cfg = trainer.state, trainer.p.train, trainer.model.cfg
+    last_train = trainer.log.train[-1] if trainer.log.train else None
+    last_valid = trainer.log.valid[-1] if trainer.log.valid else None
+    output_vocab = trainer.model.output_vocab()
+    return {
+        "steps": s.step,
+        "tokens_seen": s.tokens_seen,
+        "wall_time_s": round(s.elapsed_s, 3),
+        "tokens_per_s": s.tokens_seen / s.elapsed_s if s.elapsed_s else 0.0,
+        "train_loss": last_train.loss if last_train else None,
+        "train_nll": last_train.nll if last_train else None,
+        "valid_loss": last_valid.valid_loss if last_valid else None,
+        "valid_nll": last_valid.valid_nll if last_valid else None,
+        "valid_ppl": last_valid.valid_ppl if last_valid else None,
+        "parameters": count_parameters(trainer.model),
+        "world_size": trainer.world.size,
+        "accumulation": trainer.plan.accumulation,
+        "batch_tokens": trainer.plan.batch_tokens,
+        "device": trainer.device.type,
+        "precision": precision_name(trainer.amp_dtype),
+        **({"loss_scale": trainer.scaler.get_scale()} if trainer.scaler.is_enabled() else {}),
+        **hardware(trainer.device),
+        "kernels": t.kernels,
+        "allocator": trainer.allocator,
+        "output_vocab": cfg.output_vocab,
+        "output_vocab_size": (cfg.vocab_size if output_vocab is None
+                              else int(output_vocab.ids.numel())),
+        "compile": t.compile,
+        "subword_split": t.subword_split,
+        "rdrop": t.rdrop,
+        "max_minutes": t.max_minutes,
+        "stopped_by": s.stopped_by,
+        **trainer.log.bleu_summary(s.bleu_seconds, s.elapsed_s),
+    }
