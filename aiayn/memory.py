@@ -4,37 +4,18 @@ with freed memory handed back to the operating system.
 **tcmalloc or jemalloc** (``train.allocator: auto``, the default, on a CPU). ``aiayn train``
 re-launches itself with the first of AUTO_ORDER that the dynamic loader finds preloaded
 (LD_PRELOAD; Debian/Ubuntu: ``apt install libtcmalloc-minimal4`` or ``libjemalloc2``).
-Side by side with glibc and the trim below (``bench/train_memory.py --modes
-trim,tcmalloc``, the ``multi30k`` model, bf16 on 2 AVX512-BF16 cores, 2026-11-28): steps
-0.82-0.87x the time (three pairs of 200-240 steps) and the peak resident memory 0.52x,
-flat at ~1.6 GiB where glibc's climbs past 3 GiB; jemalloc, whose freed pages are kept
-(ALLOCATOR_ENV), 0.91x and 0.60x; in fp32 with AVX2 caps (as an AVX2-only CPU computes),
-tcmalloc 0.97x and 0.69x. On 2 cores with AMX, where the products are cheapest, 0.71x and
-0.53x (one pair of 200 steps; over 240 steps of ``bench/train_throughput.py``, side by side,
-1.57x the target tokens/s). Over 300 steps of ``bench/train_throughput.py`` on glibc a
-step page-faulted ~48,000 times (~12,000 in the first few steps), on jemalloc 151 (4,910
-against 5,881 target tokens/s): glibc's steps slow down over the first few hundred, which
-short benchmarks do not see (the preset's run that day: ~5,800 target tokens/s at first,
-~4,400 from step ~150 on). On a GPU ``auto`` keeps glibc (the host's heap does not bound
-those steps).
+Token-bucket batches bring activations of new shapes at almost every step; these allocators
+reuse freed memory without fragmenting it, so that steps take less time and the resident
+memory stays flat where glibc's grows (measured side by side on each CPU kind:
+bench/README.md, "train_memory.py"). On a GPU ``auto`` keeps glibc (the host's heap does
+not bound those steps).
 
-**glibc** (no other allocator installed, or ``train.allocator: glibc``):
-
-Training on CPU with token-bucket batches allocates activations of a different shape at
-almost every step. glibc's malloc keeps the freed blocks in its heap, fragmented, so the
-resident memory of a run grows for hours: from 2.1 to 3.3 GiB over 400 steps of the
-`multi30k` model with varied shapes (bf16 autocast, 2 cores), against a flat 1.0 GiB with
-one fixed shape. Calling glibc's ``malloc_trim(0)`` every few steps returns the free pages
-(it also releases pages inside the heap, not only at its top) and keeps the run flat at
-~1.05 GiB at no measurable cost per step. ``MALLOC_ARENA_MAX=2`` did not help; a low
-``MALLOC_MMAP_THRESHOLD_`` did, but made steps 40% slower. (Those figures are from AMD
-CPUs and an earlier benchmark harness, in which fp32 steps on an AVX2-only CPU did not grow
-the heap at all. The real trainer's do: its peaks climbed from ~1.45 to ~2.4 GiB over 200
-fp32 steps on such a CPU even with the trim, against ~1.15 to ~1.55 on tcmalloc; on an Intel
-CPU with AMX, in bf16, from 2.1 to 3.4 GiB over 150 steps against 4.3 without the trim, and
-there the trim every 10 steps cost ~12% of a step: bench/README.md, "glibc's trim" and
-"trim only once the heap has grown".)
-``bench/train_memory.py`` measures both modes side by side.
+**glibc** (no other allocator installed, or ``train.allocator: glibc``): glibc's malloc
+keeps the freed blocks in its heap, fragmented, so the resident memory of a run grows for
+hours. Calling ``malloc_trim(0)`` every few steps returns the free pages (those inside the
+heap too, not only at its top) and keeps it flat; ``MALLOC_ARENA_MAX`` did not help, and a
+low ``MALLOC_MMAP_THRESHOLD_`` slowed the steps (bench/README.md, "glibc's trim" and "trim
+only once the heap has grown"). ``bench/train_memory.py`` measures both modes side by side.
 
 ``malloc_trim`` has no library of its own; ``ctypes`` reaches the C library the process
 already runs on. Elsewhere (macOS, Windows, musl) there is no ``malloc_trim`` and nothing

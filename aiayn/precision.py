@@ -3,10 +3,10 @@
 ``precision: auto`` (training and decoding) means bf16 autocast on a GPU that computes in
 bf16 natively (Ampere and later; on a V100 or older it means fp32), and on a CPU only
 where the CPU multiplies bf16 matrices in hardware: x86 with AVX512-BF16 or AMX, Arm with
-the BF16 extension. There bf16 matmuls are 1.5-3x faster than fp32. A CPU without them
-(an AVX2-only x86, for instance) emulates bf16 in software, about 100x slower than fp32:
-1.2 against 118 GFLOP/s on 512x512 products on a 2-core AMD EPYC with AVX2. So ``auto``
-means fp32 there, and an explicit ``bf16`` gets a warning.
+the BF16 extension, where bf16 matmuls are faster than fp32. A CPU without them (an
+AVX2-only x86, for instance) emulates bf16 in software, orders of magnitude slower than
+fp32 (bench/README.md, "Measuring as an AVX2-only CPU"). So ``auto`` means fp32 there, and
+an explicit ``bf16`` gets a warning.
 
 The check reads CPU feature flags instead of timing a product, so that the same machine
 always picks the same precision (a timing on a busy machine could flip between runs, and

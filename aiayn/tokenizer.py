@@ -80,8 +80,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         raise DataError(
             f"{path}: not a tokenizers JSON file ({exc}); re-run `aiayn vocab`"
         ) from None
-    # tokenizers memoises the BPE split of 10k words by default. A memo of 1M words, tried
-    # on a WMT-sized corpus, encoded 10-15% slower and held ~1 GiB more (bench/README.md).
+    # tokenizers memoises the BPE split of 10k words by default; a far larger memo was
+    # tried on a WMT-sized corpus and was slower and larger (bench/README.md).
     for token_id, token in enumerate(SPECIAL_TOKENS):
         if tok.token_to_id(token) != token_id:
             raise DataError(
