@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,7 @@ import yaml
 
 from aiayn.config import Params, flatten, parse_params
 from aiayn.errors import ParamsError
+from aiayn.experiments import Experiment
 from aiayn.schedule import deep_post_ln_warning
 
 PREFIX = "table3-"
@@ -311,12 +312,12 @@ def build_rows(raw: dict, rows: list[PaperRow], common: dict[str, Any] | None = 
 
 @dataclass
 class RowResult:
-    """What one experiment of the table ran with and measured (from `dvc exp show`)."""
+    """What one experiment of the table ran with and measured (its commit's files)."""
 
     params: dict[str, Any]  # flattened: "model.d_model" -> 512
     train: dict[str, Any]  # metrics/train.json
     bleu_valid: dict[str, Any]  # metrics/bleu_valid.json
-    # The experiment's commit (`dvc exp show`'s rev), whose files :func:`save_runs` copies;
+    # The experiment's commit (DVC's rev of it), whose files :func:`save_runs` copies;
     # None for a run read from a folder. Not compared: the same results from either source.
     rev: str | None = field(default=None, compare=False)
     # A row that was not run because on the base's params it is the base (multi30k's A-h4):
@@ -324,62 +325,20 @@ class RowResult:
     same_as_base: bool = False
 
 
-def results_from_exp_show(shown: list[dict]) -> dict[str, RowResult]:
-    """The table's experiments in ``dvc exp show --json`` output that have scores, by name;
-    of two with one name (two baselines), the first (dvc lists the newest first)."""
+def results_from_experiments(experiments: Iterable[Experiment]) -> dict[str, RowResult]:
+    """The table's finished experiments that have scores, by name, from
+    :func:`aiayn.experiments.read` with :data:`REQUIRED_RUN_FILES`; of two with one name,
+    the first (DVC lists the newest first). An unfinished one (queued, running, failed,
+    killed) is left out: DVC lists it with its baseline commit's metrics."""
     found: dict[str, RowResult] = {}
-    for baseline in shown or []:
-        for exp in baseline.get("experiments") or []:
-            name = exp.get("name") or ""
-            if not name.startswith(PREFIX) or name in found:
-                continue
-            if not _finished(exp):  # a running, failed or killed one lists its baseline
-                continue            # commit's metrics (seen: a running row showed the demo's)
-            commit = (exp.get("revs") or [{}])[0]
-            data = commit.get("data") or {}
-            metrics = {path: (m or {}).get("data") or {}
-                       for path, m in (data.get("metrics") or {}).items()}
-            train, valid = metrics.get("metrics/train.json"), metrics.get(
-                "metrics/bleu_valid.json")
-            if not train or not valid:
-                continue  # queued, running or failed: nothing to show yet
-            params = flatten(((data.get("params") or {}).get("params.yaml") or {}).get("data"))
-            found[name] = RowResult(params, train, valid, commit.get("rev"))
-    return found
-
-
-STATES = {None: "Success", "success": "Success", "queued": "Queued", "running": "Running",
-          "failed": "Failed"}
-
-
-def _failed(exp: dict) -> bool:
-    """Whether an experiment of ``dvc exp show --json`` failed or was killed (its executor
-    says so, or its revision carries an error)."""
-    return ((exp.get("executor") or {}).get("state") == "failed"
-            or any(rev.get("error") for rev in exp.get("revs") or []))
-
-
-def _finished(exp: dict) -> bool:
-    """Whether an experiment of ``dvc exp show --json`` ran to its end: no executor left (or
-    one that says success) and no error. Until then dvc lists the baseline commit's metrics
-    under its name."""
-    state = (exp.get("executor") or {}).get("state")
-    return state in (None, "success") and not _failed(exp)
-
-
-def states_from_exp_show(shown: list[dict]) -> dict[str, str]:
-    """The status of each experiment in ``dvc exp show --json`` output (HEAD's only: DVC's
-    queue lists the tasks of every commit, whose results a later HEAD does not show): Queued,
-    Running, Failed or Success (a finished experiment has no executor); of two with one
-    name, the first (dvc lists the newest first)."""
-    found: dict[str, str] = {}
-    for baseline in shown or []:
-        for exp in baseline.get("experiments") or []:
-            name = exp.get("name")
-            if not name or name in found:
-                continue
-            state = (exp.get("executor") or {}).get("state")
-            found[name] = "Failed" if _failed(exp) else STATES.get(state, str(state).title())
+    for exp in experiments:
+        if exp.baseline or not exp.name.startswith(PREFIX) or exp.name in found:
+            continue
+        train, valid = exp.files.get("metrics/train.json"), exp.files.get(
+            "metrics/bleu_valid.json")
+        if exp.finished and train and valid:
+            found[exp.name] = RowResult(flatten(exp.files.get("params.yaml")), train, valid,
+                                        exp.rev)
     return found
 
 

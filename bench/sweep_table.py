@@ -2,58 +2,61 @@
 
 Usage (in the repository that ran the sweep)::
 
-    python -m bench.sweep_table                          # every experiment of the workspace
+    python -m bench.sweep_table                          # every experiment of HEAD
     python -m bench.sweep_table --chosen tiny-d128 --out docs/results/multi30k/sweep.md
 
-Reads ``dvc exp show --json`` (all experiments of HEAD, queued ones included), and prints
-one row per experiment that has scores: its name, the params that differ from the baseline
-row, the valid scores that recipes are chosen by (``metrics/bleu_valid.json``: sacreBLEU and
-lowercased tokenized BLEU when present), the best greedy validation BLEU during training and
-its step, the training minutes, the steps reached and why training stopped. Test scores
-(``metrics/bleu.json``) are printed for the ``--chosen`` rows only (the chosen recipe, one
-row per seed): recipes are chosen on valid, and the test set is read for the chosen one.
-``--csv`` also writes the rows.
+Reads the experiments of HEAD (``-A``: of every commit) through DVC's Python API
+(``aiayn.experiments``: each finished one's files from its commit), and prints one row per
+commit and per finished experiment that has scores: its name, the params that differ from
+the baseline row, the valid scores that recipes are chosen by (``metrics/bleu_valid.json``:
+sacreBLEU and lowercased tokenized BLEU when present), the best greedy validation BLEU during
+training and its step, the training minutes, the steps reached and why training stopped.
+Test scores (``metrics/bleu.json``) are printed for the ``--chosen`` rows only (the chosen
+recipe, one row per seed): recipes are chosen on valid, and the test set is read for the
+chosen one. ``--csv`` also writes the rows; ``--save-json`` keeps the experiments read, from
+which ``--json`` makes the table elsewhere.
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
-import subprocess
 import sys
 from pathlib import Path
 
+from aiayn import experiments
+from aiayn.config import flatten
+from aiayn.errors import AiaynError
 from aiayn.io import write_text
 from bench import harness
 
-
-def flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in (d or {}).items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
+PARAMS, METRICS = "params.yaml", ("metrics/bleu_valid.json", "metrics/bleu.json",
+                                  "metrics/train.json")
 
 
-def rows_of(shown: list[dict]) -> list[dict]:
-    """(name, params, metrics) of the baseline and of every experiment, in dvc's order."""
+def rows_of(exps: list[experiments.Experiment]) -> list[dict]:
+    """(name, params, metrics) of each baseline and each experiment, in DVC's order."""
     rows = []
-    for baseline in shown:
-        name = ("workspace" if baseline["rev"] == "workspace"
-                else "baseline " + baseline["rev"][:7])
-        entries = [(name, baseline)]
-        entries += [(e.get("name") or e["revs"][0]["rev"][:7], e["revs"][0])
-                    for e in baseline.get("experiments") or []]
-        for name, entry in entries:
-            data = entry.get("data") or {}
-            params = flatten((data.get("params") or {}).get("params.yaml", {}).get("data"))
-            metrics = {path: m.get("data") for path, m in (data.get("metrics") or {}).items()}
-            rows.append({"name": name, "params": params, "metrics": metrics})
+    for exp in exps:
+        name = exp.name if not exp.baseline else (
+            "workspace" if exp.rev == experiments.WORKSPACE else f"baseline {exp.rev}")
+        rows.append({"name": name, "params": flatten(exp.files.get(PARAMS)),
+                     "metrics": {path: exp.files[path] for path in METRICS if path in exp.files}})
     return rows
+
+
+def load(path: Path) -> list[experiments.Experiment]:
+    """The experiments --save-json wrote to ``path``."""
+    saved = json.loads(path.read_text())
+    fields = {f.name for f in dataclasses.fields(experiments.Experiment)}
+    if not (isinstance(saved, list) and all(isinstance(e, dict) and set(e) == fields
+                                            for e in saved)):
+        sys.exit(f"error: --json {path}: not the experiments --save-json writes (a `dvc exp "
+                 "show --json`? run this in the repository instead, or save them there with "
+                 "--save-json)")
+    return [experiments.Experiment(**e) for e in saved]
 
 
 def score(metrics: dict, path: str, key: str) -> float | None:
@@ -110,7 +113,9 @@ def table(rows: list[dict], chosen: set[str],
 def main(argv: list[str] | None = None) -> str:
     ap = harness.parser(__doc__)
     ap.add_argument("--json", type=Path, default=None,
-                    help="a saved `dvc exp show --json` (default: run it here)")
+                    help="experiments saved by --save-json (default: read the repository's)")
+    ap.add_argument("--save-json", type=Path, default=None,
+                    help="also write the experiments read (with their params and metrics) here")
     ap.add_argument("--chosen", default="",
                     help="the experiment(s) whose test scores to show: the chosen recipe's "
                          "trainings (comma-separated, e.g. its seeds)")
@@ -125,19 +130,15 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--csv", type=Path, default=None, help="also write the rows as CSV")
     args = ap.parse_args(argv)
     if args.json:
-        shown = json.loads(args.json.read_text())
+        exps = load(args.json)
     else:
         try:
-            done = subprocess.run(["dvc", "exp", "show", "--json",
-                                   *(["-A"] if args.all_commits else [])],
-                                  capture_output=True, text=True)
-        except FileNotFoundError:
-            sys.exit("error: no `dvc` on PATH: run this with the project's .venv/bin on PATH, "
-                     "or pass a saved `dvc exp show --json` with --json")
-        if done.returncode != 0:
-            sys.exit(f"error: dvc exp show failed: {done.stderr.strip()}")
-        shown = json.loads(done.stdout)
-    rows = rows_of(shown)
+            exps = experiments.read((PARAMS, *METRICS), all_commits=args.all_commits)
+        except AiaynError as exc:
+            sys.exit(f"error: {exc}; or give --json experiments saved by --save-json")
+    if args.save_json:
+        write_text(args.save_json, json.dumps([dataclasses.asdict(e) for e in exps], indent=1))
+    rows = rows_of(exps)
     if args.names:
         by_name = {r["name"]: r for r in reversed(rows)}
         missing = [n for n in args.names.split(",") if n not in by_name]

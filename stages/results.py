@@ -34,7 +34,8 @@ def results(
     nothing (standard output only). Exits non-zero when there are no scores yet (run
     `dvc repro` first).
 
-    With --table3: reads `dvc exp show --json` (the experiments of HEAD) and writes
+    With --table3: reads the experiments of HEAD (DVC's Python API, and each finished
+    one's params.yaml and metrics from its commit) and writes
     METRICS/table3.md, the paper's Table 3 layout with each row's experiment (params, steps,
     valid perplexity, valid BLEU, parameters) beside the paper's numbers; rows that have
     not run show –. Once the base row has run, METRICS/table3.png draws each row's change
@@ -139,14 +140,6 @@ def _stale(train: dict | None, average: dict | None) -> str | None:
     return None
 
 
-def _git_file(rev: str, path: str) -> bytes | None:
-    """``path`` as commit ``rev`` holds it; None where it has no such file."""
-    import subprocess
-
-    shown = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True)
-    return shown.stdout if shown.returncode == 0 else None
-
-
 def _table3(out: Path, runs: list[Path] | None = None, save: Path | None = None) -> None:
     from aiayn import table3 as t3
 
@@ -164,18 +157,19 @@ def _table3(out: Path, runs: list[Path] | None = None, save: Path | None = None)
                             "left out", fg=typer.colors.YELLOW, err=True)
         _write_table3(out, t3.results_from_folders(runs))
         return
+    from aiayn import experiments
     from aiayn.errors import AiaynError
-    from stages.table3 import exp_show  # the stage's own call, its errors and messages
 
     try:
-        shown = exp_show()
+        root = experiments.dvc_root()
+        found = t3.results_from_experiments(experiments.read(t3.REQUIRED_RUN_FILES))
     except AiaynError as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(code=2) from None
-    found = t3.results_from_exp_show(shown)
     if save is not None:
         try:
-            saved = t3.save_runs(found, save, _git_file)
+            saved = t3.save_runs(found, save,
+                                 lambda rev, path: experiments.git_file(rev, path, root))
         except (t3.RunFolderError, AiaynError) as exc:
             typer.secho(f"error: --save-runs: {exc}", fg=typer.colors.RED, err=True)
             raise typer.Exit(code=2) from None

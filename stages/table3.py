@@ -6,7 +6,6 @@ per row (`dvc queue start` runs them; `aiayn results --table3` shows the table).
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 from pathlib import Path
@@ -61,36 +60,26 @@ def base_of(params: Path, conf: Path, experiment: str | None) -> tuple[str, list
     return preset, overrides
 
 
-def dvc(args: list[str], check: bool = True) -> subprocess.CompletedProcess:
+def dvc(args: list[str]) -> subprocess.CompletedProcess:
     try:
         result = subprocess.run(["dvc", *args], capture_output=True, text=True)
     except FileNotFoundError:
         raise AiaynError("dvc: command not found; activate the virtualenv "
                          "(source .venv/bin/activate)") from None
-    if check and result.returncode != 0:
+    if result.returncode != 0:
         raise AiaynError(f"dvc {' '.join(args[:3])} ... failed: "
                          f"{' '.join((result.stderr or result.stdout).split())[:600]}")
     return result
 
 
-def exp_show() -> list:
-    """`dvc exp show --json`, parsed: HEAD's experiments (this command and `aiayn results
-    --table3` read them)."""
-    shown = dvc(["exp", "show", "--json"]).stdout
-    try:
-        return json.loads(shown or "[]")
-    except json.JSONDecodeError:
-        raise AiaynError(f"dvc exp show --json printed no JSON: {' '.join(shown.split())[:300]}"
-                         ) from None
-
-
 def existing() -> dict[str, str]:
-    """Experiments of HEAD by name and status (Queued, Running, Failed, Success), from `dvc
-    exp show --json`: `dvc queue status` lists the tasks of every commit, and a row queued
-    or run on an earlier commit is not in HEAD's table (`aiayn results --table3`)."""
-    from aiayn.table3 import states_from_exp_show
+    """HEAD's experiments by name and state (Queued, Running, Failed, Success), from DVC's
+    Python API (aiayn.experiments): `dvc queue status` lists the tasks of every commit, and
+    a row queued or run on an earlier commit is not in HEAD's table (`aiayn results
+    --table3`)."""
+    from aiayn.experiments import read, states
 
-    return states_from_exp_show(exp_show())
+    return states(read())
 
 
 @stage

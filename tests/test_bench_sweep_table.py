@@ -1,8 +1,9 @@
-"""bench/sweep_table.py: a `dvc exp show --json` as the sweep's Markdown and CSV table.
+"""bench/sweep_table.py: a sweep's experiments, read by aiayn.experiments, as one Markdown and
+CSV table.
 
-The JSON here has the layout dvc 3 prints (a workspace entry, then each baseline commit with
-its experiments, each experiment's data under ``revs[0]``); the queued sweep in
-tests/test_experiments.py runs the script on real `dvc exp show` output.
+The rows here have the layout dvc.api.exp_show returns (the workspace, a baseline commit,
+its experiments; see tests/test_table3.py), each finished experiment's files those of its
+commit; the queued sweep in tests/test_experiments.py runs the script on a real repository.
 """
 
 from __future__ import annotations
@@ -12,26 +13,28 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
+from aiayn import experiments
 from bench import sweep_table
 
 
-def entry(params: dict, valid: float | None, test: float | None = None,
-          minutes: float | None = None) -> dict:
-    metrics = {}
+def files(params: dict, valid: float | None, test: float | None = None,
+          minutes: float | None = None) -> dict[str, bytes]:
+    """A commit's params.yaml and metrics files, as `git show REV:PATH` gives them."""
+    out = {"params.yaml": yaml.safe_dump(params, sort_keys=False).encode()}
     if valid is not None:
-        metrics["metrics/bleu_valid.json"] = {"data": {
-            "sacrebleu": {"score": valid}, "lowercase_bleu": {"score": valid + 0.25}}}
+        out["metrics/bleu_valid.json"] = json.dumps({
+            "sacrebleu": {"score": valid}, "lowercase_bleu": {"score": valid + 0.25}}).encode()
     if test is not None:
-        metrics["metrics/bleu.json"] = {"data": {
+        out["metrics/bleu.json"] = json.dumps({
             "sacrebleu": {"score": test}, "lowercase_bleu": {"score": test + 0.5},
-            "chrf": {"score": 60.0 + test / 10}}}
+            "chrf": {"score": 60.0 + test / 10}}).encode()
     if minutes is not None:
-        metrics["metrics/train.json"] = {"data": {
+        out["metrics/train.json"] = json.dumps({
             "wall_time_s": minutes * 60, "steps": 3009, "stopped_by": "steps",
-            "best_valid_bleu": valid - 1.0, "best_valid_bleu_step": 3000}}
-    return {"rev": "workspace", "name": None, "error": None, "experiments": None,
-            "data": {"params": {"params.yaml": {"data": params}}, "metrics": metrics}}
+            "best_valid_bleu": valid - 1.0, "best_valid_bleu_step": 3000}).encode()
+    return out
 
 
 def params(ls: float = 0.1, seed: int = 1, beam: int = 8) -> dict:
@@ -39,30 +42,46 @@ def params(ls: float = 0.1, seed: int = 1, beam: int = 8) -> dict:
             "train": {"label_smoothing": ls, "steps": 3009}, "decode": {"beam": beam}}
 
 
-def experiment(name: str, rev: str, data: dict) -> dict:
-    return {"name": name, "executor": None, "revs": [{**data, "rev": rev, "name": name}]}
+def row(name: str | None, rev: str, state: str | None = None,
+        typ: str = "branch_commit") -> dict:
+    """A row of dvc.api.exp_show (its metrics and params cells left out: not read)."""
+    return {"Experiment": name, "rev": rev, "typ": typ,
+            "Created": None if rev == "workspace" else "Jun 02, 2025", "parent": None,
+            "State": state, "Executor": "Dvc-task" if state else None}
 
 
 @pytest.fixture
-def shown(tmp_path: Path) -> Path:
-    """The workspace (no scores yet), a baseline commit and five experiments of it."""
-    base = entry(params(), valid=40.21, test=38.0, minutes=55.0)
-    base["rev"] = "9e4e6871234567"
-    base["experiments"] = [
-        experiment("ls0.2", "aaaaaaa1", entry(params(0.2), 40.91, test=39.92, minutes=62.1)),
-        experiment("ls0.3", "bbbbbbb2", entry(params(0.3), 41.22, test=39.44, minutes=63.6)),
-        experiment("ls0.3-seed2", "ccccccc3",
-                   entry(params(0.3, seed=2), 40.80, test=39.66, minutes=60.0)),
+def repo(tmp_path: Path, monkeypatch) -> dict:
+    """The workspace (no scores yet), a baseline commit and six experiments of it, read
+    through aiayn.experiments; what exp_show was asked is recorded."""
+    commits = {
+        "9e4e687": files(params(), valid=40.21, test=38.0, minutes=55.0),
+        "aaaaaaa": files(params(0.2), 40.91, test=39.92, minutes=62.1),
+        "bbbbbbb": files(params(0.3), 41.22, test=39.44, minutes=63.6),
+        "ccccccc": files(params(0.3, seed=2), 40.80, test=39.66, minutes=60.0),
         # decoding only: no training metrics of its own
-        experiment("ls0.3-b4", "ddddddd4", entry(params(0.3, beam=4), 40.50, test=39.0)),
-        # queued or failed: no scores, so no row
-        experiment("queued", "eeeeeee5", entry(params(0.4), None)),
-    ]
+        "ddddddd": files(params(0.3, beam=4), 40.50, test=39.0),
+        # queued, or failed: their commits hold the baseline's scores, which are not theirs
+        "eeeeeee": files(params(0.4), 40.21, test=38.0, minutes=55.0),
+        "fffffff": files(params(0.5), 40.21, test=38.0, minutes=55.0),
+    }
+    rows = [row(None, "workspace", typ="baseline"), row(None, "9e4e687", typ="baseline"),
+            row("ls0.2", "aaaaaaa", "Success"), row("ls0.3", "bbbbbbb"),
+            row("ls0.3-seed2", "ccccccc", "Success"), row("ls0.3-b4", "ddddddd"),
+            row("queued", "eeeeeee", "Queued"), row("failed", "fffffff", "Failed")]
     # The workspace holds whatever ran last; it is no reference for what changed.
-    workspace = entry(params(0.4), valid=None)
-    path = tmp_path / "shown.json"
-    path.write_text(json.dumps([workspace, base]))
-    return path
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params(0.4)))
+    asked: dict = {}
+
+    def exp_show(root: Path, all_commits: bool = False) -> list[dict]:
+        asked.update(root=root, all_commits=all_commits)
+        return [dict(r) for r in rows]
+
+    monkeypatch.setattr(experiments, "dvc_root", lambda: tmp_path)
+    monkeypatch.setattr(experiments, "exp_show", exp_show)
+    monkeypatch.setattr(experiments, "git_file",
+                        lambda rev, path, root: commits[rev].get(path))
+    return {"asked": asked, "root": tmp_path}
 
 
 def rows_by_name(text: str) -> dict[str, list[str]]:
@@ -71,10 +90,12 @@ def rows_by_name(text: str) -> dict[str, list[str]]:
     return {row[0].strip("*"): row for row in cells[1:]}
 
 
-def test_one_row_per_scored_experiment_with_what_it_changed(shown, capsys):
-    text = sweep_table.main(["--json", str(shown), "--chosen", "ls0.3,ls0.3-seed2"])
+def test_one_row_per_scored_experiment_with_what_it_changed(repo, capsys):
+    text = sweep_table.main(["--chosen", "ls0.3,ls0.3-seed2"])
     assert capsys.readouterr().out == text
+    assert repo["asked"] == {"root": repo["root"], "all_commits": False}
     rows = rows_by_name(text)
+    # Neither the queued nor the failed one: DVC lists them with the baseline's scores.
     assert list(rows) == ["baseline 9e4e687", "ls0.2", "ls0.3", "ls0.3-seed2", "ls0.3-b4"]
     # Changed params against the first row; the corpus folder (machine-specific) never shows.
     assert rows["baseline 9e4e687"][1] == "(baseline)"
@@ -89,11 +110,12 @@ def test_one_row_per_scored_experiment_with_what_it_changed(shown, capsys):
     assert rows["ls0.3-seed2"][7:] == ["39.66", "40.16", "63.97"]
     assert rows["ls0.2"][7:] == ["not read"] * 3
     assert "| **ls0.3** |" in text and "| ls0.2 |" in text
+    sweep_table.main(["-A"])
+    assert repo["asked"]["all_commits"] is True
 
 
-def test_base_and_names_choose_the_reference_row_and_the_order(shown):
-    text = sweep_table.main(["--json", str(shown), "--base", "ls0.3",
-                             "--names", "ls0.3-b4,ls0.3,ls0.2"])
+def test_base_and_names_choose_the_reference_row_and_the_order(repo):
+    text = sweep_table.main(["--base", "ls0.3", "--names", "ls0.3-b4,ls0.3,ls0.2"])
     rows = rows_by_name(text)
     assert list(rows) == ["ls0.3-b4", "ls0.3", "ls0.2"]
     assert rows["ls0.3"][1] == "(baseline)"
@@ -101,10 +123,9 @@ def test_base_and_names_choose_the_reference_row_and_the_order(shown):
     assert rows["ls0.2"][1] == "train.label_smoothing=0.2"
 
 
-def test_markdown_and_csv_files_hold_the_printed_rows(shown, tmp_path):
+def test_markdown_and_csv_files_hold_the_printed_rows(repo, tmp_path):
     out, table_csv = tmp_path / "out" / "sweep.md", tmp_path / "out" / "sweep.csv"
-    text = sweep_table.main(["--json", str(shown), "--chosen", "ls0.3",
-                             "--out", str(out), "--csv", str(table_csv)])
+    text = sweep_table.main(["--chosen", "ls0.3", "--out", str(out), "--csv", str(table_csv)])
     assert out.read_text() == text
     with table_csv.open(newline="") as f:
         read = list(csv.reader(f))
@@ -115,13 +136,24 @@ def test_markdown_and_csv_files_hold_the_printed_rows(shown, tmp_path):
     assert not [p.name for p in out.parent.iterdir() if p.name.startswith(".")]
 
 
-def test_a_scored_workspace_is_a_row_of_its_own(shown):
-    data = json.loads(shown.read_text())
-    data[0] = entry(params(0.4), valid=41.03, minutes=61.0)
-    shown.write_text(json.dumps(data))
-    rows = rows_by_name(sweep_table.main(["--json", str(shown)]))
+def test_saved_experiments_give_the_same_table_elsewhere(repo, tmp_path, monkeypatch):
+    saved = tmp_path / "saved" / "experiments.json"
+    text = sweep_table.main(["--chosen", "ls0.3", "--save-json", str(saved)])
+    monkeypatch.setattr(experiments, "exp_show", None)  # --json reads no repository
+    assert sweep_table.main(["--json", str(saved), "--chosen", "ls0.3"]) == text
+    legacy = tmp_path / "shown.json"  # a `dvc exp show --json`: said, not misread
+    legacy.write_text(json.dumps([{"rev": "workspace", "name": None, "experiments": None}]))
+    with pytest.raises(SystemExit, match="not the experiments --save-json writes"):
+        sweep_table.main(["--json", str(legacy)])
+
+
+def test_a_scored_workspace_is_a_row_of_its_own(repo):
+    (repo["root"] / "metrics").mkdir()
+    for path, data in files(params(0.4), valid=41.03, minutes=61.0).items():
+        (repo["root"] / path).write_bytes(data)
+    rows = rows_by_name(sweep_table.main([]))
     assert rows["workspace"][1:3] == ["train.label_smoothing=0.4", "41.03"]
-    rows = rows_by_name(sweep_table.main(["--json", str(shown), "--base", "workspace"]))
+    rows = rows_by_name(sweep_table.main(["--base", "workspace"]))
     assert rows["workspace"][1] == "(baseline)"
     assert rows["baseline 9e4e687"][1] == "train.label_smoothing=0.1"
 
@@ -130,16 +162,16 @@ def test_a_scored_workspace_is_a_row_of_its_own(shown):
     (["--base", "ls9"], "--base ls9: no such row; the rows are workspace, baseline 9e4e687, ls0.2"),
     (["--names", "ls0.3,nope"], "no experiment named nope"),
 ])
-def test_an_unknown_row_is_an_error_and_writes_nothing(shown, tmp_path, argv, says):
+def test_an_unknown_row_is_an_error_and_writes_nothing(repo, tmp_path, argv, says):
     out = tmp_path / "sweep.md"
     with pytest.raises(SystemExit) as exc:
-        sweep_table.main(["--json", str(shown), "--out", str(out), *argv])
+        sweep_table.main(["--out", str(out), *argv])
     assert says in str(exc.value)
     assert not out.exists()
 
 
-def test_without_dvc_on_path_it_says_how_to_run_it(monkeypatch, tmp_path):
-    monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no dvc there
+def test_outside_a_dvc_repository_it_says_how_to_run_it(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exc:
         sweep_table.main([])
-    assert "no `dvc` on PATH" in str(exc.value) and "--json" in str(exc.value)
+    assert "not inside a DVC repository" in str(exc.value) and "--json" in str(exc.value)

@@ -202,11 +202,14 @@ def test_a_queued_sweep_reruns_only_training_onwards_and_compares(tiny_repo):
                                "loss": metrics["metrics/train.json"]["data"]["train_loss"]}
     assert sorted(exps) == [0.5, 1.0, 2.0], shown
 
-    # The sweep's table (bench/sweep_table.py) from this real `dvc exp show` output.
-    (root / "shown.json").write_text(json.dumps(shown))
+    # The sweep's table (bench/sweep_table.py), read from this repository through DVC's
+    # Python API; the same from the experiments it saved.
     chosen = exps[2.0]["name"]
-    table = run([sys.executable, "-m", "bench.sweep_table", "--json", "shown.json",
-                 "--chosen", chosen], root, {**env, "PYTHONPATH": str(REPO)}).stdout
+    script = [sys.executable, "-m", "bench.sweep_table", "--chosen", chosen]
+    table = run([*script, "--save-json", "saved.json"], root,
+                {**env, "PYTHONPATH": str(REPO)}).stdout
+    assert run([*script, "--json", "saved.json"], root,
+               {**env, "PYTHONPATH": str(REPO)}).stdout == table
     cells = {line.split(" | ")[0].strip("| *"): line.split(" | ")
              for line in table.splitlines()[2:]}
     committed = yaml.safe_load((root / "params.yaml").read_text())["train"]["lr_scale"]

@@ -4,7 +4,9 @@ against the paper's column, the `aiayn table3` command and the rendered table.""
 from __future__ import annotations
 
 import copy
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,8 +15,10 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
+from aiayn import experiments
 from aiayn import table3 as t3
 from aiayn.config import flatten, parse_params
+from aiayn.errors import AiaynError
 from aiayn.model import Transformer, count_parameters
 from aiayn.training import model_config
 from stages.params import compose
@@ -274,59 +278,101 @@ def test_the_dry_run_prints_each_rows_dvc_command(tmp_path, monkeypatch):
 
 # -- the table ----------------------------------------------------------------------------------
 
-def experiment(name: str, model: dict, train_params: dict, train: dict, valid: dict) -> dict:
-    return {"name": name, "revs": [{"rev": name[-4:], "data": {
-        "params": {"params.yaml": {"data": {"model": model, "train": train_params}}},
-        "metrics": {"metrics/train.json": {"data": train},
-                    "metrics/bleu_valid.json": {"data": valid}}}}]}
+# Rows as dvc.api.exp_show returns them (its columns, in its order; modelled on the rows DVC
+# 3.67 gave for a real queue with finished, queued, running, failed and killed runs): the
+# metrics and params cells flattened and turned into floats where they parse, "!" where DVC
+# could not read a file, None where empty. The reader reads only Experiment, rev, typ,
+# Created and State from them (and the "!"), and each finished experiment's files from its
+# commit: COMMITS.
+COLUMNS = ("Experiment", "rev", "typ", "Created", "parent", "State", "Executor",
+           "metrics/train.json:steps", "valid_ppl", "parameters", "sacrebleu.score",
+           "tokenized_bleu.score", "metrics/bleu_valid.json:steps", "seed", "model.d_model",
+           "model.positions", "train.label_smoothing", "train.average_candidates")
+DEMO = {"metrics/train.json:steps": 600.0, "valid_ppl": 1.27, "parameters": 80000.0,
+        "sacrebleu.score": 88.1, "tokenized_bleu.score": 88.1,
+        "metrics/bleu_valid.json:steps": 7.0, "seed": 1.0, "model.d_model": 32.0,
+        "model.positions": "sinusoidal", "train.label_smoothing": 0.1,
+        "train.average_candidates": "[1, 2]"}  # the baseline commit's cells (the demo's)
 
 
-def errored(exp: dict) -> dict:
-    """``exp`` as dvc lists a run that failed after its executor was gone."""
-    exp["revs"][0]["error"] = {"msg": "Experiment run failed", "type": ""}
-    return exp
+def shown(name: str | None, rev: str, state: str | None = None, typ: str = "branch_commit",
+          created: str | None = "Jun 02, 2025", **cells) -> dict:
+    """One row of dvc.api.exp_show: a baseline (typ "baseline") or an experiment of one,
+    State as DVC gives it (Queued, Running, Failed, Success; None once the executor is
+    gone); ``cells`` over the demo's (where DVC lists a baseline's metrics, or "!")."""
+    executor = "Dvc-task" if state in ("Queued", "Running", "Success") else None
+    return {**dict.fromkeys(COLUMNS), **DEMO, "Experiment": name, "rev": rev, "typ": typ,
+            "Created": created, "State": state, "Executor": executor, **cells}
 
 
-SHOWN = [  # `dvc exp show --json`, cut down to what the table reads
-    {"rev": "workspace", "name": None, "experiments": None},
-    {"rev": "0123abc", "name": "main", "experiments": [
-        experiment("table3-base", {"d_model": 256, "heads": 4, "encoder_layers": 3,
-                                   "decoder_layers": 3, "d_ff": 1024, "d_k": 0, "d_v": 0,
-                                   "dropout": 0.2, "positions": "sinusoidal"},
-                   {"label_smoothing": 0.3, "steps": 4000},
-                   {"steps": 1750, "valid_ppl": 5.4321, "parameters": 9_876_543},
-                   {"sacrebleu": {"score": 40.123}, "tokenized_bleu": {"score": 41.56}}),
-        experiment("table3-B-dk16", {"d_model": 256, "heads": 4, "encoder_layers": 3,
-                                     "decoder_layers": 2, "d_ff": 1024, "d_k": 16, "d_v": 64,
-                                     "dropout": 0.2, "positions": "sinusoidal"},
-                   {"label_smoothing": 0.3}, {"steps": 2000, "valid_ppl": 6.0,
-                                              "parameters": 9_000_000},
-                   {"sacrebleu": {"score": 38.0}, "tokenized_bleu": {"score": 39.04}}),
-        experiment("table3-E-learned", {"d_model": 256, "heads": 4, "encoder_layers": 3,
-                                        "decoder_layers": 3, "d_ff": 1024, "dropout": 0.2,
-                                        "positions": "learned"},
-                   {"label_smoothing": 0.3}, {"steps": 12, "valid_ppl": 50.0,
-                                              "parameters": 10_000_000},
-                   {"sacrebleu": {"score": 1.0}, "tokenized_bleu": {"score": 1.25}}),
-        {"name": "table3-A-h1", "revs": [{"rev": "q", "data": {"params": {}, "metrics": {}}}]},
-        # Killed by `dvc queue kill`: dvc lists the baseline commit's metrics (the demo's).
-        {**experiment("table3-C-N2", {"d_model": 256}, {}, {"steps": 600, "valid_ppl": 1.27},
-                      {"tokenized_bleu": {"score": 88.1}}),
-         "executor": {"state": "failed"}},
-        errored(experiment("table3-C-N4", {"d_model": 256}, {}, {"steps": 600,
-                                                                 "valid_ppl": 1.27},
-                           {"tokenized_bleu": {"score": 88.1}})),
-        # Still running (trained, now translating): dvc lists the baseline's metrics too.
-        {**experiment("table3-C-ff4096", {"d_model": 256}, {}, {"steps": 600,
-                                                                "valid_ppl": 1.27},
-                      {"tokenized_bleu": {"score": 88.1}}),
-         "executor": {"state": "running"}},
-        experiment("lr2", {}, {}, {"steps": 1}, {}),  # not the table's
-    ]},
-    # An older commit's run of a row: the newest is shown.
-    {"rev": "fedcba9", "experiments": [experiment("table3-base", {}, {}, {"steps": 1},
-                                                  {"sacrebleu": {"score": 0.0}})]},
+def files(model: dict, train_params: dict, train: dict, valid: dict) -> dict[str, bytes]:
+    """A commit's params.yaml and metrics files, as `git show REV:PATH` gives them."""
+    return {"params.yaml": yaml.safe_dump({"model": model, "train": train_params}).encode(),
+            "metrics/train.json": json.dumps(train).encode(),
+            "metrics/bleu_valid.json": json.dumps(valid).encode()}
+
+
+ERRORED = dict.fromkeys(DEMO, "!")  # every file unreadable: DVC could not read the commit
+ROWS = [
+    shown(None, "workspace", typ="baseline", created=None),
+    shown(None, "0123abc", typ="baseline"),
+    # A running one is listed first, with the baseline's params and "!" for the metrics its
+    # executor has not written yet.
+    shown("table3-C-ff4096", "5555555", "Running", created=None,
+          **dict.fromkeys(list(DEMO)[:6], "!")),
+    shown("table3-base", "ba5e000", "Success", valid_ppl=5.4321, **{"model.d_model": 256.0}),
+    shown("table3-B-dk16", "dk16000", **{"model.d_model": 256.0}),  # run by `dvc exp run`
+    shown("table3-E-learned", "1ea4ed0", "Success", **{"model.positions": "learned"}),
+    # Finished as DVC says, but its commit unreadable: a cell of "!", or no creation time.
+    shown("table3-C-N4", "c4c4c4c", **ERRORED),
+    shown("table3-C-N8", "c8c8c8c", created=None, **dict.fromkeys(DEMO)),
+    shown("lr2", "1212121", "Success"),  # not the table's
+    shown("table3-A-h1", "a1a1a1a", "Queued", **dict.fromkeys(list(DEMO)[:6])),
+    # Killed by `dvc queue kill`, or failed: DVC lists the baseline commit's metrics.
+    shown("table3-C-N2", "c2c2c2c", "Failed"),
+    shown("table3-base", "ba5e999", "Failed", typ="branch_base"),  # an earlier try
+    # An older commit's run of a row (exp_show with revs=, num= or -A): the newest is shown.
+    shown(None, "fedcba9", typ="baseline"),
+    shown("table3-base", "01d0000", typ="branch_base"),
 ]
+DEMO_FILES = files({"d_model": 32}, {}, {"steps": 600, "valid_ppl": 1.27},
+                   {"tokenized_bleu": {"score": 88.1}})
+COMMITS = {
+    "ba5e000": files({"d_model": 256, "heads": 4, "encoder_layers": 3, "decoder_layers": 3,
+                      "d_ff": 1024, "d_k": 0, "d_v": 0, "dropout": 0.2,
+                      "positions": "sinusoidal"},
+                     {"label_smoothing": 0.3, "steps": 4000},
+                     {"steps": 1750, "valid_ppl": 5.4321, "parameters": 9_876_543},
+                     {"sacrebleu": {"score": 40.123}, "tokenized_bleu": {"score": 41.56}}),
+    "dk16000": files({"d_model": 256, "heads": 4, "encoder_layers": 3, "decoder_layers": 2,
+                      "d_ff": 1024, "d_k": 16, "d_v": 64, "dropout": 0.2,
+                      "positions": "sinusoidal"},
+                     {"label_smoothing": 0.3},
+                     {"steps": 2000, "valid_ppl": 6.0, "parameters": 9_000_000},
+                     {"sacrebleu": {"score": 38.0}, "tokenized_bleu": {"score": 39.04}}),
+    "1ea4ed0": files({"d_model": 256, "heads": 4, "encoder_layers": 3, "decoder_layers": 3,
+                      "d_ff": 1024, "dropout": 0.2, "positions": "learned"},
+                     {"label_smoothing": 0.3},
+                     {"steps": 12, "valid_ppl": 50.0, "parameters": 10_000_000},
+                     {"sacrebleu": {"score": 1.0}, "tokenized_bleu": {"score": 1.25}}),
+    "1212121": files({}, {}, {"steps": 1}, {"sacrebleu": {"score": 2.0}}),
+    "01d0000": files({}, {}, {"steps": 1}, {"sacrebleu": {"score": 0.0}}),
+    # The stash commits of queued, running and failed runs, and the unreadable ones, hold
+    # the baseline commit's files: read, they would put the demo's scores on those rows.
+    **{rev: DEMO_FILES for rev in ("0123abc", "fedcba9", "5555555", "c4c4c4c", "c8c8c8c",
+                                   "a1a1a1a", "c2c2c2c", "ba5e999")},
+}
+
+
+def read_commit(rev: str, path: str) -> bytes | None:
+    return COMMITS[rev].get(path)
+
+
+def table_results(rows: list[dict] = ROWS) -> dict[str, t3.RowResult]:
+    """`aiayn results --table3`'s rows: the reader on ``rows``, then the table's."""
+    return t3.results_from_experiments(experiments.read(
+        t3.REQUIRED_RUN_FILES, rows=copy.deepcopy(rows), read_file=read_commit))
+
 
 EXPECTED = """\
 # T
@@ -352,7 +398,7 @@ learned, row (E)); the last three are the paper's, on WMT14 newstest2013.
 
 
 def test_the_table_in_the_papers_layout_from_experiment_results():
-    found = t3.results_from_exp_show(copy.deepcopy(SHOWN))
+    found = table_results()
     assert sorted(found) == ["table3-B-dk16", "table3-E-learned", "table3-base"]
     rows = tuple(r for r in t3.PAPER_ROWS
                  if r.name in ("table3-base", "table3-A-h1", "table3-B-dk16", "table3-E-learned"))
@@ -390,7 +436,7 @@ def test_run_folders_give_the_same_rows_as_the_experiments(tmp_path):
 
     from stages.cli import app
 
-    shown = t3.results_from_exp_show(copy.deepcopy(SHOWN))
+    shown = table_results()
     folders = []
     for name, result in shown.items():
         folder = tmp_path / name
@@ -422,7 +468,7 @@ def test_run_folders_give_the_same_rows_as_the_experiments(tmp_path):
 
 
 def test_each_rows_change_from_the_base_ours_beside_the_papers():
-    found = t3.results_from_exp_show(copy.deepcopy(SHOWN))
+    found = table_results()
     changes = {c.name: c for c in t3.changes_from_base(found)}
     assert list(changes) == [r.name.removeprefix("table3-") for r in t3.PAPER_ROWS[1:]]
     dk16 = changes["B-dk16"]  # ours: 39.04 and 6.0 against the base's 41.56 and 5.4321
@@ -503,7 +549,7 @@ def test_saved_run_folders_hold_each_experiments_files_and_give_the_same_rows(tm
     table needs, stops the call before any folder is written."""
     import json
 
-    shown = t3.results_from_exp_show(copy.deepcopy(SHOWN))
+    shown = table_results()
     commits = {}
     for result in shown.values():
         params: dict = {}
@@ -552,7 +598,7 @@ def test_saved_run_folders_hold_each_experiments_files_and_give_the_same_rows(tm
 def test_the_table_shows_probabilities_as_they_were_set():
     """P_drop and eps_ls of a base off the 0.1 grid print as set (0.25, 0.15), not rounded
     to a paper value; the paper's own values keep one decimal (0.1, 0.0)."""
-    found = t3.results_from_exp_show(copy.deepcopy(SHOWN))
+    found = table_results()
     base = found["table3-base"]
     odd = t3.RowResult({**base.params, "model.dropout": 0.25, "train.label_smoothing": 0.15},
                        base.train, base.bleu_valid)
@@ -579,22 +625,91 @@ def test_a_common_length_replaces_that_length_of_big_only():
     assert big(t3.budget(steps=40)) == {"train.steps": 40, "train.max_minutes": 0}
 
 
-def test_experiment_states_are_those_of_heads_experiments():
-    """`dvc exp show --json` (as DVC 3 prints it): a finished experiment has no executor,
-    a queued or running one its executor's state, a failed one "failed" or an error."""
-    def exp(name, state=None, error=None):
-        return {"name": name, "executor": None if state is None else {"state": state},
-                "revs": [{"rev": name, "name": name, "error": error}]}
+def test_experiment_states_are_dvcs_and_an_unreadable_commit_is_a_failure():
+    """A finished experiment has no executor (or one that says Success); a queued, running
+    or failed one its executor's state; a finished one whose commit DVC could not read
+    ("!" in a cell, or no creation time) failed. Of two with one name, the first: DVC lists
+    finished ones before queued and failed ones, each newest first."""
+    assert experiments.states(experiments.listed(ROWS)) == {
+        "table3-C-ff4096": "Running", "table3-base": "Success", "table3-B-dk16": "Success",
+        "table3-E-learned": "Success", "table3-C-N4": "Failed", "table3-C-N8": "Failed",
+        "lr2": "Success", "table3-A-h1": "Queued", "table3-C-N2": "Failed"}
+    listed = experiments.listed(ROWS)
+    assert [(e.name, e.rev) for e in listed if e.baseline] == [
+        ("workspace", "workspace"), ("0123abc", "0123abc"), ("fedcba9", "fedcba9")]
+    assert all(e.state == "Success" for e in listed if e.baseline)
+    assert experiments.states(experiments.listed([])) == {}
 
-    shown = [{"rev": "workspace", "name": None, "experiments": None},
-             {"rev": "0123abc", "name": "main", "experiments": [
-                 exp("table3-base"), exp("table3-A-h1", "queued"),
-                 exp("table3-A-h4", "running"), exp("table3-B-dk16", "failed"),
-                 exp("table3-E-learned", error={"msg": "failed"}), exp("table3-C-N2", "success")]}]
-    assert t3.states_from_exp_show(shown) == {
-        "table3-base": "Success", "table3-A-h1": "Queued", "table3-A-h4": "Running",
-        "table3-B-dk16": "Failed", "table3-E-learned": "Failed", "table3-C-N2": "Success"}
-    assert t3.states_from_exp_show([]) == {}
+
+def test_the_reader_reads_the_files_of_finished_experiments_and_baselines_only(
+        tmp_path, monkeypatch):
+    """Each finished experiment's and each commit's files from its commit, the workspace's
+    from the working tree; a file the commit lacks is absent; none of an unfinished one
+    (its commit holds the baseline's files)."""
+    reads = []
+
+    def read(rev: str, path: str) -> bytes | None:
+        reads.append(rev)
+        return read_commit(rev, path)
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text("model: {d_model: 8}\n")
+    got = experiments.read(["params.yaml", "metrics/bleu_valid.json"], rows=ROWS,
+                           read_file=read)
+    assert [e.name for e in got] == [r["Experiment"] or r["rev"] for r in ROWS]
+    assert got[0].files == {"params.yaml": {"model": {"d_model": 8}}}  # the workspace
+    assert got[3].files["params.yaml"]["model"]["d_model"] == 256  # an int, as written
+    assert got[3].files["metrics/bleu_valid.json"]["tokenized_bleu"] == {"score": 41.56}
+    assert set(reads) == {"0123abc", "ba5e000", "dk16000", "1ea4ed0", "1212121", "fedcba9",
+                          "01d0000"}
+    assert all(not e.files for e in got if not e.finished)
+    assert experiments.read(["metrics/absent.json"], rows=ROWS, read_file=read)[3].files == {}
+    assert experiments.read(rows=ROWS, read_file=read)[3].files == {}  # no files asked
+    COMMITS["1212121"]["metrics/broken.json"] = b"{"
+    with pytest.raises(AiaynError, match=r"lr2 \(commit 1212121\): "
+                                                     r"metrics/broken.json does not parse"):
+        experiments.read(["metrics/broken.json"], rows=ROWS, read_file=read)
+    del COMMITS["1212121"]["metrics/broken.json"]
+
+
+def test_the_reader_on_a_real_repository(tmp_path, monkeypatch):
+    """A git + DVC repository with one saved experiment: dvc.api.exp_show's rows have the
+    columns the fixtures above have, the baseline is named by its commit (DVC shows its
+    branch), and the experiment's files are its commit's."""
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(tmp_path)
+    git = ["git", "-c", "init.defaultBranch=main"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "params.yaml").write_text("model: {d_model: 32, positions: sinusoidal}\n")
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics/train.json").write_text('{"steps": 8, "valid_ppl": 3.5}')
+    (tmp_path / "dvc.yaml").write_text("metrics: [metrics/train.json]\n")
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "base"], check=True)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout[:7]
+    (tmp_path / "params.yaml").write_text("model: {d_model: 64, positions: learned}\n")
+    (tmp_path / "metrics/train.json").write_text('{"steps": 8, "valid_ppl": 2.5}')
+    subprocess.run([sys.executable, "-m", "dvc", "exp", "save", "-q", "-n", "table3-E-learned"],
+                   check=True)
+    rows = experiments.exp_show(experiments.dvc_root())
+    assert [list(r)[:7] for r in rows] == [list(COLUMNS[:7])] * 3
+    assert [(r["Experiment"], r["typ"], r["State"]) for r in rows] == [
+        (None, "baseline", None), (None, "baseline", None),
+        ("table3-E-learned", "branch_base", None)]
+    assert rows[2]["model.d_model"] == 64.0  # DVC's cells: floats
+    got = experiments.read(["params.yaml", "metrics/train.json"])
+    assert [(e.name, e.state, e.baseline) for e in got] == [
+        ("workspace", "Success", True), (head, "Success", True),
+        ("table3-E-learned", "Success", False)]
+    assert got[1].files["params.yaml"] == {"model": {"d_model": 32, "positions": "sinusoidal"}}
+    assert got[2].files == {"params.yaml": {"model": {"d_model": 64, "positions": "learned"}},
+                            "metrics/train.json": {"steps": 8, "valid_ppl": 2.5}}
+    assert experiments.git_file(got[2].rev, "metrics/absent.json") is None
 
 
 def test_results_runs_name_a_missing_folder_and_count_rows_only(tmp_path):
@@ -619,17 +734,23 @@ def test_results_runs_name_a_missing_folder_and_count_rows_only(tmp_path):
 
 def test_results_table3_outside_a_dvc_repository_says_so_and_writes_nothing(tmp_path,
                                                                               monkeypatch):
-    """`aiayn results --table3` reads the experiments through the table3 stage's own call of
-    `dvc exp show --json`: where that fails (no DVC repository here), its error, exit 2."""
+    """`aiayn results --table3` and `aiayn table3 --queue` read the experiments through
+    aiayn.experiments: outside a DVC repository, its error and the fix, exit 2."""
     from stages.cli import app
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     failed = CliRunner().invoke(app, ["results", "--table3", "--metrics", str(tmp_path)])
     assert failed.exit_code == 2, failed.output
-    assert "dvc exp show --json ... failed" in failed.output
-    assert "DVC repository" in failed.output  # dvc's own reason
+    assert f"{tmp_path}: not inside a DVC repository; run this from the project's root" in (
+        " ".join(failed.output.split()))
     assert not (tmp_path / "table3.md").exists()
+    from stages.table3 import existing
+
+    with pytest.raises(AiaynError, match="not inside a DVC repository"):
+        existing()
+    monkeypatch.setitem(sys.modules, "dvc.repo", None)  # DVC not installed: how to get it
+    with pytest.raises(AiaynError, match=r"DVC is not installed .*\(source .venv/bin/activate\)"):
+        existing()
 
 
 def test_the_pictures_axis_cuts_an_outlier_only():
