@@ -16,7 +16,7 @@
   run validates, writes a checkpoint and stops (as fairseq's --stop-time-hours);
 * with ``train.cooldown`` the lr falls linearly to zero over the last part of the run,
   its end being train.steps or the time budget, whichever comes first;
-* ``train.kernels: fast`` computes the same step with aiayn.kernels (fused output-projection
+* ``train.kernels: fast`` computes the same step with aiayn.fast (fused output-projection
   loss, cheap dropout masks) and fused Adam; ``plain`` with torch's own operators;
 * the next batches are read by a background thread (pinned for a GPU), and loss sums and
   token counts stay on the device: the host waits for the device only at logging,
@@ -43,19 +43,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from aiayn import distributed, kernels
+from aiayn import distributed, fast
 from aiayn.batching import StepPlan, plan_step
 from aiayn.config import Params, TrainConfig
 from aiayn.distributed import World
 from aiayn.errors import AiaynError, DataError, ParamsError
 from aiayn.io import write_json
 from aiayn.memory import HeapTrimmer, loaded_allocator
-from aiayn.model import (
-    Transformer,
-    TransformerConfig,
-    avoid_cudnn_attention,
-    count_parameters,
-)
+from aiayn.model import Transformer, TransformerConfig, count_parameters
 from aiayn.objective import make_criterion, make_optimizer
 from aiayn.precision import (
     autocast_dtype,
@@ -134,9 +129,7 @@ def device_kind(choice: str) -> str:
 def pick_device(choice: str, world: World) -> torch.device:
     if device_kind(choice) == "cuda":
         torch.cuda.set_device(world.local_rank)
-        device = torch.device("cuda", world.local_rank)
-        avoid_cudnn_attention(device)
-        return device
+        return torch.device("cuda", world.local_rank)
     return torch.device("cpu")
 
 
@@ -242,9 +235,10 @@ class Trainer:
 
         self.fast = p.train.kernels == "fast"
         torch.manual_seed(p.seed)  # identical initial weights on every rank
-        self.model = Transformer(self.cfg, fast=self.fast).to(self.device)
-        if self.fast:  # built here (~30 s once per machine) before the clock, not in step 1
-            kernels.prepare_cpu_extension(self.device, self.cfg.norm == "post", self.amp_dtype)
+        self.model = Transformer(self.cfg).to(self.device)
+        fast.avoid_cudnn_attention(self.device)  # on CUDA, whatever the kernels: process-wide
+        if self.fast:  # the C++ kernels built here (~30 s once per machine), not in step 1
+            fast.apply(self.model, fast.KernelConfig())
         self.optimizer, self.scheduler = make_optimizer(
             self.model, p.train.adam_betas, p.train.adam_eps, p.model.d_model,
             p.train.warmup_steps, p.train.lr_scale, fused=self.fast)
