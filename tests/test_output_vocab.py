@@ -13,11 +13,20 @@ from aiayn.model import OutputVocab, Transformer, TransformerConfig
 from aiayn.sampler import Batch, BatchLoader, ShardDataset, TokenBudgetSampler
 from aiayn.subword import NO_PARENT, SubwordSplitter, merge_parents, split_closure
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, load_tokenizer
-from aiayn.trainer import batch_loss, target_vocabulary
+from aiayn.objective import make_criterion
+from aiayn.trainer import target_vocabulary
 from aiayn.translation import source_batch
 from tests.test_training import make_trainer
 
 V = 40
+
+
+def batch_loss(net, embedding, batch, label_smoothing, pad_id, fast, amp_dtype, output=None,
+               pack=True, rdrop=0.0):
+    """One batch's (loss, NLL, labels) through the criterion the trainer would choose."""
+    return make_criterion(kernels="fast" if fast else "plain", label_smoothing=label_smoothing,
+                          rdrop=rdrop, pad_id=pad_id, embedding=embedding, amp_dtype=amp_dtype,
+                          output=output, pack=pack)(net, batch)
 
 
 def tiny(output_vocab: str = "target", seed: int = 0) -> Transformer:
