@@ -262,17 +262,25 @@ def test_the_projected_loss_under_bf16_is_the_same_through_cpp_and_eager(built):
     weight = (0.3 * torch.randn(77, 32)).requires_grad_()
     labels = padded_labels(6, 11, 77)
 
+    assert_bf16_cpp_equals_eager(
+        lambda config: projected_label_smoothed_loss(hidden, weight, labels, 0.1, PAD,
+                                                     chunk_rows=13, config=config),
+        (hidden, weight), EAGER_SOFTMAX)
+
+
+def assert_bf16_cpp_equals_eager(loss_of, leaves, eager: KernelConfig) -> None:
+    """A fused loss, ``loss_of(config)``, under bf16 autocast through the C++ pass (the
+    default config) and through eager ops (``eager``): the same loss and NLL to fp32
+    rounding, the gradients of ``leaves`` to the bf16 rounding of the logits'."""
     def run(config):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss, nll, _ = projected_label_smoothed_loss(hidden, weight, labels, 0.1, PAD,
-                                                         chunk_rows=13, config=config)
-        return loss, nll, *torch.autograd.grad(loss, (hidden, weight))
+            loss, nll, _ = loss_of(config)
+        return loss, nll, *torch.autograd.grad(loss, leaves)
 
-    fused = run(DEFAULTS)
-    eager = run(EAGER_SOFTMAX)
-    torch.testing.assert_close(fused[0], eager[0], rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(fused[1], eager[1], rtol=1e-5, atol=1e-4)
-    for a, b in zip(fused[2:], eager[2:], strict=True):
+    fused, plain = run(DEFAULTS), run(eager)
+    torch.testing.assert_close(fused[0], plain[0], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(fused[1], plain[1], rtol=1e-5, atol=1e-4)
+    for a, b in zip(fused[2:], plain[2:], strict=True):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
 
 
@@ -368,18 +376,10 @@ def test_projected_rdrop_loss_under_bf16_is_the_same_through_cpp_and_eager(built
     weight = (0.3 * torch.randn(77, 32)).requires_grad_()
     labels = torch.randint(0, 77, (40,))
 
-    def run(config):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss, nll, _ = projected_rdrop_loss(rows, weight, labels, 0.1, 5.0, chunk_rows=13,
-                                                config=config)
-        return loss, nll, *torch.autograd.grad(loss, (rows, weight))
-
-    fused = run(DEFAULTS)
-    eager = run(EAGER)
-    torch.testing.assert_close(fused[0], eager[0], rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(fused[1], eager[1], rtol=1e-5, atol=1e-4)
-    for a, b in zip(fused[2:], eager[2:], strict=True):
-        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+    assert_bf16_cpp_equals_eager(
+        lambda config: projected_rdrop_loss(rows, weight, labels, 0.1, 5.0, chunk_rows=13,
+                                            config=config),
+        (rows, weight), EAGER)
 
 
 # --------------------------------------------------------------------------- dropout
