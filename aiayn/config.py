@@ -302,7 +302,7 @@ class TrainConfig(Strict):
         "autocast with dynamic loss scaling, for GPUs without bf16 (V100, T4, P100)")
     kernels: Literal["fast", "plain"] = Field(
         "fast", description="fast: the fused output-projection loss, cheaper dropout masks and "
-        "fused Adam (aiayn/kernels.py), the same math with fewer passes over memory; plain: "
+        "fused Adam (aiayn/fast/), the same math with fewer passes over memory; plain: "
         "torch's own operators, readable against the paper")
     compile: bool = False
     max_minutes: float = Field(

@@ -7,21 +7,21 @@ et al. 2021, "R-Drop: Regularized Dropout for Neural Networks"): see :func:`rdro
 A step's loss on a batch is a criterion, as fairseq's: one object chosen once from the
 params (:func:`make_criterion`), called as ``criterion(net, batch)``. Label-smoothed
 cross-entropy on the full logits (``train.kernels: plain``) or fused with the tied output
-projection on the decoder's real positions (``fast``: :mod:`aiayn.kernels`); R-Drop on top
+projection on the decoder's real positions (``fast``: :mod:`aiayn.fast`); R-Drop on top
 of either.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aiayn.kernels import projected_label_smoothed_loss, projected_rdrop_loss
-from aiayn.model import OutputVocab, Packing
+from aiayn.fast import KernelConfig, Packing, projected_label_smoothed_loss, projected_rdrop_loss
+from aiayn.output_vocab import OutputVocab
 from aiayn.schedule import noam_lr
 
 
@@ -32,9 +32,9 @@ def make_optimizer(model: nn.Module, betas: tuple[float, float], eps: float, d_m
 
     The base lr is 1 and the schedule returns the absolute rate; the scheduler has taken k
     steps after k optimizer steps, so step k+1 uses noam_lr(k + 1). ``fused`` selects
-    torch's fused Adam kernel (CPU and CUDA: one kernel over all parameters, a few times
-    faster than the loop on CPU, bench/README.md); otherwise torch's default (a loop over
-    parameters on CPU, ``foreach`` on CUDA). The state dict is the same.
+    torch's fused Adam kernel (CPU and CUDA; one kernel over all parameters, several times
+    faster than the loop: bench/README.md, "the fast kernels"); otherwise torch's default
+    (a loop over parameters on CPU, ``foreach`` on CUDA). The state dict is the same.
     """
     optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=betas, eps=eps,
                                  fused=True if fused else None)
@@ -145,12 +145,14 @@ class FusedLabelSmoothedCrossEntropy(LabelSmoothedCrossEntropy):
     only (``pack``; False: on the padded batch, whose products' shapes repeat when the
     batch's do) and the tied projection onto ``embedding`` (the model's shared matrix; with
     ``output`` its rows of the output vocabulary) inside
-    :func:`aiayn.kernels.projected_label_smoothed_loss`, in ``blocks`` (chunk rows, softmax
-    rows; None: the device's, :func:`aiayn.kernels.loss_blocks`)."""
+    :func:`aiayn.fast.projected_label_smoothed_loss`, in ``blocks`` (chunk rows, softmax
+    rows; None: the device's, :func:`aiayn.fast.loss_blocks`), with the kernels' ``config``
+    (the one the model's fast layers take, :func:`aiayn.fast.apply`)."""
 
     embedding: Tensor
     blocks: tuple[int, int] | None = None
     pack: bool = True
+    config: KernelConfig = field(default_factory=KernelConfig)
 
     def weight(self) -> Tensor:
         return self.embedding if self.output is None else self.output.rows(self.embedding)
@@ -165,7 +167,7 @@ class FusedLabelSmoothedCrossEntropy(LabelSmoothedCrossEntropy):
             return projected_label_smoothed_loss(rows, self.weight(), labels,
                                                  self.label_smoothing, label_pad,
                                                  positions=positions, chunk_rows=chunk_rows,
-                                                 softmax_rows=softmax_rows)
+                                                 softmax_rows=softmax_rows, config=self.config)
 
 
 @dataclass(kw_only=True)
@@ -203,7 +205,7 @@ class RDrop:
 
 @dataclass(kw_only=True)
 class FusedRDrop(RDrop):
-    """R-Drop with the fused loss (:func:`aiayn.kernels.projected_rdrop_loss`): the decoder on
+    """R-Drop with the fused loss (:func:`aiayn.fast.projected_rdrop_loss`): the decoder on
     both copies' real positions, the tied projection inside the loss, the default blocks."""
 
     base: FusedLabelSmoothedCrossEntropy
@@ -215,21 +217,24 @@ class FusedRDrop(RDrop):
         with self.base.autocast(batch):
             rows = net(src, tgt_in, packed=both)                            # (2N, d)
             return projected_rdrop_loss(rows, self.base.weight(), kept,
-                                        self.base.label_smoothing, self.alpha)
+                                        self.base.label_smoothing, self.alpha,
+                                        config=self.base.config)
 
 
 def make_criterion(*, kernels: str, label_smoothing: float, rdrop: float, pad_id: int,
                    embedding: Tensor, amp_dtype: torch.dtype | None = None,
                    output: OutputVocab | None = None, blocks: tuple[int, int] | None = None,
-                   pack: bool = True) -> LabelSmoothedCrossEntropy | RDrop:
+                   pack: bool = True, config: KernelConfig | None = None
+                   ) -> LabelSmoothedCrossEntropy | RDrop:
     """The criterion of ``train.kernels`` (``fast``: fused, ``plain``: on full logits) and
-    ``train.rdrop`` (> 0: R-Drop on top). ``blocks`` and ``pack``: the fused loss's (see
-    :class:`FusedLabelSmoothedCrossEntropy`; R-Drop's fused loss takes the defaults)."""
+    ``train.rdrop`` (> 0: R-Drop on top). ``blocks``, ``pack`` and ``config`` (None: the
+    default :class:`KernelConfig`): the fused loss's (see
+    :class:`FusedLabelSmoothedCrossEntropy`; R-Drop's fused loss takes the default blocks)."""
     common = {"label_smoothing": label_smoothing, "pad_id": pad_id, "amp_dtype": amp_dtype,
               "output": output}
     if kernels == "fast":
         fused = FusedLabelSmoothedCrossEntropy(**common, embedding=embedding, blocks=blocks,
-                                               pack=pack)
+                                               pack=pack, config=config or KernelConfig())
         return FusedRDrop(base=fused, alpha=rdrop) if rdrop > 0 else fused
     plain = LabelSmoothedCrossEntropy(**common)
     return RDrop(base=plain, alpha=rdrop) if rdrop > 0 else plain

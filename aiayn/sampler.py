@@ -54,7 +54,7 @@ class Batch:
     non-pad counts of ``src``/``tgt_out`` (what a token-normalised loss divides by).
     ``tgt_positions`` [tgt_tokens] are the flat (row-major) positions of the non-pad labels,
     which are also the real positions of ``tgt_in``: the rows a decoder that skips padding
-    computes (``aiayn.model.Packing``). The loader finds them on the host, so that a GPU
+    computes (``aiayn.fast.Packing``). The loader finds them on the host, so that a GPU
     never has to be asked how many there are.
     """
 

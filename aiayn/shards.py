@@ -61,7 +61,8 @@ TGT_EXTRA = 2  # stored target = [BOS] + ids + [EOS]; decoder sees len + 1 on ea
 # a run's identity hashes those (aiayn.run_store.run_identity), and a new file there would
 # set aside every run made before it.
 SOURCE_FILE = "source.json"
-FILL_CHUNK = 100_000  # pairs gathered per step: a few MB of ids and index arrays
+# Pairs gathered per step: a few MB of ids and index arrays (build_shards' fill_chunk).
+FILL_CHUNK = 100_000
 
 
 def shard_name(index: int) -> str:
@@ -333,11 +334,13 @@ def gather(flat: np.ndarray, starts: np.ndarray, lens: np.ndarray, bos: bool,
 
 def build_split(survey_dir: Path, meta: dict, split: str, out_dir: Path, cfg: ShardConfig,
                 src_lang: str, tgt_lang: str,
-                progress: Callable[[int], None] | None = None) -> dict:
+                progress: Callable[[int], None] | None = None,
+                fill_chunk: int = FILL_CHUNK) -> dict:
     """Plan, gather and write one split into the (fresh) folder ``out_dir``; return metrics.
 
     ``meta`` is the survey's meta.json as :func:`check_inputs` returned it. ``progress`` is
     called with the number of survey rows just handled (dropped pairs count at the end).
+    ``fill_chunk``: pairs gathered at once (any size writes the same bytes).
     """
     survey_dir = Path(survey_dir)
     src_len, tgt_len = read_lengths(survey_dir, split, src_lang, tgt_lang,
@@ -368,8 +371,8 @@ def build_split(survey_dir: Path, meta: dict, split: str, out_dir: Path, cfg: Sh
                   for part, offsets in (("src", layout.src_offsets),
                                         ("tgt", layout.tgt_offsets))]
         p0, p1 = int(pair_bounds[k]), int(pair_bounds[k + 1])
-        for lo in range(p0, p1, FILL_CHUNK):  # stored order: each chunk is one slice
-            hi = min(lo + FILL_CHUNK, p1)
+        for lo in range(p0, p1, fill_chunk):  # stored order: each chunk is one slice
+            hi = min(lo + fill_chunk, p1)
             rows = plan.order[lo:hi]
             for (lang, flat, starts, stored_len, bos), arr, offsets in zip(
                     sides, arrays, (layout.src_offsets[k], layout.tgt_offsets[k]),
@@ -457,13 +460,14 @@ def _write_index(out_dir: Path, split: str, plan: Plan, layout: _Layout, cfg: Sh
 def build_shards(survey_dir: str | Path, tokenizer: str | Path, out: str | Path,
                  cfg: ShardConfig, src_lang: str, tgt_lang: str,
                  splits: tuple[str, ...] = SPLITS,
-                 progress: Callable[[str, int], None] | None = None) -> dict[str, dict]:
+                 progress: Callable[[str, int], None] | None = None,
+                 fill_chunk: int = FILL_CHUNK) -> dict[str, dict]:
     """Build ``out/{split}/`` for every split from the survey folder ``survey_dir``; ``out``
     is replaced whole, only on success.
 
     ``tokenizer`` is the tokenizer file: its vocabulary size sets the dtype, and it must be
-    the one the survey encoded with. ``progress`` is called with (split, rows just handled).
-    Returns metrics per split.
+    the one the survey encoded with. ``progress`` is called with (split, rows just handled);
+    ``fill_chunk``: pairs gathered at once. Returns metrics per split.
     """
     survey_dir, out = Path(survey_dir), Path(out)
     meta = check_inputs(survey_dir, Path(tokenizer), (src_lang, tgt_lang), splits)
@@ -472,7 +476,7 @@ def build_shards(survey_dir: str | Path, tokenizer: str | Path, out: str | Path,
         for split in splits:
             report = (lambda n, s=split: progress(s, n)) if progress else None
             metrics[split] = build_split(survey_dir, meta, split, tmp / split, cfg,
-                                         src_lang, tgt_lang, report)
+                                         src_lang, tgt_lang, report, fill_chunk)
         write_json(tmp / SOURCE_FILE, {"tokenizer_sha256": meta["tokenizer_sha256"],
                                        "vocab_size": meta["vocab_size"]})
     return metrics

@@ -10,14 +10,14 @@ Usage (from the repository root)::
 
 With a CUDA device it measures, for the paper's base and big configurations (Table 3, shared
 37k BPE vocabulary), the step the trainer takes with the defaults: ``train.kernels: fast``
-(a decoder without padding, the fused output-projection loss; ``aiayn/kernels.py``), bf16
+(a decoder without padding, the fused output-projection loss; ``aiayn/fast/``), bf16
 autocast where the GPU has it natively, fused Adam, gradient accumulation over batches of
 ``--max-tokens`` (6250) up to ``--tokens-per-step`` (25000: the paper's), optionally
 ``torch.compile``, optionally inside ``DistributedDataParallel`` (``--ddp``, under
 torchrun: NCCL on GPUs, gloo on CPU; compiled after wrapping, as the trainer does), with
 cuDNN attention out of SDPA's choice as in the trainer (``--cudnn-attention`` leaves it in:
 it builds a plan per new shape), and the fused loss in blocks sized for the device
-(``aiayn.kernels.loss_blocks``; ``--cpu-loss-blocks``: the CPU's 256-row blocks, the
+(``aiayn.fast.loss_blocks``; ``--cpu-loss-blocks``: the CPU's 256-row blocks, the
 baseline). Batches are token buckets of WMT-like lengths (lognormal,
 median 26 BPE tokens, 2..256, target = source x N(1, 0.1)), made once, random ids, each
 step's new (``--reuse``: the measured steps cycle through the warm-up's, shapes met
@@ -53,9 +53,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from aiayn import kernels
+from aiayn import fast
 from aiayn.batching import plan_step
-from aiayn.model import Dropout, Transformer, TransformerConfig, avoid_cudnn_attention
+from aiayn.model import Transformer, TransformerConfig
 from aiayn.objective import make_criterion, make_optimizer
 from aiayn.precision import autocast_dtype, no_autocast, precision_name, step_casts
 from aiayn.sampler import Batch
@@ -189,10 +189,9 @@ class Timer:
 def measure(name: str, args, device: torch.device) -> dict:
     cfg = config(name)
     torch.manual_seed(0)
-    model = Transformer(cfg, fast=True).to(device).train()
-    for module in model.modules():  # --int16-dropout: the fast kernels' masks on a GPU too
-        if isinstance(module, Dropout):
-            module.int16_on_cuda = args.int16_dropout
+    # --int16-dropout: the fast kernels' masks on a GPU too
+    kernels = fast.KernelConfig(int16_dropout_on_cuda=args.int16_dropout)
+    model = fast.apply(Transformer(cfg).to(device), kernels).train()
     optimizer, scheduler = make_optimizer(model, (0.9, 0.98), 1e-9, cfg.d_model, 4000, 1.0,
                                           fused=True)
     net: torch.nn.Module = model
@@ -210,11 +209,11 @@ def measure(name: str, args, device: torch.device) -> dict:
     # --reuse: the measured steps cycle through the warm-up's batches, whose shapes were met.
     fresh = args.warmup + (0 if args.reuse else args.steps)
     # --cpu-loss-blocks, the baseline: whatever the device, the CPU's blocks
-    blocks = (kernels.loss_blocks(torch.device("cpu"), cfg.vocab_size) if args.cpu_loss_blocks
-              else None)
+    blocks = (fast.loss_blocks(torch.device("cpu"), cfg.vocab_size, kernels)
+              if args.cpu_loss_blocks else None)
     criterion = make_criterion(kernels="fast", label_smoothing=0.1, rdrop=0.0, pad_id=0,
                                embedding=model.embedding.weight, amp_dtype=amp, blocks=blocks,
-                               pack=not args.no_packing)
+                               pack=not args.no_packing, config=kernels)
     batches = make_batches(fresh * accum, plan.batch_tokens, 1, device, args.pad_multiple)
     timer = Timer(device)
     parts = {"forward+loss": [], "backward": [], "optimizer": [], "step": []}
@@ -283,7 +282,7 @@ def measure(name: str, args, device: torch.device) -> dict:
               else "F.dropout",
               "weight_casts": "per micro-batch" if args.cast_per_batch else "per step",
               "cudnn_attention": torch.backends.cuda.cudnn_sdp_enabled(),
-              "loss_blocks": blocks or kernels.loss_blocks(device, cfg.vocab_size),
+              "loss_blocks": blocks or fast.loss_blocks(device, cfg.vocab_size, kernels),
               "batch_shapes": len(shapes),
               "max_tokens": args.max_tokens,
               "launches_per_step": launches,
@@ -382,7 +381,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "multiple of this, so that batch shapes repeat (default 1: as the "
                          "shard stage cuts today)")
     ap.add_argument("--int16-dropout", action="store_true",
-                    help="dropout masks from aiayn.kernels.dropout on a GPU too (the "
+                    help="dropout masks from aiayn.fast.dropout on a GPU too (the "
                          "baseline: the model keeps F.dropout's fused kernel there)")
     ap.add_argument("--warm-shapes", action="store_true",
                     help="before measuring, one step (not measured) on each batch shape "
@@ -455,7 +454,7 @@ def start_device(args) -> torch.device:
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if not args.cudnn_attention:
-        avoid_cudnn_attention(device)  # as the trainer and the translator do
+        fast.avoid_cudnn_attention(device)  # as the trainer and the translator do
     return device
 
 

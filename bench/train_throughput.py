@@ -25,7 +25,7 @@ in trees that defer it, the read-back of the loss sums at logging steps. Checkpo
 logs are not made; validation runs only in the contenders ``--validate`` names (below), and
 is never timed.
 
-* ``fast``  - this tree, ``train.kernels: fast`` (the default: aiayn/kernels.py);
+* ``fast``  - this tree, ``train.kernels: fast`` (the default: aiayn/fast/);
 * ``plain`` - this tree, ``train.kernels: plain`` (torch's own operators);
 * ``fast+compile`` - ``fast`` with ``train.compile: true``; the script counts Dynamo's
   compiled graphs (one static and one dynamic-shape graph is the minimum after a second

@@ -108,7 +108,7 @@ def test_ratios_pair_contenders_whatever_their_heap_and_each_heap_with_the_other
         ("fast", "main"), ("fast", "plain"), ("plain", "main"), ("fast@2048", "fast")]
 
 
-@pytest.mark.skipif(not __import__("aiayn.kernels", fromlist=["x"]).ONEDNN_LINEAR,
+@pytest.mark.skipif(not __import__("aiayn.fast.linear", fromlist=["x"]).ONEDNN_LINEAR,
                     reason="this torch has no oneDNN linear")
 def test_the_onednn_census_counts_primitives_built_only_for_new_shapes(capfd):
     """Steps that multiply row counts met before build nothing; steps that multiply a new

@@ -20,8 +20,8 @@ import torch
 
 from aiayn.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from aiayn.errors import OutputError
+from aiayn.fast import EXTENSION_ENV
 from aiayn.io import atomic_path
-from aiayn.kernels import EXTENSION_ENV
 from tests.conftest import REPO, free_port, write_params
 from tests.test_training import assert_bitwise_equal, env_for_subprocess, make_trainer, train_cmd
 
@@ -39,11 +39,11 @@ def cluster_env() -> dict:
     """The environment of the two-process runs here: the C++ CPU kernels left out.
 
     What these tests check is torchrun's: a restarted group, two machines, rank 0 alone
-    writing. With the kernels (aiayn.kernels), a two-process run was seen to drift from an
+    writing. With the kernels (aiayn.fast), a two-process run was seen to drift from an
     identical one, rarely and at a random step (2 of 28 runs of 60 steps on an AVX-512 CPU
     without bf16; 3 of 97 runs of 240 steps on AMX). The cause, found on AMX: loops that
     the compiler had versioned for aliasing, whose rounding depended on the buffers'
-    addresses; since they were marked (csrc/cpu_kernels.cpp, KERNEL_LOOP) 0 of 210 runs
+    addresses; since they were marked (fast/csrc/cpu_kernels.cpp, KERNEL_LOOP) 0 of 210 runs
     parted there (bench/README.md, "two_process_drift.py"). Left out here all the same:
     the fix is measured on one CPU kind, and the kernels' own determinism is tested in one
     process (tests/test_kernels.py, tests/test_training.py)."""

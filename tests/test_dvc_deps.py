@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from aiayn import kernels
+from aiayn.fast import extension
 from tests.conftest import REPO, dvc_stages
 
 # Modules a stage may import without listing them: none of them changes what a stage
@@ -72,14 +72,14 @@ def import_closure(start: Path) -> set[str]:
 
 def code_of(cmd: str | list[str]) -> set[str]:
     """The files a stage's command(s) run: ``aiayn <stage> ...`` is stages/<stage>.py and
-    what it imports; the kernels' module builds its C++ source when it runs."""
+    what it imports; the fast kernels' extension builds its C++ source when it runs."""
     code = set()
     for line in [cmd] if isinstance(cmd, str) else cmd:
         program, command, *_ = line.split()
         assert program == "aiayn", line
         code |= import_closure(REPO / "stages" / f"{command}.py")
-    if "aiayn/kernels.py" in code:
-        code.add(str(kernels._SOURCE.relative_to(REPO)))
+    if "aiayn/fast/extension.py" in code:
+        code.add(str(extension.SOURCE.relative_to(REPO)))
     return code
 
 
@@ -88,7 +88,7 @@ def test_the_closure_follows_imports_inside_functions_and_through_other_modules(
     the command's function), the model (through the trainer) and the kernels' C++ source."""
     code = code_of("aiayn train")
     assert {"stages/train.py", "aiayn/training/loop.py", "aiayn/model.py",
-            str(kernels._SOURCE.relative_to(REPO))} <= code
+            str(extension.SOURCE.relative_to(REPO))} <= code
     assert "aiayn/export.py" not in code  # nothing in training imports the exporter
 
 

@@ -1,4 +1,4 @@
-"""The fast kernels compute what the plain operators compute (aiayn/kernels.py)."""
+"""The fast kernels compute what the plain operators compute (aiayn/fast/)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,48 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aiayn import kernels
-from aiayn.model import Packing, Transformer, TransformerConfig
+from aiayn import fast
+from aiayn.fast import KernelConfig, Packing, extension, modules
+from aiayn.fast.attention import attention, attention_applies, operands
+from aiayn.fast.dropout import dropout, keep_threshold, random_int16
+from aiayn.fast.linear import (
+    bias_product,
+    feed_forward,
+    linear,
+    linear_relu,
+    onednn_takes,
+    padded_rows,
+)
+from aiayn.fast.loss import (
+    loss_blocks,
+    padded_width,
+    projected_label_smoothed_loss,
+    projected_rdrop_loss,
+    tail_window,
+)
+from aiayn.fast.residual import residual_norm, residual_norm_applies
+from aiayn.model import Transformer, TransformerConfig
 from aiayn.objective import label_smoothed_loss, rdrop_loss
 
 PAD = 0
+DEFAULTS = KernelConfig()
+EAGER_SOFTMAX = KernelConfig(softmax_kernel_dtypes=())  # the loss's softmax in eager blocks
+EAGER = KernelConfig(cpu_extension=False)  # no C++ kernel at all, as where none is built
+
+
+def rows_of(m: int) -> int:
+    """The rows a product of m rows runs on under CPU autocast, by default."""
+    return padded_rows(m, DEFAULTS.row_multiple, DEFAULTS.pad_rows_from)
+
+
+def softmax_config(softmax: str, **fields) -> KernelConfig:
+    """The loss's softmax in eager blocks, or through the C++ pass for fp32 logits too
+    (training takes it for bf16 only), with ``fields`` besides."""
+    if softmax == "eager":
+        return KernelConfig(softmax_kernel_dtypes=(), **fields)
+    if extension.cpu_extension() is None:
+        pytest.skip("the C++ extension could not be built here")
+    return KernelConfig(softmax_kernel_dtypes=(torch.float32, torch.bfloat16), **fields)
 
 
 def padded_labels(batch: int, length: int, vocab: int, seed: int = 0) -> torch.Tensor:
@@ -33,31 +70,20 @@ def padded_labels(batch: int, length: int, vocab: int, seed: int = 0) -> torch.T
 
 @pytest.mark.parametrize("vocab", [1, 15, 16, 17, 37, 48, 5399, 8000])
 def test_padded_width_is_the_smallest_multiple_of_vocab_align_that_holds_the_vocabulary(vocab):
-    smallest = next(w for w in range(vocab, vocab + kernels.VOCAB_ALIGN)
-                    if w % kernels.VOCAB_ALIGN == 0)
-    assert kernels.padded_width(vocab) == smallest
-
-
-def eager_softmax(monkeypatch) -> None:
-    """The loss's softmax in eager blocks (as where the C++ extension cannot be built)."""
-    monkeypatch.setattr(kernels, "_softmax_extension", lambda device, dtype: None)
+    align = DEFAULTS.vocab_align
+    smallest = next(w for w in range(vocab, vocab + align) if w % align == 0)
+    assert padded_width(vocab, align) == smallest
 
 
 @pytest.mark.parametrize("epsilon", [0.0, 0.1, 0.3])
 @pytest.mark.parametrize("chunk_rows,softmax_rows", [(3, 256), (7, 256), (1000, 256),
                                                       (7, 2), (1000, 4)])
-# 37 and 40 tokens are multiplied as 48 (kernels.padded_width), 48 as they are.
+# 37 and 40 tokens are multiplied as 48 (padded_width), 48 as they are.
 @pytest.mark.parametrize("vocab", [37, 40, 48])
 @pytest.mark.parametrize("softmax", ["c++", "eager"])
 def test_projected_loss_equals_the_plain_loss_of_the_logits(epsilon, chunk_rows, softmax_rows,
-                                                            vocab, softmax, monkeypatch):
-    if softmax == "eager":
-        eager_softmax(monkeypatch)
-    elif kernels.cpu_extension() is None:
-        pytest.skip("the C++ extension could not be built here")
-    else:  # these fp32 logits through the C++ pass too (training takes it for bf16 only)
-        monkeypatch.setattr(kernels, "SOFTMAX_KERNEL_DTYPES", (torch.float32, torch.bfloat16))
-    monkeypatch.setattr(kernels, "SOFTMAX_ROWS", softmax_rows)
+                                                            vocab, softmax):
+    config = softmax_config(softmax, softmax_rows=softmax_rows)
     torch.manual_seed(0)
     hidden = torch.randn(5, 9, 16, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(vocab, 16, dtype=torch.float64, requires_grad=True)
@@ -65,8 +91,8 @@ def test_projected_loss_equals_the_plain_loss_of_the_logits(epsilon, chunk_rows,
     # The reference: full logits, then the plain path's loss (log_softmax, gather, mean).
     ref_loss, ref_nll, ref_n = label_smoothed_loss(hidden @ weight.t(), labels, epsilon, PAD)
     ref_grads = torch.autograd.grad(ref_loss, (hidden, weight))
-    loss, nll, n = kernels.projected_label_smoothed_loss(hidden, weight, labels, epsilon, PAD,
-                                                         chunk_rows=chunk_rows)
+    loss, nll, n = projected_label_smoothed_loss(hidden, weight, labels, epsilon, PAD,
+                                                 chunk_rows=chunk_rows, config=config)
     grads = torch.autograd.grad(loss, (hidden, weight))
     assert n == int(ref_n) == int((labels != PAD).sum())
     # Both keep their log-probabilities in fp32, hence float32-level agreement.
@@ -78,22 +104,25 @@ def test_projected_loss_equals_the_plain_loss_of_the_logits(epsilon, chunk_rows,
 
 
 def test_loss_blocks_by_device_and_the_explicit_arguments():
-    vocab = 37_000
-    # CPU: chunks of CHUNK_BYTES of fp32 logits, softmax blocks of SOFTMAX_ROWS.
-    assert kernels.loss_blocks(torch.device("cpu"), vocab) == (
-        kernels.CHUNK_BYTES // (4 * vocab), kernels.SOFTMAX_ROWS)
-    # CUDA: chunks of CUDA_CHUNK_BYTES, whole: a 6,250-token batch in one chunk and block.
-    chunk, block = kernels.loss_blocks(torch.device("cuda"), vocab)
-    assert chunk == block == kernels.CUDA_CHUNK_BYTES // (4 * vocab) >= 6250
-    assert kernels.loss_blocks(torch.device("cpu"), 10) == (kernels.CHUNK_BYTES // 40, 256)
-    # The blocks passed as arguments, not through the module's constants, give the same sums.
+    vocab, c = 37_000, DEFAULTS
+    # CPU: chunks of chunk_bytes of fp32 logits, softmax blocks of softmax_rows.
+    assert loss_blocks(torch.device("cpu"), vocab, c) == (c.chunk_bytes // (4 * vocab),
+                                                          c.softmax_rows)
+    # CUDA: chunks of cuda_chunk_bytes, whole: a 6,250-token batch in one chunk and block.
+    chunk, block = loss_blocks(torch.device("cuda"), vocab, c)
+    assert chunk == block == c.cuda_chunk_bytes // (4 * vocab) >= 6250
+    assert loss_blocks(torch.device("cpu"), 10, c) == (c.chunk_bytes // 40, 256)
+    other = KernelConfig(chunk_bytes=4000, softmax_rows=3, cuda_chunk_bytes=40_000)
+    assert loss_blocks(torch.device("cpu"), 10, other) == (100, 3)
+    assert loss_blocks(torch.device("cuda"), 10, other) == (1000, 1000)
+    # The blocks passed as arguments, not through the config, give the same sums.
     torch.manual_seed(2)
     hidden = torch.randn(5, 9, 16, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(40, 16, dtype=torch.float64, requires_grad=True)
     labels = padded_labels(5, 9, 40)
-    ref = kernels.projected_label_smoothed_loss(hidden, weight, labels, 0.1, PAD)
+    ref = projected_label_smoothed_loss(hidden, weight, labels, 0.1, PAD)
     for chunk_rows, softmax_rows in [(7, 2), (64, 64), (3, 1000)]:
-        got = kernels.projected_label_smoothed_loss(hidden, weight, labels, 0.1, PAD,
+        got = projected_label_smoothed_loss(hidden, weight, labels, 0.1, PAD,
                                                     chunk_rows=chunk_rows,
                                                     softmax_rows=softmax_rows)
         # per-row losses are kept in fp32 (as in the test above), hence fp32-level agreement
@@ -108,13 +137,13 @@ def test_projected_loss_takes_packed_rows_and_known_positions():
     labels = padded_labels(4, 6, 30, seed=3)
     positions = Packing.positions(labels, PAD)
     rows = hidden.reshape(-1, 8)[positions]
-    full = kernels.projected_label_smoothed_loss(hidden, weight, labels, 0.1, PAD)
-    packed = kernels.projected_label_smoothed_loss(rows, weight, labels, 0.1, PAD,
+    full = projected_label_smoothed_loss(hidden, weight, labels, 0.1, PAD)
+    packed = projected_label_smoothed_loss(rows, weight, labels, 0.1, PAD,
                                                    positions=positions)
     torch.testing.assert_close(packed[0], full[0])
     assert packed[2] == full[2] == positions.numel()
     with pytest.raises(ValueError, match="packed rows"):
-        kernels.projected_label_smoothed_loss(rows[:-1], weight, labels, 0.1, PAD)
+        projected_label_smoothed_loss(rows[:-1], weight, labels, 0.1, PAD)
 
 
 def test_projected_loss_scales_with_the_incoming_gradient_and_handles_no_grad():
@@ -122,12 +151,12 @@ def test_projected_loss_scales_with_the_incoming_gradient_and_handles_no_grad():
     hidden = torch.randn(3, 5, 8, requires_grad=True)
     weight = torch.randn(20, 8, requires_grad=True)
     labels = padded_labels(3, 5, 20)
-    loss, _, _ = kernels.projected_label_smoothed_loss(hidden, weight, labels, 0.1, PAD)
+    loss, _, _ = projected_label_smoothed_loss(hidden, weight, labels, 0.1, PAD)
     (g1,) = torch.autograd.grad(loss, hidden, retain_graph=True)
     (g3,) = torch.autograd.grad(3.0 * loss, hidden)
     torch.testing.assert_close(g3, 3.0 * g1)
     with torch.no_grad():  # validation: the same numbers, no gradient work
-        again, _, _ = kernels.projected_label_smoothed_loss(hidden, weight, labels, 0.1, PAD)
+        again, _, _ = projected_label_smoothed_loss(hidden, weight, labels, 0.1, PAD)
     torch.testing.assert_close(again, loss.detach())
 
 
@@ -139,7 +168,7 @@ def test_projected_loss_under_bf16_autocast_stays_close_to_fp32():
     ref, _, _ = label_smoothed_loss(hidden @ weight.t(), labels, 0.1, PAD)
     ref_grad = torch.autograd.grad(ref, weight)[0]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss, _, _ = kernels.projected_label_smoothed_loss(hidden, weight, labels, 0.1, PAD)
+        loss, _, _ = projected_label_smoothed_loss(hidden, weight, labels, 0.1, PAD)
     assert loss.dtype == torch.float32
     (grad,) = torch.autograd.grad(loss, weight)
     assert grad.dtype == weight.dtype
@@ -148,20 +177,18 @@ def test_projected_loss_under_bf16_autocast_stays_close_to_fp32():
 
 
 @pytest.mark.parametrize("softmax_rows", [1, 3, 5])
-def test_projected_loss_under_bf16_is_the_same_whatever_the_softmax_blocks(softmax_rows,
-                                                                            monkeypatch):
+def test_projected_loss_under_bf16_is_the_same_whatever_the_softmax_blocks(softmax_rows):
     """Rows are independent: blocks of any size give the same bits as one block per chunk."""
-    eager_softmax(monkeypatch)
     torch.manual_seed(4)
     hidden = torch.randn(4, 7, 32, requires_grad=True)
     weight = (0.2 * torch.randn(50, 32)).requires_grad_()
     labels = padded_labels(4, 7, 50)
 
     def run(rows):
-        monkeypatch.setattr(kernels, "SOFTMAX_ROWS", rows)
+        config = KernelConfig(softmax_kernel_dtypes=(), softmax_rows=rows)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss, nll, _ = kernels.projected_label_smoothed_loss(hidden, weight, labels, 0.1,
-                                                                 PAD, chunk_rows=11)
+            loss, nll, _ = projected_label_smoothed_loss(hidden, weight, labels, 0.1, PAD,
+                                                         chunk_rows=11, config=config)
         return (loss, nll, *torch.autograd.grad(loss, (hidden, weight)))
 
     for got, want in zip(run(softmax_rows), run(1000), strict=True):
@@ -185,7 +212,7 @@ def reference_softmax(logits: torch.Tensor, labels: torch.Tensor, vocab: int, ep
 @pytest.mark.parametrize("rows,width,vocab,scale", [(37, 48, 37, 1.0), (5, 5408, 5399, 3.0),
                                                     (64, 16, 16, 40.0), (3, 1000, 1, 1.0)])
 @pytest.mark.parametrize("eps", [0.0, 0.3])
-def test_the_cpp_softmax_gives_the_float64_loss_and_gradient(extension, dtype, rows, width,
+def test_the_cpp_softmax_gives_the_float64_loss_and_gradient(built, dtype, rows, width,
                                                              vocab, scale, eps):
     """``label_smoothed_softmax_`` against log_softmax in float64: large logits (scale 40:
     terms down to e^-200, under fp32's range) and a one-token vocabulary included."""
@@ -196,7 +223,7 @@ def test_the_cpp_softmax_gives_the_float64_loss_and_gradient(extension, dtype, r
     ref_loss, ref_nll, ref_grad = reference_softmax(logits, labels, vocab, eps)
     for grad in (False, True):
         z, loss, nll = logits.clone(), torch.empty(rows), torch.empty(rows)
-        extension.label_smoothed_softmax_(z, labels, mean, loss, nll, vocab, eps, grad)
+        built.label_smoothed_softmax_(z, labels, mean, loss, nll, vocab, eps, grad)
         torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(nll.double(), ref_nll, rtol=1e-5, atol=1e-5)
         if not grad:
@@ -209,26 +236,25 @@ def test_the_cpp_softmax_gives_the_float64_loss_and_gradient(extension, dtype, r
         assert (z[:, vocab:] == 0).all()
 
 
-def test_the_cpp_softmax_passes_nan_on_and_rejects_bad_input(extension):
+def test_the_cpp_softmax_passes_nan_on_and_rejects_bad_input(built):
     logits = torch.randn(3, 16)
     logits[1, 5] = float("nan")
     labels, mean = torch.tensor([0, 1, 2]), torch.zeros(3)
     loss, nll = torch.empty(3), torch.empty(3)
-    extension.label_smoothed_softmax_(logits, labels, mean, loss, nll, 16, 0.1, True)
+    built.label_smoothed_softmax_(logits, labels, mean, loss, nll, 16, 0.1, True)
     assert loss.isnan().tolist() == [False, True, False]  # the trainer's NaN check sees it
     with pytest.raises(RuntimeError, match="outside the vocabulary"):
-        extension.label_smoothed_softmax_(torch.randn(3, 16), torch.tensor([0, 16, 1]), mean,
+        built.label_smoothed_softmax_(torch.randn(3, 16), torch.tensor([0, 16, 1]), mean,
                                           loss, nll, 16, 0.1, True)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
-        extension.label_smoothed_softmax_(torch.randn(3, 16).double(), labels, mean, loss, nll,
+        built.label_smoothed_softmax_(torch.randn(3, 16).double(), labels, mean, loss, nll,
                                           16, 0.1, True)
     with pytest.raises(RuntimeError, match="vocab"):
-        extension.label_smoothed_softmax_(torch.randn(3, 16), labels, mean, loss, nll, 17, 0.1,
+        built.label_smoothed_softmax_(torch.randn(3, 16), labels, mean, loss, nll, 17, 0.1,
                                           True)
 
 
-def test_the_projected_loss_under_bf16_is_the_same_through_cpp_and_eager(extension,
-                                                                         monkeypatch):
+def test_the_projected_loss_under_bf16_is_the_same_through_cpp_and_eager(built):
     """The C++ pass and the eager fp32 blocks compute one function: under bf16 autocast the
     same loss and NLL to fp32 rounding, gradients to the bf16 rounding of the logits'."""
     torch.manual_seed(5)
@@ -236,18 +262,25 @@ def test_the_projected_loss_under_bf16_is_the_same_through_cpp_and_eager(extensi
     weight = (0.3 * torch.randn(77, 32)).requires_grad_()
     labels = padded_labels(6, 11, 77)
 
-    def run():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss, nll, _ = kernels.projected_label_smoothed_loss(hidden, weight, labels, 0.1,
-                                                                 PAD, chunk_rows=13)
-        return loss, nll, *torch.autograd.grad(loss, (hidden, weight))
+    assert_bf16_cpp_equals_eager(
+        lambda config: projected_label_smoothed_loss(hidden, weight, labels, 0.1, PAD,
+                                                     chunk_rows=13, config=config),
+        (hidden, weight), EAGER_SOFTMAX)
 
-    fused = run()
-    eager_softmax(monkeypatch)
-    eager = run()
-    torch.testing.assert_close(fused[0], eager[0], rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(fused[1], eager[1], rtol=1e-5, atol=1e-4)
-    for a, b in zip(fused[2:], eager[2:], strict=True):
+
+def assert_bf16_cpp_equals_eager(loss_of, leaves, eager: KernelConfig) -> None:
+    """A fused loss, ``loss_of(config)``, under bf16 autocast through the C++ pass (the
+    default config) and through eager ops (``eager``): the same loss and NLL to fp32
+    rounding, the gradients of ``leaves`` to the bf16 rounding of the logits'."""
+    def run(config):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, nll, _ = loss_of(config)
+        return loss, nll, *torch.autograd.grad(loss, leaves)
+
+    fused, plain = run(DEFAULTS), run(eager)
+    torch.testing.assert_close(fused[0], plain[0], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(fused[1], plain[1], rtol=1e-5, atol=1e-4)
+    for a, b in zip(fused[2:], plain[2:], strict=True):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
 
 
@@ -275,7 +308,7 @@ def reference_rdrop(z1: torch.Tensor, z2: torch.Tensor, labels: torch.Tensor, vo
 @pytest.mark.parametrize("rows,width,vocab,scale", [(37, 48, 37, 1.0), (5, 5408, 5399, 3.0),
                                                     (64, 16, 16, 20.0), (3, 1000, 1, 1.0)])
 @pytest.mark.parametrize("eps,alpha", [(0.0, 0.0), (0.3, 5.0)])
-def test_the_cpp_rdrop_pass_gives_the_float64_loss_and_gradients(extension, dtype, rows, width,
+def test_the_cpp_rdrop_pass_gives_the_float64_loss_and_gradients(built, dtype, rows, width,
                                                                  vocab, scale, eps, alpha):
     g = torch.Generator().manual_seed(rows)
     z1 = (scale * torch.randn(rows, width, generator=g)).to(dtype)
@@ -286,7 +319,7 @@ def test_the_cpp_rdrop_pass_gives_the_float64_loss_and_gradients(extension, dtyp
     ref_loss, ref_nll, ref1, ref2 = reference_rdrop(z1, z2, labels, vocab, eps, alpha)
     for grad in (False, True):
         a, b, loss, nll = z1.clone(), z2.clone(), torch.empty(rows), torch.empty(rows)
-        extension.rdrop_softmax_(a, b, labels, mean1, mean2, loss, nll, vocab, eps, alpha, grad)
+        built.rdrop_softmax_(a, b, labels, mean1, mean2, loss, nll, vocab, eps, alpha, grad)
         torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(nll.double(), ref_nll, rtol=1e-5, atol=1e-4)
         if not grad:
@@ -297,36 +330,34 @@ def test_the_cpp_rdrop_pass_gives_the_float64_loss_and_gradients(extension, dtyp
         torch.testing.assert_close(b.double(), ref2, rtol=tol, atol=tol)
 
 
-def test_the_cpp_rdrop_pass_rejects_bad_input(extension):
+def test_the_cpp_rdrop_pass_rejects_bad_input(built):
     z, labels, mean = torch.randn(3, 16), torch.tensor([0, 1, 2]), torch.zeros(3)
     loss, nll = torch.empty(3), torch.empty(3)
     with pytest.raises(RuntimeError, match="outside the vocabulary"):
-        extension.rdrop_softmax_(z, z.clone(), torch.tensor([0, 16, 1]), mean, mean, loss, nll,
+        built.rdrop_softmax_(z, z.clone(), torch.tensor([0, 16, 1]), mean, mean, loss, nll,
                                  16, 0.1, 1.0, True)
     with pytest.raises(RuntimeError, match="alike"):
-        extension.rdrop_softmax_(z, torch.randn(3, 17), labels, mean, mean, loss, nll, 16, 0.1,
+        built.rdrop_softmax_(z, torch.randn(3, 17), labels, mean, mean, loss, nll, 16, 0.1,
                                  1.0, True)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
-        extension.rdrop_softmax_(z.double(), z.double(), labels, mean, mean, loss, nll, 16, 0.1,
+        built.rdrop_softmax_(z.double(), z.double(), labels, mean, mean, loss, nll, 16, 0.1,
                                  1.0, True)
 
 
 @pytest.mark.parametrize("softmax", ["c++", "eager"])
 @pytest.mark.parametrize("chunk_rows", [3, 1000])
 @pytest.mark.parametrize("vocab", [37, 48])
-def test_projected_rdrop_loss_equals_the_rdrop_loss_of_the_logits(softmax, chunk_rows, vocab,
-                                                                  monkeypatch):
+def test_projected_rdrop_loss_equals_the_rdrop_loss_of_the_logits(softmax, chunk_rows, vocab):
     """fp32: the fused loss against :func:`aiayn.objective.rdrop_loss` of the full logits,
     and its gradients with respect to the rows and the matrix against autograd's."""
-    if softmax == "eager":
-        monkeypatch.setattr(kernels, "cpu_extension", lambda: None)
+    config = EAGER if softmax == "eager" else DEFAULTS
     torch.manual_seed(3)
     n = 11
     rows = torch.randn(2 * n, 24, requires_grad=True)
     weight = (0.4 * torch.randn(vocab, 24)).requires_grad_()
     labels = torch.randint(0, vocab, (n,))
-    loss, nll, count = kernels.projected_rdrop_loss(rows, weight, labels, 0.1, 5.0,
-                                                    chunk_rows=chunk_rows)
+    loss, nll, count = projected_rdrop_loss(rows, weight, labels, 0.1, 5.0,
+                                            chunk_rows=chunk_rows, config=config)
     got = torch.autograd.grad(loss, (rows, weight))
     want, want_nll = rdrop_loss((rows @ weight.t()).view(2, n, vocab), labels, 0.1, 5.0)
     expected = torch.autograd.grad(want, (rows, weight))
@@ -336,29 +367,19 @@ def test_projected_rdrop_loss_equals_the_rdrop_loss_of_the_logits(softmax, chunk
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match=r"\(2N, d\) rows"):
-        kernels.projected_rdrop_loss(rows[:-1], weight, labels, 0.1, 5.0)
+        projected_rdrop_loss(rows[:-1], weight, labels, 0.1, 5.0)
 
 
-def test_projected_rdrop_loss_under_bf16_is_the_same_through_cpp_and_eager(extension,
-                                                                         monkeypatch):
+def test_projected_rdrop_loss_under_bf16_is_the_same_through_cpp_and_eager(built):
     torch.manual_seed(5)
     rows = torch.randn(2 * 40, 32, requires_grad=True)
     weight = (0.3 * torch.randn(77, 32)).requires_grad_()
     labels = torch.randint(0, 77, (40,))
 
-    def run():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss, nll, _ = kernels.projected_rdrop_loss(rows, weight, labels, 0.1, 5.0,
-                                                        chunk_rows=13)
-        return loss, nll, *torch.autograd.grad(loss, (rows, weight))
-
-    fused = run()
-    monkeypatch.setattr(kernels, "cpu_extension", lambda: None)
-    eager = run()
-    torch.testing.assert_close(fused[0], eager[0], rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(fused[1], eager[1], rtol=1e-5, atol=1e-4)
-    for a, b in zip(fused[2:], eager[2:], strict=True):
-        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+    assert_bf16_cpp_equals_eager(
+        lambda config: projected_rdrop_loss(rows, weight, labels, 0.1, 5.0, chunk_rows=13,
+                                            config=config),
+        (rows, weight), EAGER)
 
 
 # --------------------------------------------------------------------------- dropout
@@ -366,38 +387,33 @@ def test_projected_rdrop_loss_under_bf16_is_the_same_through_cpp_and_eager(exten
 
 def test_keep_threshold_gives_the_probability_it_claims():
     for p in (0.1, 0.3, 0.5, 0.0):
-        threshold, scale = kernels.keep_threshold(p)
+        threshold, scale = keep_threshold(p)
         kept = 32767 - threshold + 1  # int16 values >= threshold
         assert kept / 65536 == pytest.approx(1 - p, abs=1 / 65536)
         assert scale == pytest.approx(65536 / kept)
     with pytest.raises(ValueError):
-        kernels.keep_threshold(1.0)
+        keep_threshold(1.0)
     with pytest.raises(ValueError):
-        kernels.keep_threshold(-0.1)
+        keep_threshold(-0.1)
     # Within 2^-17 of 1 (the config accepts any p < 1): all but one int16 value dropped.
-    threshold, scale = kernels.keep_threshold(0.999995)
+    threshold, scale = keep_threshold(0.999995)
     assert (32767 - threshold + 1, scale) == (1, 65536.0)
 
 
 @pytest.mark.parametrize("softmax", ["c++", "eager"])
-def test_projected_loss_of_a_whole_number_of_chunks_writes_in_its_buffer(softmax, monkeypatch):
+def test_projected_loss_of_a_whole_number_of_chunks_writes_in_its_buffer(softmax):
     """n rows, a multiple of chunk_rows (100, not a multiple of the CPU's 64-row windows):
     the last chunk's window (128 rows) fits the logits buffer, so torch.mm never resizes its
     output (a deprecated behaviour it warns of), and the loss is the plain one."""
-    if softmax == "eager":
-        eager_softmax(monkeypatch)
-    elif kernels.cpu_extension() is None:
-        pytest.skip("the C++ extension could not be built here")
-    else:
-        monkeypatch.setattr(kernels, "SOFTMAX_KERNEL_DTYPES", (torch.float32, torch.bfloat16))
+    config = softmax_config(softmax)
     torch.manual_seed(0)
     hidden = torch.randn(1, 300, 8, requires_grad=True)
     weight = torch.randn(40, 8, requires_grad=True)
     labels = torch.randint(1, 40, (1, 300))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        loss, _, n = kernels.projected_label_smoothed_loss(hidden, weight, labels, 0.1, PAD,
-                                                           chunk_rows=100)
+        loss, _, n = projected_label_smoothed_loss(hidden, weight, labels, 0.1, PAD,
+                                                   chunk_rows=100, config=config)
         loss.backward()
     ref, _, _ = label_smoothed_loss(hidden.detach().double() @ weight.detach().double().t(),
                                     labels, 0.1, PAD)
@@ -407,7 +423,7 @@ def test_projected_loss_of_a_whole_number_of_chunks_writes_in_its_buffer(softmax
 
 def test_random_int16_is_uniform_in_every_lane():
     torch.manual_seed(0)
-    bits = kernels.random_int16(torch.Size([1 << 20]), torch.device("cpu")).view(-1, 4)
+    bits = random_int16(torch.Size([1 << 20]), torch.device("cpu")).view(-1, 4)
     negative = (bits < 0).double().mean(0)
     # Each of the four int16 lanes of a 64-bit word: half negative (the top bit is random).
     assert torch.all((negative - 0.5).abs() < 0.005), negative
@@ -418,7 +434,7 @@ def test_random_int16_is_uniform_in_every_lane():
 def test_dropout_keeps_the_right_fraction_scaled_and_is_reproducible(p):
     x = torch.ones(400_000, requires_grad=True)
     torch.manual_seed(7)
-    y = kernels.dropout(x, p)
+    y = dropout(x, p)
     kept = (y != 0).double().mean().item()
     # Binomial: 5 standard deviations of the kept fraction.
     assert abs(kept - (1 - p)) < 5 * math.sqrt(p * (1 - p) / x.numel())
@@ -427,16 +443,16 @@ def test_dropout_keeps_the_right_fraction_scaled_and_is_reproducible(p):
     (grad,) = torch.autograd.grad(y.sum(), x)
     assert torch.equal(grad, y.detach())  # d(x * mask)/dx = mask
     torch.manual_seed(7)
-    assert torch.equal(kernels.dropout(x, p), y)  # torch's generator drives it
-    assert kernels.dropout(x, p, training=False) is x and kernels.dropout(x, 0.0) is x
+    assert torch.equal(dropout(x, p), y)  # torch's generator drives it
+    assert dropout(x, p, training=False) is x and dropout(x, 0.0) is x
 
 
 def test_bf16_dropout_scales_kept_values_by_the_scale_rounded_to_bf16():
     x = torch.ones(100_000, dtype=torch.bfloat16, requires_grad=True)
     torch.manual_seed(3)
-    y = kernels.dropout(x, 0.2)
+    y = dropout(x, 0.2)
     assert y.dtype == torch.bfloat16
-    _, scale = kernels.keep_threshold(0.2)
+    _, scale = keep_threshold(0.2)
     kept = y[y != 0]
     assert kept.numel() > 0 and torch.all(kept == torch.tensor(scale).bfloat16())
     (grad,) = torch.autograd.grad(y.float().sum(), x)
@@ -447,8 +463,8 @@ def test_bf16_dropout_scales_kept_values_by_the_scale_rounded_to_bf16():
 
 
 @pytest.mark.parametrize("fn,ref", [
-    (kernels.linear, F.linear),
-    (kernels.linear_relu, lambda x, w, b: F.relu(F.linear(x, w, b))),
+    (linear, F.linear),
+    (linear_relu, lambda x, w, b: F.relu(F.linear(x, w, b))),
 ])
 def test_fast_linear_equals_f_linear_with_gradients(fn, ref):
     torch.manual_seed(4)
@@ -486,24 +502,24 @@ class ProductRows(torch.utils._python_dispatch.TorchDispatchMode):
 
 @pytest.mark.parametrize("rows", [1, 63, 1000, 1023, 1024, 1025, 1087, 1088, 1089, 4000])
 def test_padded_rows_is_the_smallest_multiple_from_the_threshold_on(rows):
-    expected = (rows if rows < kernels.PAD_ROWS_FROM
-                else next(r for r in range(rows, rows + kernels.ROW_MULTIPLE)
-                          if r % kernels.ROW_MULTIPLE == 0))
-    assert kernels.padded_rows(rows) == expected
-    assert kernels.padded_rows(rows, multiple=1) == rows
+    multiple, start = DEFAULTS.row_multiple, DEFAULTS.pad_rows_from
+    expected = (rows if rows < start
+                else next(r for r in range(rows, rows + multiple) if r % multiple == 0))
+    assert padded_rows(rows, multiple, start) == expected == rows_of(rows)
+    assert padded_rows(rows, 1, start) == rows
 
 
 def test_tail_window_is_a_multiple_that_fits_on_cpu_only():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert kernels.tail_window(207, 3313, cpu) == 256      # fits: a multiple of 64
-    assert kernels.tail_window(256, 3313, cpu) == 256
-    assert kernels.tail_window(50, 60, cpu) == 50          # 64 rows are more than there are
-    assert kernels.tail_window(207, 3313, cuda) == 207     # GPUs have no primitive cache
+    assert tail_window(207, 3313, cpu, 64) == 256      # fits: a multiple of 64
+    assert tail_window(256, 3313, cpu, 64) == 256
+    assert tail_window(50, 60, cpu, 64) == 50          # 64 rows are more than there are
+    assert tail_window(207, 3313, cuda, 64) == 207     # GPUs have no primitive cache
 
 
 @pytest.mark.parametrize("fn,ref", [
-    (kernels.linear, F.linear),
-    (kernels.linear_relu, lambda x, w, b: F.relu(F.linear(x, w, b))),
+    (linear, F.linear),
+    (linear_relu, lambda x, w, b: F.relu(F.linear(x, w, b))),
 ])
 @pytest.mark.parametrize("shape", [(2, 515, 24), (1030, 24), (1088, 24), (700, 24)])
 def test_linear_under_cpu_bf16_autocast_equals_autocast_f_linear(fn, ref, shape):
@@ -543,14 +559,14 @@ def test_feed_forward_under_cpu_autocast_equals_autocast_f_linear(shape, dtype, 
     leaves = [t for t in (x, w1, b1, w2, b2) if t is not None]
     with torch.autocast("cpu", dtype=dtype):
         with ProductRows() as mode:
-            y = kernels.feed_forward(x, w1, b1, w2, b2)
-        apart = kernels.linear(kernels.linear_relu(x, w1, b1), w2, b2)
+            y = feed_forward(x, w1, b1, w2, b2)
+        apart = linear(linear_relu(x, w1, b1), w2, b2)
         ref = F.linear(F.relu(F.linear(x, w1, b1)), w2, b2)
     assert y.dtype == ref.dtype == dtype and y.shape == ref.shape
     torch.testing.assert_close(y, ref, rtol=1e-2, atol=5e-2)
     assert torch.equal(y, apart)
     m = x.numel() // 24
-    assert {a[0] for a, _ in mode.shapes} == {kernels.padded_rows(m)}
+    assert {a[0] for a, _ in mode.shapes} == {rows_of(m)}
     g = torch.randn_like(y)
     got = torch.autograd.grad(y, leaves, g)
     for a, b, r in zip(got, torch.autograd.grad(apart, leaves, g),
@@ -563,19 +579,17 @@ def test_feed_forward_under_cpu_autocast_equals_autocast_f_linear(shape, dtype, 
 @pytest.mark.parametrize("onednn", [True, False])
 @pytest.mark.parametrize("relu", [True, False])
 @pytest.mark.parametrize("bias", [True, False])
-def test_bias_product_is_the_product_plus_bias_then_relu_on_either_path(monkeypatch, onednn,
-                                                                        relu, bias):
+def test_bias_product_is_the_product_plus_bias_then_relu_on_either_path(onednn, relu, bias):
     """The padded layers' product: oneDNN's fused linear (bias and ReLU as its post-ops,
     where the CPU runs bf16 natively) or addmm then relu_, both against a float64
     reference of the same bf16 operands, within the bf16 output's rounding."""
-    if onednn and not kernels._onednn_takes(torch.bfloat16):
+    if onednn and not onednn_takes(torch.bfloat16):
         pytest.skip("oneDNN runs no bf16 linear on this CPU (no AVX512-BF16 or AMX)")
-    monkeypatch.setattr(kernels, "_onednn_takes", lambda dtype: onednn)
     torch.manual_seed(19)
     xp = torch.randn(1088, 40).bfloat16()
     w = torch.randn(24, 40).bfloat16()
     b = torch.randn(24) if bias else None
-    y = kernels._bias_product(xp, w, b, relu)
+    y = bias_product(xp, w, b, relu, onednn=onednn)
     ref = xp.double() @ w.double().t() + (0 if b is None else b.bfloat16().double())
     ref = ref.relu() if relu else ref
     assert y.dtype == torch.bfloat16 and y.shape == ref.shape
@@ -585,7 +599,7 @@ def test_bias_product_is_the_product_plus_bias_then_relu_on_either_path(monkeypa
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_relu_backward_in_cpp_is_atens_threshold_backward(extension, dtype):
+def test_relu_backward_in_cpp_is_atens_threshold_backward(built, dtype):
     """The C++ pass over the bits zeroes the gradient exactly where aten's
     threshold_backward(grad, out, 0) does: out <= 0 (+0, -0, negatives), but not NaN of
     either sign, +inf or the smallest subnormal; odd lengths and a tail past the vector."""
@@ -601,10 +615,10 @@ def test_relu_backward_in_cpp_is_atens_threshold_backward(extension, dtype):
         grad = torch.randn(n, dtype=torch.float32).to(dtype)
         want = torch.ops.aten.threshold_backward(grad, out, 0)
         got = grad.clone()
-        extension.relu_backward_(got, out)
+        built.relu_backward_(got, out)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), n
     with pytest.raises(RuntimeError, match="bf16 or fp16"):
-        extension.relu_backward_(torch.zeros(4), torch.zeros(4))
+        built.relu_backward_(torch.zeros(4), torch.zeros(4))
 
 
 def test_feed_forward_keeps_one_padded_hidden_layer_for_backward():
@@ -621,10 +635,10 @@ def test_feed_forward_keeps_one_padded_hidden_layer_for_backward():
                 lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 fn()
-        return shapes.count((kernels.padded_rows(1030), 64))
+        return shapes.count((rows_of(1030), 64))
 
-    assert saved_hidden(lambda: kernels.feed_forward(x, w1, b1, w2, b2)) == 1
-    assert saved_hidden(lambda: kernels.linear(kernels.linear_relu(x, w1, b1), w2, b2)) == 2
+    assert saved_hidden(lambda: feed_forward(x, w1, b1, w2, b2)) == 1
+    assert saved_hidden(lambda: linear(linear_relu(x, w1, b1), w2, b2)) == 2
 
 
 def test_linear_products_under_cpu_bf16_autocast_meet_few_row_counts():
@@ -640,7 +654,7 @@ def test_linear_products_under_cpu_bf16_autocast_meet_few_row_counts():
         x = torch.randn(rows, 8, requires_grad=True)
         with ProductRows() as mode:
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                y = kernels.linear_relu(x, w, b)
+                y = linear_relu(x, w, b)
             y.sum().backward()
         # forward x @ w.T, grad_x = g @ w, grad_w = g.T @ x: each holds the padded row count
         for a, bb in mode.shapes:
@@ -662,14 +676,14 @@ def test_the_loss_tail_window_gives_the_plain_loss_and_recurring_products():
     ref_loss, ref_nll, _ = label_smoothed_loss(hidden @ weight.t(), labels, 0.1, PAD)
     ref_grads = torch.autograd.grad(ref_loss, (hidden, weight))
     with ProductRows() as mode:
-        loss, nll, _ = kernels.projected_label_smoothed_loss(hidden, weight, labels, 0.1, PAD,
+        loss, nll, _ = projected_label_smoothed_loss(hidden, weight, labels, 0.1, PAD,
                                                              chunk_rows=chunk)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-4)
     torch.testing.assert_close(nll, ref_nll, rtol=1e-6, atol=1e-4)
     for g, r in zip(torch.autograd.grad(loss, (hidden, weight)), ref_grads, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
     # every dimension but d (16) and the vocabulary the products run on (37 -> 48) is a row
-    rows = {d for a, b in mode.shapes for d in (*a, *b)} - {16, kernels.padded_width(37)}
+    rows = {d for a, b in mode.shapes for d in (*a, *b)} - {16, padded_width(37, 16)}
     assert rows and all(r == chunk or r % 64 == 0 for r in rows)
     assert -(-(n % chunk) // 64) * 64 in rows
 
@@ -677,15 +691,17 @@ def test_the_loss_tail_window_gives_the_plain_loss_and_recurring_products():
 # --------------------------------------------------------------------------- the model
 
 
-def tiny_model(fast: bool, dropout: float = 0.0) -> Transformer:
+def tiny_model(config: KernelConfig | None = DEFAULTS, dropout: float = 0.0) -> Transformer:
+    """A small model with the fast kernels of ``config`` (None: the plain model)."""
     torch.manual_seed(5)
-    return Transformer(TransformerConfig(vocab_size=60, d_model=32, heads=4, encoder_layers=2,
-                                         decoder_layers=2, d_ff=64, dropout=dropout,
-                                         max_positions=64), fast=fast)
+    model = Transformer(TransformerConfig(vocab_size=60, d_model=32, heads=4, encoder_layers=2,
+                                          decoder_layers=2, d_ff=64, dropout=dropout,
+                                          max_positions=64))
+    return model if config is None else fast.apply(model, config)
 
 
 def test_packed_decoder_equals_the_padded_one_at_real_positions():
-    model = tiny_model(fast=False).double()
+    model = tiny_model().double()  # float64: torch's own ops in every fast layer
     src = padded_labels(5, 9, 60, seed=8)
     tgt = padded_labels(5, 11, 60, seed=9)
     hidden = model(src, tgt, hidden=True)
@@ -701,22 +717,22 @@ def test_packed_decoder_equals_the_padded_one_at_real_positions():
 
 
 def test_fast_and_plain_models_share_parameters_and_outputs():
-    plain, fast = tiny_model(fast=False), tiny_model(fast=True)
-    assert plain.state_dict().keys() == fast.state_dict().keys()
+    plain, quick = tiny_model(None), tiny_model()
+    assert plain.state_dict().keys() == quick.state_dict().keys()
     for k, v in plain.state_dict().items():
-        assert torch.equal(v, fast.state_dict()[k])
+        assert torch.equal(v, quick.state_dict()[k])
     src, tgt = padded_labels(4, 8, 60, seed=10), padded_labels(4, 9, 60, seed=11)
-    torch.testing.assert_close(fast(src, tgt), plain(src, tgt), rtol=1e-4, atol=1e-4)
-    fast.load_state_dict(plain.state_dict())  # the same checkpoint format either way
+    torch.testing.assert_close(quick(src, tgt), plain(src, tgt), rtol=1e-4, atol=1e-4)
+    quick.load_state_dict(plain.state_dict())  # the same checkpoint format either way
 
 
-def test_the_fast_model_under_cpu_bf16_autocast_learns_the_same_on_padded_rows(monkeypatch):
+def test_the_fast_model_under_cpu_bf16_autocast_learns_the_same_on_padded_rows():
     """A batch of 1,200 source and ~1,000+ target positions: the fast model's linear layers
-    run on padded rows (kernels.padded_rows), and its output and every parameter's gradient
+    run on padded rows (padded_rows), and its output and every parameter's gradient
     are those of the same model with padding switched off."""
-    model = tiny_model(fast=True)
+    model = tiny_model()
     src, tgt = padded_labels(40, 30, 60, seed=12), padded_labels(40, 31, 60, seed=13)
-    assert src.numel() >= kernels.PAD_ROWS_FROM and kernels.padded_rows(src.numel()) > 1200
+    assert src.numel() >= DEFAULTS.pad_rows_from and rows_of(src.numel()) > 1200
 
     def run():
         model.zero_grad()
@@ -728,7 +744,7 @@ def test_the_fast_model_under_cpu_bf16_autocast_learns_the_same_on_padded_rows(m
     with ProductRows() as mode:
         out, grads = run()
     assert {a[0] for a, _ in mode.shapes} & {1216}  # 1,200 rows multiplied as 1,216
-    monkeypatch.setattr(kernels, "PAD_ROWS_FROM", 10 ** 9)
+    fast.apply(model, KernelConfig(pad_rows_from=10 ** 9))
     ref_out, ref_grads = run()
     torch.testing.assert_close(out, ref_out, rtol=1e-2, atol=1e-2)
     for k, g in grads.items():
@@ -742,12 +758,12 @@ def test_the_loss_is_the_same_at_any_alignment_of_the_vocabulary():
     hidden = torch.randn(50, 16, requires_grad=True)
     weight = (0.25 * torch.randn(37, 16)).requires_grad_()
     labels = torch.randint(1, 37, (50,))
-    assert kernels.padded_width(37, 1) == 37 and kernels.padded_width(37, 16) == 48
+    assert padded_width(37, 1) == 37 and padded_width(37, 16) == 48
     results = []
     for align in (1, 16, 64):
         hidden.grad = weight.grad = None
-        loss, nll, n = kernels.projected_label_smoothed_loss(hidden, weight, labels, 0.1, 0,
-                                                             align=align)
+        loss, nll, n = projected_label_smoothed_loss(hidden, weight, labels, 0.1, 0,
+                                                     config=KernelConfig(vocab_align=align))
         loss.backward()
         results.append((loss.detach(), nll, hidden.grad.clone(), weight.grad.clone()))
     for other in results[1:]:
@@ -759,8 +775,9 @@ def test_the_loss_is_the_same_at_any_alignment_of_the_vocabulary():
 
 
 @pytest.fixture
-def extension():
-    ext = kernels.cpu_extension()
+def built():
+    """The C++ extension's module (skipped where it cannot be built)."""
+    ext = extension.cpu_extension()
     if ext is None:
         pytest.skip("the CPU kernel csrc/cpu_kernels.cpp could not be built here (see the "
                     "warning): no C++ compiler or Python headers")
@@ -769,14 +786,14 @@ def extension():
 
 def reference_residual_norm(x, out, weight, bias, mask, p, eps=1e-5):
     """LayerNorm(x + out * mask * scale) in float64 with torch's own ops."""
-    _, scale = kernels.keep_threshold(p)
+    _, scale = keep_threshold(p)
     return F.layer_norm(x + out * mask.double() * scale, (x.shape[-1],), weight, bias, eps)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape,p", [((37, 3, 24), 0.3), ((50, 6), 0.1), ((9, 37), 0.0),
                                      ((4, 256), 0.2), ((600, 24), 0.2)])
-def test_residual_norm_equals_layer_norm_of_the_sum_with_its_mask(extension, out_dtype, shape,
+def test_residual_norm_equals_layer_norm_of_the_sum_with_its_mask(built, out_dtype, shape,
                                                                    p):
     """Forward and all four gradients against torch's float64 layer norm of
     ``x + dropout(out)`` with the mask the kernel reports."""
@@ -785,7 +802,7 @@ def test_residual_norm_equals_layer_norm_of_the_sum_with_its_mask(extension, out
     out = torch.randn(shape, generator=g).to(out_dtype).requires_grad_()
     weight = (1 + 0.5 * torch.randn(shape[-1], generator=g)).requires_grad_()
     bias = torch.randn(shape[-1], generator=g, requires_grad=True)
-    y, mask = kernels.residual_norm(x, out, weight, bias, p, seed=11, return_mask=True)
+    y, mask = residual_norm(x, out, weight, bias, p, seed=11, return_mask=True)
     assert y.dtype == torch.float32 and mask.dtype == torch.uint8 and mask.shape == x.shape
     leaves = [t.detach().double().requires_grad_() for t in (x, out, weight, bias)]
     ref = reference_residual_norm(*leaves, mask, p)
@@ -802,14 +819,14 @@ def test_residual_norm_equals_layer_norm_of_the_sum_with_its_mask(extension, out
 
 
 @pytest.mark.parametrize("p", [0.1, 0.3])
-def test_residual_norm_keeps_the_dropout_fraction_in_every_column(extension, p):
+def test_residual_norm_keeps_the_dropout_fraction_in_every_column(built, p):
     rows, d = 4000, 64
     x, out = torch.zeros(rows, d), torch.ones(rows, d)
-    _, mask = kernels.residual_norm(x, out, torch.ones(d), torch.zeros(d), p, seed=3,
+    _, mask = residual_norm(x, out, torch.ones(d), torch.zeros(d), p, seed=3,
                                     return_mask=True)
     n = mask.numel()
     kept = mask.double().mean().item()
-    threshold, _ = kernels.keep_threshold(p)
+    threshold, _ = keep_threshold(p)
     expected = (32768 - threshold) / 65536  # int16 values >= threshold
     assert abs(kept - expected) < 5 * math.sqrt(p * (1 - p) / n)
     # Every column (each of the four int16 lanes of a random word, and more) alike.
@@ -829,25 +846,25 @@ def on_threads(n, fn):
         torch.set_num_threads(threads)
 
 
-def test_residual_norm_masks_follow_the_seed_not_the_threads(extension):
+def test_residual_norm_masks_follow_the_seed_not_the_threads(built):
     g = torch.Generator().manual_seed(2)
     x, out = torch.randn(300, 40, generator=g), torch.randn(300, 40, generator=g)
     w, b = torch.ones(40), torch.zeros(40)
-    y1, m1 = kernels.residual_norm(x, out, w, b, 0.3, seed=5, return_mask=True)
-    y2, m2 = on_threads(1, lambda: kernels.residual_norm(x, out, w, b, 0.3, seed=5,
+    y1, m1 = residual_norm(x, out, w, b, 0.3, seed=5, return_mask=True)
+    y2, m2 = on_threads(1, lambda: residual_norm(x, out, w, b, 0.3, seed=5,
                                                          return_mask=True))
     assert torch.equal(m1, m2) and torch.equal(y1, y2)
-    _, m3 = kernels.residual_norm(x, out, w, b, 0.3, seed=6, return_mask=True)
+    _, m3 = residual_norm(x, out, w, b, 0.3, seed=6, return_mask=True)
     assert not torch.equal(m1, m3)
     # Without a seed, torch's generator draws it: a run restored with its RNG state repeats.
     torch.manual_seed(9)
-    y4 = kernels.residual_norm(x, out, w, b, 0.3)
+    y4 = residual_norm(x, out, w, b, 0.3)
     torch.manual_seed(9)
-    assert torch.equal(kernels.residual_norm(x, out, w, b, 0.3), y4)
+    assert torch.equal(residual_norm(x, out, w, b, 0.3), y4)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_residual_norm_gives_the_same_bits_on_one_thread_and_two(extension, out_dtype):
+def test_residual_norm_gives_the_same_bits_on_one_thread_and_two(built, out_dtype):
     """The row kernels split their rows over torch's threads; every output and gradient,
     the weight's and bias's sums over 700 rows (blocks of 256) included, is the same bit for
     bit on one thread and on two."""
@@ -858,7 +875,7 @@ def test_residual_norm_gives_the_same_bits_on_one_thread_and_two(extension, out_
 
     def run():
         leaves = [t.clone().requires_grad_() for t in (x, out, weight, bias)]
-        y = kernels.residual_norm(*leaves, 0.2, seed=7)
+        y = residual_norm(*leaves, 0.2, seed=7)
         y.backward(grad)
         return [y.detach()] + [t.grad for t in leaves]
 
@@ -867,7 +884,7 @@ def test_residual_norm_gives_the_same_bits_on_one_thread_and_two(extension, out_
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_cpp_softmax_gives_the_same_bits_on_one_thread_and_two(extension, dtype):
+def test_the_cpp_softmax_gives_the_same_bits_on_one_thread_and_two(built, dtype):
     g = torch.Generator().manual_seed(4)
     logits = (4 * torch.randn(500, 80, generator=g)).to(dtype)
     labels = torch.randint(0, 75, (500,), generator=g)
@@ -875,46 +892,47 @@ def test_the_cpp_softmax_gives_the_same_bits_on_one_thread_and_two(extension, dt
 
     def run():
         z, loss, nll = logits.clone(), torch.empty(500), torch.empty(500)
-        extension.label_smoothed_softmax_(z, labels, mean, loss, nll, 75, 0.1, True)
+        built.label_smoothed_softmax_(z, labels, mean, loss, nll, 75, 0.1, True)
         return z, loss, nll
 
     for one, two in zip(on_threads(1, run), on_threads(2, run), strict=True):
         assert torch.equal(one, two)
 
 
-def test_residual_norm_rejects_what_it_cannot_compute(extension):
+def test_residual_norm_rejects_what_it_cannot_compute(built):
     x, w, b = torch.randn(4, 8), torch.ones(8), torch.zeros(8)
-    with pytest.raises(ValueError, match="dropout probability"):  # kernels.keep_threshold's
-        kernels.residual_norm(x, torch.randn(4, 8), w, b, 1.0)
+    with pytest.raises(ValueError, match="dropout probability"):  # keep_threshold's
+        residual_norm(x, torch.randn(4, 8), w, b, 1.0)
     with pytest.raises(RuntimeError, match="differ in shape"):
-        kernels.residual_norm(x, torch.randn(4, 7), w, b, 0.1)
+        residual_norm(x, torch.randn(4, 7), w, b, 0.1)
     with pytest.raises(RuntimeError, match="out must be float32 or bfloat16"):
-        kernels.residual_norm(x, torch.randn(4, 8).half(), w, b, 0.1)
-    assert not kernels.residual_norm_applies(x.double(), x.double(), w)
-    assert not kernels.residual_norm_applies(x, x.half(), w)
+        residual_norm(x, torch.randn(4, 8).half(), w, b, 0.1)
+    assert residual_norm_applies(x, x, w, DEFAULTS)
+    assert not residual_norm_applies(x.double(), x.double(), w, DEFAULTS)
+    assert not residual_norm_applies(x, x.half(), w, DEFAULTS)
+    assert not residual_norm_applies(x, x, w, EAGER)
 
 
-def test_the_fast_model_trains_through_the_fused_block_as_through_torch_ops(extension,
+def test_the_fast_model_trains_through_the_fused_block_as_through_torch_ops(built,
                                                                               monkeypatch):
     """Without dropout the post-LN model in training mode computes the same outputs and
     gradients whether its residual blocks take the C++ kernel or torch's ops (with dropout
     they draw other masks, as fast and plain do)."""
     calls = []
-    real = kernels.residual_norm
-    monkeypatch.setattr(kernels, "residual_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(modules, "residual_norm",  # counted where the layers call it
+                        lambda *a, **k: calls.append(1) or residual_norm(*a, **k))
     src, tgt = padded_labels(6, 9, 60, seed=14), padded_labels(6, 10, 60, seed=15)
 
-    def run():
-        model = tiny_model(fast=True).train()
+    def run(config):
+        model = tiny_model(config).train()
         out = model(src, tgt)
         out.square().mean().backward()
         return out, {k: q.grad for k, q in model.named_parameters()}
 
-    out, grads = run()
+    out, grads = run(DEFAULTS)
     assert len(calls) == 2 * 2 + 3 * 2  # every residual block of 2 + 2 layers
-    monkeypatch.setattr(kernels, "_extension", None)  # as where it cannot be built
     calls.clear()
-    ref_out, ref_grads = run()
+    ref_out, ref_grads = run(EAGER)  # as where the extension cannot be built
     assert not calls
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
     for k, gr in grads.items():
@@ -944,7 +962,7 @@ def reference_attention(qkv, kv, heads, d_k, d_v, mask, causal, keep=None):
     """softmax(q k^T / sqrt(d_k)) [* keep] v in float64 with torch's ops, (B, Tq, H d_v); masked
     scores filled with the lowest float (as aiayn.model.attend)."""
     hk, hv = heads * d_k, heads * d_v
-    q, k, v = kernels._attention_operands(qkv, kv, hk, hv)
+    q, k, v = operands(qkv, kv, hk, hv)
     b, tq, tk = q.shape[0], q.shape[1], k.shape[1]
     q, k = (x.double().view(b, -1, heads, d_k).transpose(1, 2) for x in (q, k))
     v = v.double().view(b, tk, heads, d_v).transpose(1, 2)
@@ -973,10 +991,10 @@ def grads_of(out, inputs, upstream):
     (4, 5, 11, 2, 16, 32, True, False, [11, 4, 1, 8]),  # cross: d_k != d_v, Tq != Tk
     (2, 1, 3, 4, 8, 8, True, False, None),
 ])
-def test_cpp_attention_equals_float64_attention_forward_and_backward(extension, dtype, case):
+def test_cpp_attention_equals_float64_attention_forward_and_backward(built, dtype, case):
     b, tq, tk, heads, d_k, d_v, cross, causal, lengths = case
     qkv, kv, mask = attention_inputs(b, tq, tk, heads, d_k, d_v, dtype, cross, lengths=lengths)
-    out = kernels.attention(qkv, kv, heads, d_k, d_v, mask, causal)
+    out = attention(qkv, kv, heads, d_k, d_v, mask, causal)
     assert out.shape == (b, tq, heads * d_v) and out.dtype == dtype
     leaves = [None if x is None else x.detach().double().requires_grad_() for x in (qkv, kv)]
     ref = reference_attention(*leaves, heads, d_k, d_v, mask, causal)
@@ -1004,30 +1022,30 @@ def dropout_keep(qkv, kv, heads, d_k, p, seed, causal):
     else:
         probe = qkv.detach(), torch.cat([kv.detach()[..., :heads * d_k], eye], -1)
     with torch.no_grad():
-        dropped = kernels.attention(*probe, heads, d_k, tk, None, causal, p, seed=seed)
-        plain = kernels.attention(*probe, heads, d_k, tk, None, causal, 0.0)
+        dropped = attention(*probe, heads, d_k, tk, None, causal, p, seed=seed)
+        plain = attention(*probe, heads, d_k, tk, None, causal, 0.0)
     split = (x.view(b, tq, heads, tk).transpose(1, 2).double() for x in (dropped, plain))
     dropped, plain = split
     return torch.where(plain > 0, dropped / plain.clamp_min(1e-30), torch.zeros(()))
 
 
 @pytest.mark.parametrize("cross,causal", [(False, True), (True, False)])
-def test_cpp_attention_dropout_is_a_mask_with_the_keep_rule_and_its_gradient(extension, cross,
+def test_cpp_attention_dropout_is_a_mask_with_the_keep_rule_and_its_gradient(built, cross,
                                                                           causal):
     heads, d_k, p = 2, 16, 0.3
     tq = 12
     qkv, kv, _ = attention_inputs(6, tq, tq, heads, d_k, d_k, torch.float32, cross, seed=4)
     keep = dropout_keep(qkv, kv, heads, d_k, p, 17, causal)
-    _, scale = kernels.keep_threshold(p)
+    _, scale = keep_threshold(p)
     live = keep[keep != 0]
     torch.testing.assert_close(live, torch.full_like(live, scale), rtol=1e-5, atol=1e-5)
-    threshold, _ = kernels.keep_threshold(p)
+    threshold, _ = keep_threshold(p)
     expected = (32768 - threshold) / 65536
     allowed = keep.numel() if not causal else keep.shape[0] * heads * tq * (tq + 1) // 2
     kept = (keep != 0).sum().item() / allowed
     assert abs(kept - expected) < 5 * math.sqrt(p * (1 - p) / allowed)
     # With these masks the kernel computes softmax(.) * keep @ v, forward and backward.
-    out = kernels.attention(qkv, kv, heads, d_k, d_k, None, causal, p, seed=17)
+    out = attention(qkv, kv, heads, d_k, d_k, None, causal, p, seed=17)
     leaves = [None if x is None else x.detach().double().requires_grad_() for x in (qkv, kv)]
     ref = reference_attention(*leaves, heads, d_k, d_k, None, causal, keep=keep)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
@@ -1039,7 +1057,7 @@ def test_cpp_attention_dropout_is_a_mask_with_the_keep_rule_and_its_gradient(ext
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cross", [False, True])
-def test_cpp_attention_on_packed_rows_is_the_padded_pass_on_the_real_rows(extension, dtype,
+def test_cpp_attention_on_packed_rows_is_the_padded_pass_on_the_real_rows(built, dtype,
                                                                           cross):
     """Queries (and, for self-attention, keys and values) as packed rows, (N, width), placed
     by Packing.offsets: the output and every gradient are the padded pass's at the real
@@ -1058,10 +1076,10 @@ def test_cpp_attention_on_packed_rows_is_the_padded_pass_on_the_real_rows(extens
     padded_in.requires_grad_()
     rows = packing.unpad(padded_in.detach()).requires_grad_()
     upstream = torch.randn(14, heads * d, generator=torch.Generator().manual_seed(2)).to(dtype)
-    full = kernels.attention(padded_in, kv, heads, d, d, mask, not cross, 0.3, seed=4)
+    full = attention(padded_in, kv, heads, d, d, mask, not cross, 0.3, seed=4)
     full_rows = packing.unpad(full)
     kv2 = None if kv is None else kv.detach().clone().requires_grad_()
-    packed = kernels.attention(rows, kv2, heads, d, d, mask, not cross, 0.3, seed=4,
+    packed = attention(rows, kv2, heads, d, d, mask, not cross, 0.3, seed=4,
                                packed=(offsets, t))
     assert packed.shape == (14, heads * d) and torch.equal(packed, full_rows)
     full_rows.backward(upstream)
@@ -1079,55 +1097,58 @@ def test_packing_offsets_only_where_each_sequence_is_its_first_rows():
     assert Packing(Packing.positions(gap, 0), 2, 4).offsets() is None
     with pytest.raises(RuntimeError, match="offsets must run from 0"):
         qkv = torch.randn(7, 3 * 8)
-        kernels.attention(qkv, None, 1, 8, 8, None, True, packed=(torch.tensor([0, 2, 3, 6]), 4))
+        attention(qkv, None, 1, 8, 8, None, True, packed=(torch.tensor([0, 2, 3, 6]), 4))
 
 
-def test_cpp_attention_masks_follow_the_seed_not_the_threads(extension):
+def test_cpp_attention_masks_follow_the_seed_not_the_threads(built):
     qkv, _, _ = attention_inputs(8, 10, 10, 2, 16, 16, torch.bfloat16, False, seed=6)
-    out = kernels.attention(qkv, None, 2, 16, 16, None, False, 0.2, seed=3)
-    alone = on_threads(1, lambda: kernels.attention(qkv, None, 2, 16, 16, None, False, 0.2,
+    out = attention(qkv, None, 2, 16, 16, None, False, 0.2, seed=3)
+    alone = on_threads(1, lambda: attention(qkv, None, 2, 16, 16, None, False, 0.2,
                                                     seed=3))
     assert torch.equal(out, alone)
-    assert not torch.equal(out, kernels.attention(qkv, None, 2, 16, 16, None, False, 0.2, seed=4))
+    assert not torch.equal(out, attention(qkv, None, 2, 16, 16, None, False, 0.2, seed=4))
     torch.manual_seed(9)  # without a seed, torch's generator draws it
-    first = kernels.attention(qkv, None, 2, 16, 16, None, False, 0.2)
+    first = attention(qkv, None, 2, 16, 16, None, False, 0.2)
     torch.manual_seed(9)
-    assert torch.equal(kernels.attention(qkv, None, 2, 16, 16, None, False, 0.2), first)
+    assert torch.equal(attention(qkv, None, 2, 16, 16, None, False, 0.2), first)
 
 
-def test_cpp_attention_says_what_it_cannot_compute(extension):
+def test_cpp_attention_says_what_it_cannot_compute(built):
     cpu = torch.device("cpu")
     mask = torch.ones(2, 1, 1, 5, dtype=torch.bool)
-    assert kernels.attention_applies(cpu, torch.bfloat16, 5, 128, mask, False)
-    assert kernels.attention_applies(cpu, torch.float32, 5, 128, mask, False)
-    assert not kernels.attention_applies(cpu, torch.float16, 5, 128, mask, False)
-    assert not kernels.attention_applies(cpu, torch.bfloat16, 129, 128, None, True)
-    for dtype, limit in kernels.ATTENTION_KERNEL_KEYS.items():
-        assert kernels.attention_applies(cpu, dtype, limit, 128, None, True)
-        assert not kernels.attention_applies(cpu, dtype, limit + 1, 128, None, True)
-    assert not kernels.attention_applies(cpu, torch.bfloat16, 8, 7, None, True)
-    assert not kernels.attention_applies(cpu, torch.bfloat16, 5, -1, None, True)  # -1: never
-    assert not kernels.attention_applies(cpu, torch.bfloat16, 5, 128, mask, True)
-    assert not kernels.attention_applies(cpu, torch.bfloat16, 5, 128,
-                                         torch.ones(2, 1, 5, 5, dtype=torch.bool), False)
-    assert not kernels.attention_applies(torch.device("meta"), torch.bfloat16, 5, 128, None,
-                                         False)
+    c = DEFAULTS
+    assert attention_applies(cpu, torch.bfloat16, 5, mask, False, c)
+    assert attention_applies(cpu, torch.float32, 5, mask, False, c)
+    assert not attention_applies(cpu, torch.float16, 5, mask, False, c)
+    assert not attention_applies(cpu, torch.bfloat16, 129, None, True, c)
+    for dtype, limit in c.attention_kernel_keys.items():
+        assert attention_applies(cpu, dtype, limit, None, True, c)
+        assert not attention_applies(cpu, dtype, limit + 1, None, True, c)
+    shorter = KernelConfig(attention_kernel_keys={torch.bfloat16: 7})
+    assert attention_applies(cpu, torch.bfloat16, 7, None, True, shorter)
+    assert not attention_applies(cpu, torch.bfloat16, 8, None, True, shorter)
+    assert not attention_applies(cpu, torch.float32, 5, None, True, shorter)  # not named
+    assert not attention_applies(cpu, torch.bfloat16, 5, None, True, EAGER)
+    assert not attention_applies(cpu, torch.bfloat16, 5, mask, True, c)
+    assert not attention_applies(cpu, torch.bfloat16, 5,
+                                 torch.ones(2, 1, 5, 5, dtype=torch.bool), False, c)
+    assert not attention_applies(torch.device("meta"), torch.bfloat16, 5, None, False, c)
     qkv = torch.randn(2, 5, 3 * 16)
     with pytest.raises(ValueError, match=r"qkv must be \(B, T, 45\) for 3 heads"):
-        kernels.attention(qkv, None, 3, 5, 5, None, False)
+        attention(qkv, None, 3, 5, 5, None, False)
     with pytest.raises(ValueError, match=r"kv must be \(B, T, 32\)"):
-        kernels.attention(qkv[..., :16], qkv, 1, 16, 16, None, False)
+        attention(qkv[..., :16], qkv, 1, 16, 16, None, False)
     with pytest.raises(RuntimeError, match="must all be float32 or all bfloat16"):
-        kernels.attention(qkv.double(), None, 1, 16, 16, None, False)
+        attention(qkv.double(), None, 1, 16, 16, None, False)
     with pytest.raises(RuntimeError, match="as many queries as keys"):
-        kernels.attention(torch.randn(2, 4, 16), torch.randn(2, 5, 32), 1, 16, 16, None, True)
+        attention(torch.randn(2, 4, 16), torch.randn(2, 5, 32), 1, 16, 16, None, True)
     with pytest.raises(RuntimeError, match="mask must be bool"):
-        kernels.attention(qkv, None, 1, 16, 16, torch.ones(2, 1, 1, 4, dtype=torch.bool), False)
+        attention(qkv, None, 1, 16, 16, torch.ones(2, 1, 1, 4, dtype=torch.bool), False)
 
 
 @pytest.mark.parametrize("gap", [False, True], ids=["padding-at-the-end", "a-gap"])
 @pytest.mark.parametrize("autocast", [True, False], ids=["bf16-autocast", "fp32"])
-def test_the_fast_model_attends_through_the_kernel_as_through_torch(extension, monkeypatch,
+def test_the_fast_model_attends_through_the_kernel_as_through_torch(built, monkeypatch,
                                                                      autocast, gap):
     """Every attention of the fast model in training on CPU, under bf16 autocast or in fp32,
     takes the C++ pass (encoder self, decoder self on packed rows, cross), and the model's
@@ -1136,26 +1157,24 @@ def test_the_fast_model_attends_through_the_kernel_as_through_torch(extension, m
     pass as they are (Packing.offsets); with a pad inside a target (no offsets), through a
     padded copy."""
     calls = []
-    real = kernels.attention
-    monkeypatch.setattr(kernels, "attention", lambda *a, **k: calls.append(
-        (a[1] is None, k.get("packed") is not None)) or real(*a, **k))
+    monkeypatch.setattr(modules, "attention", lambda *a, **k: calls.append(
+        (a[1] is None, k.get("packed") is not None)) or attention(*a, **k))
     src, tgt = padded_labels(6, 9, 60, seed=14), padded_labels(6, 10, 60, seed=15)
     if gap:
         tgt[0, 3] = PAD  # row 0 is full: a pad inside it
 
-    def run():
-        model = tiny_model(fast=True).train()
+    def run(config):
+        model = tiny_model(config).train()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             out = model(src, tgt, packed=Packing.positions(tgt, PAD))
         out.float().square().mean().backward()
         return out.float(), {k: q.grad for k, q in model.named_parameters()}
 
-    out, grads = run()
+    out, grads = run(DEFAULTS)
     # encoder self x2, then decoder self and cross x2 (on packed rows unless there is a gap)
     assert calls == [(True, False)] * 2 + [(True, not gap), (False, not gap)] * 2
-    monkeypatch.setattr(kernels, "ATTENTION_KERNEL_KEYS", {})
     calls.clear()
-    ref_out, ref_grads = run()
+    ref_out, ref_grads = run(KernelConfig(attention_kernel_keys={}))
     assert not calls
     # fp32: the gradients of both paths are ~1% from the model's float64 ones (a sum of
     # cancelling terms), and within 0.25% of each other.
@@ -1166,53 +1185,48 @@ def test_the_fast_model_attends_through_the_kernel_as_through_torch(extension, m
         assert (gr - ref_grads[k]).abs().max().item() < share * scale, k
 
 
-def test_longer_sequences_than_the_kernels_limit_take_the_eager_path(extension, monkeypatch):
+def test_longer_sequences_than_the_kernels_limit_take_the_eager_path(built, monkeypatch):
     """Sources of 9 tokens and targets of 10 against a limit of 9 keys: the encoder and the
     cross-attention (9 keys) take the kernel, the decoder's self-attention (10) does not."""
     calls = []
-    real = kernels.attention
-    monkeypatch.setattr(kernels, "attention",
-                        lambda *a, **k: calls.append(a[1] is None) or real(*a, **k))
-    monkeypatch.setattr(kernels, "ATTENTION_KERNEL_KEYS", {torch.bfloat16: 9})
+    monkeypatch.setattr(modules, "attention",
+                        lambda *a, **k: calls.append(a[1] is None) or attention(*a, **k))
     src, tgt = padded_labels(3, 9, 60, seed=1), padded_labels(3, 10, 60, seed=2)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        tiny_model(fast=True).train()(src, tgt)
+        tiny_model(KernelConfig(attention_kernel_keys={torch.bfloat16: 9})).train()(src, tgt)
     assert calls == [True, True, False, False]  # encoder self x2, then cross x2
 
 
-def test_the_kernels_run_on_torchs_threads(extension):
+def test_the_kernels_run_on_torchs_threads(built):
     """The kernels split rows with at::parallel_for, OpenMP in torch's builds: compiled
     without -fopenmp its pragmas vanish and every kernel runs on one thread."""
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        assert extension.parallel_threads(1000) == 2
+        assert built.parallel_threads(1000) == 2
         torch.set_num_threads(1)
-        assert extension.parallel_threads(1000) == 1
+        assert built.parallel_threads(1000) == 1
     finally:
         torch.set_num_threads(threads)
 
 
 def test_a_failed_build_warns_once_and_leaves_torch_ops(monkeypatch, tmp_path):
-    monkeypatch.setattr(kernels, "_extension_tried", False)
-    monkeypatch.setattr(kernels, "_extension", None)
-    monkeypatch.setattr(kernels, "_SOURCE", tmp_path / "missing.cpp")
+    missing = tmp_path / "missing.cpp"
     with pytest.warns(RuntimeWarning, match=r"missing\.cpp.*AIAYN_CPU_EXTENSION=0"):
-        assert kernels.cpu_extension() is None
-    assert kernels.cpu_extension() is None  # tried once; no second warning or build
-    assert not kernels.residual_norm_applies(torch.randn(2, 4), torch.randn(2, 4),
-                                             torch.ones(4))
-    monkeypatch.setattr(kernels, "_extension_tried", False)
-    monkeypatch.setenv(kernels.EXTENSION_ENV, "0")
-    assert kernels.cpu_extension() is None  # switched off: nothing built, no warning
+        assert extension.load(missing) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert extension.load(missing) is None  # tried once; no second warning or build
+        monkeypatch.setenv(extension.EXTENSION_ENV, "0")
+        assert extension.load(tmp_path / "other.cpp") is None  # switched off: no build
 
 
 def test_a_failed_build_is_explained_by_the_compilers_first_error():
     out = ("Error building extension 'x':\n[1/2] c++ -c main.cpp\nFAILED: main.o\n"
            "main.cpp:3:1: error: 'foo' was not declared\nmain.cpp:9:1: error: later\n"
            "ninja: build stopped: subcommand failed.\n")
-    assert kernels._build_error(out) == "main.cpp:3:1: error: 'foo' was not declared"
-    assert kernels._build_error("no such file\n") == "no such file"
+    assert extension.build_error(out) == "main.cpp:3:1: error: 'foo' was not declared"
+    assert extension.build_error("no such file\n") == "no such file"
 
 
 def test_the_build_uses_the_ninja_package_whether_or_not_the_venv_is_activated(monkeypatch):
@@ -1223,7 +1237,7 @@ def test_the_build_uses_the_ninja_package_whether_or_not_the_venv_is_activated(m
 
     ninja = pytest.importorskip("ninja")
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
-    with kernels._project_ninja():
+    with extension.project_ninja():
         assert shutil.which("ninja") == str(Path(ninja.BIN_DIR) / "ninja")
     assert os.environ["PATH"] == "/usr/bin:/bin"
 
@@ -1234,22 +1248,22 @@ def test_the_train_stage_depends_on_the_kernels_source():
 
     repo = Path(__file__).resolve().parents[1]
     deps = yaml.safe_load((repo / "dvc.yaml").read_text())["stages"]["train"]["deps"]
-    assert str(kernels._SOURCE.relative_to(repo)) in deps
+    assert str(extension.SOURCE.relative_to(repo)) in deps
 
 
 def test_a_build_is_named_by_what_it_is_built_from():
     """One cache folder per source, flags and environment: a checkout elsewhere (a queued
     DVC experiment's temporary copy) finds the same build; an edited source gets a new one."""
-    a = kernels._build_name("int x;", "AVX2", ["-O3"])
-    assert a == kernels._build_name("int x;", "AVX2", ["-O3"])
+    a = extension.build_name("int x;", "AVX2", ["-O3"])
+    assert a == extension.build_name("int x;", "AVX2", ["-O3"])
     assert a.startswith("aiayn_cpu_kernels_avx2_")
-    assert a != kernels._build_name("int y;", "AVX2", ["-O3"])
-    assert a != kernels._build_name("int x;", "AVX2", ["-O2"])
+    assert a != extension.build_name("int y;", "AVX2", ["-O3"])
+    assert a != extension.build_name("int x;", "AVX2", ["-O2"])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("isa", sorted(kernels._ISA_FLAGS))
-def test_no_kernel_loop_is_versioned_by_its_buffers_addresses(extension, tmp_path, isa):
+@pytest.mark.parametrize("isa", sorted(extension.ISA_FLAGS))
+def test_no_kernel_loop_is_versioned_by_its_buffers_addresses(built, tmp_path, isa):
     """The compiler's own report: built with the extension's flags, no loop of
     csrc/cpu_kernels.cpp is versioned for aliasing (a run-time choice, by the buffers'
     addresses, between a vectorized and a scalar loop that round differently), and its loops
@@ -1270,12 +1284,12 @@ def test_no_kernel_loop_is_versioned_by_its_buffers_addresses(extension, tmp_pat
     done = subprocess.run(
         [compiler, "-std=c++20", "-fPIC", "-DTORCH_EXTENSION_NAME=probe",
          "-DTORCH_API_INCLUDE_EXTENSION_H", *(f"-isystem{i}" for i in includes),
-         *kernels._CFLAGS, *kernels._ISA_FLAGS[isa], "-fopt-info-vec-optimized", "-c",
-         str(kernels._SOURCE), "-o", str(tmp_path / "kernels.o")],
+         *extension.CFLAGS, *extension.ISA_FLAGS[isa], "-fopt-info-vec-optimized", "-c",
+         str(extension.SOURCE), "-o", str(tmp_path / "kernels.o")],
         capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     ours = [line for line in done.stderr.splitlines()
-            if line.startswith(str(kernels._SOURCE)) and "optimized" in line]
+            if line.startswith(str(extension.SOURCE)) and "optimized" in line]
     versioned = [line for line in ours if "versioned" in line]
     assert versioned == []
     vectorized = {line.split(":")[1] for line in ours if "loop vectorized" in line}

@@ -7,14 +7,10 @@ import math
 import pytest
 import torch
 
-from aiayn.model import (
-    Packing,
-    Transformer,
-    TransformerConfig,
-    avoid_cudnn_attention,
-    count_parameters,
-    sinusoidal_positions,
-)
+from aiayn import fast
+from aiayn.fast import KernelConfig, Packing, avoid_cudnn_attention
+from aiayn.model import Transformer, TransformerConfig, count_parameters, sinusoidal_positions
+from aiayn.sdpa import attend
 
 PAD = 0
 
@@ -173,8 +169,6 @@ def test_config_rejects_bad_shapes():
 def test_cpu_bf16_attention_matches_a_float64_reference(causal, explicit, monkeypatch):
     """bf16 attention on CPU (explicit fp32 scores, or flash past the length limit) against
     softmax(q k^T / sqrt(d)) v computed in float64 from the same bf16 inputs."""
-    from aiayn import model as model_mod
-
     keys = 128 if explicit else 4  # the explicit path, or flash past its length limit
     g = torch.Generator().manual_seed(5)
     b, h, t, d = 3, 2, 9, 16
@@ -195,7 +189,7 @@ def test_cpu_bf16_attention_matches_a_float64_reference(causal, explicit, monkey
         return out, (q64.grad, k64.grad, v64.grad)
 
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = model_mod.attend(q, k, v, mask, 0.0, causal, explicit_keys=keys)
+        out = attend(q, k, v, mask, 0.0, causal, explicit_keys=keys)
     assert out.dtype == torch.bfloat16
     out.float().backward(upstream)
     ref, ref_grads = reference()
@@ -208,31 +202,29 @@ def test_cpu_bf16_attention_matches_a_float64_reference(causal, explicit, monkey
 def test_cpu_bf16_attention_keeps_a_sequence_with_no_key_finite():
     """An empty sequence in a batch (every key masked) must not turn the step NaN: its rows
     stay finite forward and backward, and the other sequences' rows are untouched."""
-    from aiayn import model as model_mod
-
     g = torch.Generator().manual_seed(6)
     b, h, t, d = 3, 2, 5, 8
     q, k, v = (torch.randn(b, h, t, d, generator=g).bfloat16().requires_grad_()
                for _ in range(3))
     mask = (torch.arange(t)[None, :] < torch.tensor([5, 0, 3])[:, None])[:, None, None, :]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = model_mod.attend(q, k, v, mask, 0.0, False)
-        alone = model_mod.attend(q[[0, 2]], k[[0, 2]], v[[0, 2]], mask[[0, 2]], 0.0, False)
+        out = attend(q, k, v, mask, 0.0, False)
+        alone = attend(q[[0, 2]], k[[0, 2]], v[[0, 2]], mask[[0, 2]], 0.0, False)
     out.float().sum().backward()
     assert torch.isfinite(out).all()
     assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
     assert torch.equal(out[[0, 2]], alone)
 
 
-@pytest.mark.parametrize("fast", [True, False])
-def test_cpu_bf16_attention_dropout_matches_a_float64_reference_with_the_same_masks(fast):
+@pytest.mark.parametrize("fast_masks", [True, False])
+def test_cpu_bf16_attention_dropout_matches_a_float64_reference_with_the_same_masks(fast_masks):
     """Attention dropout on the explicit bf16 path: softmax(q k^T / sqrt(d)) * M / (1 - p) v
-    in float64, with M the masks the same generator state gives ``aiayn.kernels.dropout``
-    (fast) or ``F.dropout`` (plain) on a tensor of the weights' shape; forward and backward."""
+    in float64, with M the masks the same generator state gives the fast kernels' dropout
+    (as the fast layers pass it) or ``F.dropout`` (plain) on a tensor of the weights' shape;
+    forward and backward."""
     import torch.nn.functional as F
 
-    from aiayn import kernels
-    from aiayn import model as model_mod
+    from aiayn.fast.dropout import dropout, eager_dropout
 
     g = torch.Generator().manual_seed(8)
     b, h, t, d, p = 3, 2, 9, 16, 0.3
@@ -243,11 +235,11 @@ def test_cpu_bf16_attention_dropout_matches_a_float64_reference_with_the_same_ma
 
     torch.manual_seed(21)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = model_mod.attend(q, k, v, mask, p, True, fast)
+        out = attend(q, k, v, mask, p, True, dropout=eager_dropout if fast_masks else F.dropout)
     out.float().backward(upstream)
     torch.manual_seed(21)
     ones = torch.ones(b, h, t, t)
-    scaled_keep = kernels.dropout(ones, p) if fast else F.dropout(ones, p)
+    scaled_keep = dropout(ones, p) if fast_masks else F.dropout(ones, p)
     dropped = (scaled_keep == 0).float().mean().item()
     assert 0.2 < dropped < 0.4  # the masks really drop, at about p
 
@@ -267,22 +259,22 @@ def test_training_with_attention_dropout_under_cpu_bf16_skips_torch_attention(mo
     path or the C++ kernel (PyTorch's CPU attention would take its slow math path with
     dropout); in eval mode
     it gives the same output as the model without attention dropout."""
-    from aiayn import model as model_mod
+    import torch.nn.functional as F
 
     torch.manual_seed(0)
     cfg = TransformerConfig(vocab_size=50, d_model=32, heads=4, encoder_layers=2,
                             decoder_layers=2, d_ff=64, max_positions=64, dropout=0.0,
                             attention_dropout=0.2)
-    model = Transformer(cfg, fast=True)
-    plain = Transformer(TransformerConfig(**{**cfg.to_dict(), "attention_dropout": 0.0}),
-                        fast=True)
+    model = fast.apply(Transformer(cfg))
+    plain = fast.apply(Transformer(TransformerConfig(**{**cfg.to_dict(),
+                                                        "attention_dropout": 0.0})))
     plain.load_state_dict(model.state_dict())
     src, tgt = batch()
 
     def refuse(*args, **kwargs):
         raise AssertionError("torch's attention was called")
 
-    monkeypatch.setattr(model_mod.F, "scaled_dot_product_attention", refuse)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", refuse)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model.train()
         first, second = model(src, tgt), model(src, tgt)
@@ -316,24 +308,34 @@ def test_avoid_cudnn_attention_takes_out_cudnn_alone_and_only_for_cuda():
             getattr(backends, f"enable_{name}_sdp")(on)
 
 
-def test_kernels_are_chosen_at_construction_for_every_layer_and_change_no_parameter():
-    from aiayn import model as model_mod
+def test_the_kernels_are_applied_to_every_layer_in_place_and_change_no_parameter():
+    """fast.apply swaps each layer's class for its fast variant, in place: the parameters are
+    the very tensors they were (an optimizer built before sees them), the state dict and the
+    training mode are unchanged, and every variant takes the config; applied again, the
+    config is replaced."""
+    from aiayn.fast import modules
 
     cfg = TransformerConfig(vocab_size=50, d_model=32, heads=4, encoder_layers=2,
                             decoder_layers=2, d_ff=64, max_positions=64)
-    kinds = (model_mod.Linear, model_mod.Dropout, model_mod.MultiHeadAttention)
-    for fast in (False, True):
-        model = Transformer(cfg, fast=fast, explicit_keys=7)
-        chosen = [m for m in model.modules() if isinstance(m, kinds)]
-        # 2+2 layers: attentions (2 + 2x2), their projections, the FFNs' two, dropouts
-        assert len(chosen) > 40 and {m.fast for m in chosen} == {fast}
-        assert {m.explicit_keys for m in model.modules()
-                if isinstance(m, model_mod.MultiHeadAttention)} == {7}
     torch.manual_seed(0)
-    a = Transformer(cfg, fast=True).state_dict()
-    torch.manual_seed(0)
-    b = Transformer(cfg).state_dict()
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    model = Transformer(cfg).eval()
+    before = dict(model.named_parameters())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    config = KernelConfig(softmax_rows=7)
+    assert fast.apply(model, config) is model
+    chosen = [m for m in model.modules() if type(m) in modules.VARIANTS.values()]
+    # 2+2 layers: attentions (2 + 2x2), their projections, the FFNs' two, dropouts, ...
+    assert len(chosen) > 40 and not any(type(m) in modules.VARIANTS for m in model.modules())
+    configured = [m for m in chosen if hasattr(m, "kernel_config")]
+    assert configured and all(m.kernel_config is config for m in configured)
+    assert dict(model.named_parameters()).keys() == before.keys()
+    assert all(q is before[k] for k, q in model.named_parameters())
+    assert model.state_dict().keys() == state.keys()
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert not model.training
+    other = KernelConfig(softmax_rows=9)
+    fast.apply(model, other)
+    assert all(m.kernel_config is other for m in configured)
 
 
 # -- Table 3's settings: d_k, d_v apart from d_model / heads, learned positions ----------------
@@ -346,12 +348,13 @@ SHAPES = {  # name: TransformerConfig settings on tiny()'s d_model 32
 }
 
 
-def tiny_shaped(name: str, fast: bool = False) -> Transformer:
+def tiny_shaped(name: str, fast_kernels: bool = False) -> Transformer:
     kw = dict(SHAPES[name])
     torch.manual_seed(0)
     cfg = TransformerConfig(vocab_size=50, d_model=32, heads=kw.pop("heads", 4),
                             encoder_layers=2, decoder_layers=2, d_ff=64, max_positions=64, **kw)
-    return Transformer(cfg, fast=fast).eval()
+    model = Transformer(cfg).eval()
+    return fast.apply(model) if fast_kernels else model
 
 
 def closed_form_attention_count(d, h, d_k, d_v):
@@ -453,11 +456,11 @@ def test_table3_shapes_attention_maps_and_fast_kernels_compute_the_same(name):
         assert torch.all(w[0, :, :, 4:] == 0)
     memory, _ = model.encode(src, need_weights=True)  # the explicit 1/sqrt(d_k) path
     torch.testing.assert_close(memory, model.encode(src), rtol=1e-10, atol=1e-10)
-    fast = tiny_shaped(name, fast=True)
-    assert fast.state_dict().keys() == model.state_dict().keys()
-    fast.load_state_dict(tiny_shaped(name).state_dict())
+    quick = tiny_shaped(name, fast_kernels=True)
+    assert quick.state_dict().keys() == model.state_dict().keys()
+    quick.load_state_dict(tiny_shaped(name).state_dict())
     packed = Packing.positions(tgt, PAD)
-    rows = fast(src, tgt, packed=packed)
+    rows = quick(src, tgt, packed=packed)
     plain = tiny_shaped(name)(src, tgt, hidden=True)
     torch.testing.assert_close(rows, plain.reshape(-1, 32)[packed], rtol=1e-4, atol=1e-4)
 

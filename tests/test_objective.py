@@ -138,6 +138,7 @@ def test_the_criteria_compute_one_loss_four_ways(toy_workspace, output_vocab):
     """Without dropout the fused criterion equals the plain one (fp32 rounding), R-Drop of two
     equal passes is the plain loss (its KL terms are 0), and without gradients R-Drop is its
     base; each is what make_criterion returns for its settings."""
+    from aiayn import fast
     from aiayn.model import OutputVocab, Transformer, TransformerConfig
     from aiayn.objective import (
         FusedLabelSmoothedCrossEntropy,
@@ -155,7 +156,7 @@ def test_the_criteria_compute_one_loss_four_ways(toy_workspace, output_vocab):
                             decoder_layers=1, d_ff=64, dropout=0.0, max_positions=64)
     torch.manual_seed(0)
     plain_model = Transformer(cfg).train()
-    fast_model = Transformer(cfg, fast=True).train()
+    fast_model = fast.apply(Transformer(cfg)).train()
     fast_model.load_state_dict(plain_model.state_dict())
     output = None
     if output_vocab:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from aiayn.beam import BeamConfig, beam_search, greedy_search
 from aiayn.checkpoint import average_checkpoints, list_checkpoints, load_checkpoint
+from aiayn.fast import apply as apply_kernels
 from aiayn.model import OutputVocab, Transformer, TransformerConfig
 from aiayn.objective import make_criterion
 from aiayn.sampler import Batch, BatchLoader, ShardDataset, TokenBudgetSampler
@@ -23,7 +24,11 @@ V = 40
 
 def batch_loss(net, embedding, batch, label_smoothing, pad_id, fast, amp_dtype, output=None,
                pack=True, rdrop=0.0):
-    """One batch's (loss, NLL, labels) through the criterion the trainer would choose."""
+    """One batch's (loss, NLL, labels) through the criterion the trainer would choose, and
+    with ``fast`` its kernels, applied to ``net`` in place as the trainer applies them (the
+    fused criterion runs the decoder on the real positions only, which the fast model does)."""
+    if fast:
+        apply_kernels(net)
     return make_criterion(kernels="fast" if fast else "plain", label_smoothing=label_smoothing,
                           rdrop=rdrop, pad_id=pad_id, embedding=embedding, amp_dtype=amp_dtype,
                           output=output, pack=pack)(net, batch)

@@ -73,9 +73,9 @@ def corpus(tmp_path_factory):
 
 
 def build(corpus, out: Path, cfg: ShardConfig = CFG, splits=SPLITS, survey_dir=None,
-          tokenizer=None, langs=("en", "de")) -> dict:
+          tokenizer=None, langs=("en", "de"), fill_chunk: int = shards.FILL_CHUNK) -> dict:
     return shards.build_shards(survey_dir or corpus["survey"], tokenizer or corpus["tokenizer"],
-                               out, cfg, *langs, splits=splits)
+                               out, cfg, *langs, splits=splits, fill_chunk=fill_chunk)
 
 
 def copy_survey(corpus, tmp_path: Path) -> Path:
@@ -226,11 +226,10 @@ def test_build_is_deterministic(corpus, built, tmp_path):
     assert tree_digest(tmp_path / "again") == tree_digest(built["out"])
 
 
-def test_small_gather_chunks_give_the_same_bytes(corpus, built, tmp_path, monkeypatch):
+def test_small_gather_chunks_give_the_same_bytes(corpus, built, tmp_path):
     """Chunks that end mid-shard, mid-batch and on single pairs change nothing on disk."""
     for chunk in (1, 7):
-        monkeypatch.setattr(shards, "FILL_CHUNK", chunk)
-        build(corpus, tmp_path / f"chunk-{chunk}")
+        build(corpus, tmp_path / f"chunk-{chunk}", fill_chunk=chunk)
         assert tree_digest(tmp_path / f"chunk-{chunk}") == tree_digest(built["out"])
 
 
@@ -322,9 +321,8 @@ def test_crash_mid_build_keeps_previous_output(corpus, tmp_path, monkeypatch):
         return real(*args)
 
     monkeypatch.setattr(shards, "gather", flaky)
-    monkeypatch.setattr(shards, "FILL_CHUNK", 32)
     with pytest.raises(RuntimeError, match="disk on fire"):
-        build(corpus, out)
+        build(corpus, out, fill_chunk=32)
     assert tree_digest(out) == before
     assert [p.name for p in tmp_path.iterdir()] == ["shards"], "no temporary folder left"
 

@@ -18,11 +18,11 @@ import pytest
 import torch
 import yaml
 
-from aiayn import kernels
 from aiayn.checkpoint import checkpoint_step, list_checkpoints, load_checkpoint
 from aiayn.config import load_params, parse_params
 from aiayn.distributed import World
 from aiayn.errors import DataError
+from aiayn.fast import extension
 from aiayn.io import file_sha256, human_bytes
 from aiayn.model import Transformer, TransformerConfig
 from aiayn.objective import label_smoothed_loss
@@ -963,7 +963,7 @@ def test_the_cpu_kernels_are_built_before_the_clock_starts_where_training_takes_
     """The C++ kernels' one-time build (~30 s) happens while the trainer is set up, not
     inside the first step, whose time the step log and the minutes budget count."""
     calls = []
-    monkeypatch.setattr(kernels, "cpu_extension", lambda: calls.append(1))
+    monkeypatch.setattr(extension, "cpu_extension", lambda: calls.append(1))
     trainer = make_trainer(toy_workspace, tmp_path, changes)
     assert len(calls) == int(builds)
     trainer.loader.close()

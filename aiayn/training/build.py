@@ -14,13 +14,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from aiayn import distributed, kernels
+from aiayn import distributed
 from aiayn.batching import StepPlan, plan_step
 from aiayn.config import Params
 from aiayn.distributed import World
 from aiayn.errors import AiaynError, DataError, ParamsError
+from aiayn.fast import KernelConfig, avoid_cudnn_attention
+from aiayn.fast import apply as apply_kernels
 from aiayn.memory import HeapTrimmer, loaded_allocator
-from aiayn.model import Transformer, TransformerConfig, avoid_cudnn_attention
+from aiayn.model import Transformer, TransformerConfig
 from aiayn.objective import make_criterion, make_optimizer
 from aiayn.precision import autocast_dtype, slow_bf16_warning
 from aiayn.run_store import RunStore, run_identity
@@ -59,9 +61,7 @@ def device_kind(choice: str) -> str:
 def pick_device(choice: str, world: World) -> torch.device:
     if device_kind(choice) == "cuda":
         torch.cuda.set_device(world.local_rank)
-        device = torch.device("cuda", world.local_rank)
-        avoid_cudnn_attention(device)
-        return device
+        return torch.device("cuda", world.local_rank)
     return torch.device("cpu")
 
 
@@ -146,9 +146,13 @@ def build_trainer(p: Params, vocab_size: int, tokenizer_sha256: str, paths: Trai
     cfg = model_config(p, vocab_size)
     fast = t.kernels == "fast"
     torch.manual_seed(p.seed)  # identical initial weights on every rank
-    model = Transformer(cfg, fast=fast).to(device)
-    if fast:  # built here (~30 s once per machine) before the clock, not in step 1
-        kernels.prepare_cpu_extension(device, cfg.norm == "post", amp_dtype)
+    model = Transformer(cfg).to(device)
+    # cuDNN's attention plans anew for every batch shape: out on CUDA, whatever the kernels
+    # (a process-wide switch, named here rather than hidden in picking the device)
+    avoid_cudnn_attention(device)
+    kernel_config = KernelConfig()
+    if fast:  # the fast kernels (aiayn/fast), their C++ part built here, before the clock
+        apply_kernels(model, kernel_config)
     optimizer, scheduler = make_optimizer(model, t.adam_betas, t.adam_eps, p.model.d_model,
                                           t.warmup_steps, t.lr_scale, fused=fast)
     if world.is_main and (warning := deep_post_ln_warning(p.model, t)):
@@ -192,7 +196,8 @@ def build_trainer(p: Params, vocab_size: int, tokenizer_sha256: str, paths: Trai
         resumed = {"state": state, "log": run_log}
     criterion = make_criterion(kernels=t.kernels, label_smoothing=t.label_smoothing,
                                rdrop=t.rdrop, pad_id=cfg.pad_id, embedding=model.embedding.weight,
-                               amp_dtype=amp_dtype, output=model.output_vocab())
+                               amp_dtype=amp_dtype, output=model.output_vocab(),
+                               config=kernel_config)
     # Dropout differs between ranks; the seed offset keeps it reproducible per rank.
     if not resumed:
         torch.manual_seed(p.seed + 1 + world.rank)

@@ -1,5 +1,5 @@
 // The training step's elementwise work that eager PyTorch spreads over many passes over
-// memory, written as one pass each, on CPU (aiayn/kernels.py):
+// memory, written as one pass each, on CPU (aiayn/fast/):
 //
 // 1. the label-smoothed loss's softmax and its gradient, row by row (at the end of the file);
 // 2. scaled dot-product attention over short sequences, per (sequence, head) (before it);
@@ -12,14 +12,15 @@
 // for this (the mask's random bits, compare, cast, scale, multiply, add, layer norm, and as
 // many again in backward) plus an autograd node each; here one pass each way, row by row.
 //
-// Dropout's keep rule is aiayn.kernels.dropout's: 16 random bits per element read as an
+// Dropout's keep rule is aiayn.fast.dropout's: 16 random bits per element read as an
 // int16, kept when >= threshold (probability 1 - k / 65536 for k = round(p * 65536)),
 // scaled by 65536 / (65536 - k). The bits come from a counter-based generator (splitmix64
 // over (seed, row, word)), so a mask depends on the seed alone, not on the thread count or
 // on how rows are split among threads; the seed, a one-element int64 tensor, is drawn from
 // torch's generator (Python side), and read here without a trip through Python.
 //
-// Built when training starts by torch.utils.cpp_extension (aiayn/kernels.py), compiled for
+// Built when training starts by torch.utils.cpp_extension (aiayn/fast/extension.py),
+// compiled for
 // the instruction set torch itself dispatches to, and vectorized by the compiler: the
 // reductions need -fassociative-math (the sums' order is the compiler's, not the loop's).
 // Attention's (sequence, head) tasks and the row kernels' rows are split over torch's threads
@@ -47,7 +48,7 @@ namespace {
 // from versioning the loop, i.e. from choosing at run time, by the buffers' addresses,
 // between its vectorized form and a scalar one. The two round differently (a row's sum in
 // another order), so a result depended on where the allocator had put the buffers: on a CPU
-// with AMX, 1 in ~40 two-process runs parted when a residual block's forward call, given
+// with AMX, two-process runs sometimes parted when a residual block's forward call, given
 // identical inputs, returned another y (bench/README.md, "two_process_drift.py").
 // tests/test_kernels.py compiles this file and checks that no loop is versioned so.
 #if defined(__clang__)
@@ -89,8 +90,8 @@ inline void store(c10::BFloat16* p, float v) {  // round to nearest even, NaN ke
 // value by value (forward_range, backward_range, softmax_range), called from the threads'
 // lambda: written as the lambda's body, reading the row width and the keep rule through
 // captured references, gcc left the dropout loop and the generator's loop scalar (a store
-// might change what they read), and the forward pass ran 5.6x slower on one thread (3.1
-// against 0.55 ms on 3,900 x 256, AMX). The two-thread kernels measured before (ed1b132) had
+// might change what they read), and the forward pass ran several times slower on one thread
+// (bench/README.md has the figures). The two-thread kernels measured before (ed1b132) had
 // that form, which is why they made the step slower then (bench/README.md, "the row kernels
 // on two threads").
 constexpr int64_t kRowGrain = 64;
@@ -106,11 +107,11 @@ struct Keep {
   float scale;
 };
 
-// The keep rule (threshold, scale) comes from aiayn.kernels.keep_threshold, written once.
+// The keep rule (threshold, scale) comes from aiayn.fast.dropout.keep_threshold, written once.
 Keep keep_rule(int64_t threshold, double scale) {
   TORCH_CHECK(threshold >= -32768 && threshold <= 32767 && scale >= 1.0,
               "keep threshold ", threshold, " and scale ", scale,
-              " are not aiayn.kernels.keep_threshold's");
+              " are not aiayn.fast.dropout.keep_threshold's");
   return {static_cast<int16_t>(threshold), static_cast<float>(scale)};
 }
 
@@ -295,7 +296,7 @@ std::vector<at::Tensor> residual_norm_backward(const at::Tensor& dy_in, const at
 
 // ------------------------------------------------------------------------------------------
 // The label-smoothed loss's softmax over one chunk of logits, and its gradient in place
-// (aiayn.kernels, section 1): per row, in one thread's cache,
+// (aiayn.fast.loss): per row, in one thread's cache,
 //
 //     lse  = log sum_v exp(z_v)        nll = lse - z_y
 //     loss = lse - (1 - eps) z_y - eps * mean_v z_v
@@ -334,7 +335,7 @@ inline float exp_nonpositive(float x) {
 
 // One vector register of floats as one value (GCC's vector extension): 16 where the target has
 // 512-bit registers, else 8 (one AVX2 register; a 16-float value built for AVX2 ran attention's
-// products 2-3x slower). The row's max is a lane-wise blend, which the compiler does not
+// products slower). The row's max is a lane-wise blend, which the compiler does not
 // vectorize from a scalar loop unless it may assume that no value is NaN.
 #ifdef __AVX512F__
 constexpr int kLanes = 16;
@@ -434,7 +435,7 @@ void label_smoothed_softmax_(at::Tensor& logits, const at::Tensor& labels,
     TORCH_CHECK(false, "logits must be float32 or bfloat16, got ", logits.scalar_type());
 }
 
-// R-Drop's loss of a label seen by two passes (aiayn.kernels.projected_rdrop_loss): with z1, z2
+// R-Drop's loss of a label seen by two passes (aiayn.fast.loss.projected_rdrop_loss): with z1, z2
 // the two rows of logits, l = log softmax, p = softmax, LS the label-smoothed loss above and
 // d = l1 - l2, per label
 //
@@ -564,8 +565,8 @@ void rdrop_softmax_(at::Tensor& logits1, at::Tensor& logits2, const at::Tensor& 
 }
 
 // ------------------------------------------------------------------------------------------
-// Scaled dot-product attention over short sequences, forward and backward (aiayn.kernels,
-// section 6), one (sequence, head) at a time on each thread:
+// Scaled dot-product attention over short sequences, forward and backward
+// (aiayn.fast.attention), one (sequence, head) at a time on each thread:
 //
 //     S = Q K^T / sqrt(d_k)   (masked)     P = softmax(S)     O = Dropout(P) V
 //
@@ -707,9 +708,10 @@ inline void row_keep(const AttentionShape& s, int64_t row, uint64_t* bits, float
 
 // Denormal floats flushed to zero, inputs and results, for as long as it lives (x86; elsewhere
 // nothing). A peaked softmax leaves weights near fp32's smallest normal, and their products
-// with small values and gradients are denormal, which x86 computes in microcode, ~100x
+// with small values and gradients are denormal, which x86 computes in microcode, far
 // slower: on inputs of standard deviation 16 (scores in the hundreds), forward + backward ran
-// 2.4x longer without the flush (bench/README.md). What is flushed is below 1.2e-38.
+// markedly longer without the flush (bench/README.md, "attention's products in registers").
+// What is flushed is below 1.2e-38.
 class FlushDenormals {
  public:
 #if defined(__SSE__)
@@ -1000,8 +1002,8 @@ void attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const a
 }
 
 // ReLU's gradient in place for a 16-bit ``grad`` and ``out`` (the ReLU's output, >= 0 or
-// NaN): zero where out <= 0, as aten::threshold_backward(grad, out, 0), which runs 2-3x a plain
-// copy's time on bf16 here. On the bits, the gradient is kept where out is a positive int16
+// NaN): zero where out <= 0, as aten::threshold_backward(grad, out, 0), which runs several
+// times a plain copy's time on bf16 here (bench/README.md, "the FFN in one function"). On the bits, the gradient is kept where out is a positive int16
 // (out > 0, +inf, a positive NaN) or any NaN (its magnitude above the exponent's all-ones):
 // NaN <= 0 is false, so aten keeps it too. 16-bit tensors only: fp32 keeps aten's op.
 void relu_backward_(at::Tensor& grad, const at::Tensor& out) {
