@@ -27,9 +27,7 @@ from aiayn.io import write_json
 log = logging.getLogger("aiayn")
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
-# Beside a run's checkpoints: its MLflow run's id, which a resumed training and the later
-# stages log into (save_run_id, load_run_id).
-RUN_FILE = "mlflow_run.json"
+RUN_FILE = "mlflow_run.json"  # beside a run's checkpoints: the id of the run it logs into
 # MLflow 3's UI opens an experiment in its model-training view by this tag, not by a guess.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 MODEL_TRAINING_KIND = "custom_model_development"
@@ -328,8 +326,7 @@ class Tracker:
 
     def _disable(self, reason: str) -> None:
         log.warning("%s; training continues, the same numbers are in metrics/", reason)
-        self._enabled = False
-        self._client = None
+        self._enabled, self._client = False, None
 
 
 def log_into_run(run_file: Path, stage: str, metrics: Mapping[str, float] | None = None,
