@@ -363,7 +363,9 @@ def trained(tmp_path) -> dict:
                      "tokens_seen": 1000 * step}}, keep=10)
     from aiayn.tracking import RUN_FILE, save_run_id
 
-    save_run_id(folder / RUN_FILE, "run-abc")  # as the train stage records its MLflow run
+    # as the train stage records its MLflow run; in a store of its own, so that the average
+    # stage (which logs into the run of the current store only) does not write to MLflow here
+    save_run_id(folder / RUN_FILE, "run-abc", f"sqlite:///{tmp_path}/elsewhere.db")
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["train"]["average_last"] = 2
     params_path = tmp_path / "params.yaml"
