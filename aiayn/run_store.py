@@ -95,7 +95,7 @@ def identity_default(key: str):
 def identity_changes(saved: dict, now: dict) -> list[str]:
     """How the identity ``saved`` with a checkpoint differs from ``now``; none: it resumes.
 
-    Only today's identity is compared: a setting the checkpoint recorded that no longer
+    Only the current identity is compared: a setting the checkpoint recorded that no longer
     shapes training (as declared now) changes nothing. A training setting added since the
     run started, at its default, computes as the code the run started with did: the run
     goes on."""

@@ -145,7 +145,7 @@ class Tracker:
         if self.active:
             self.end()
         self._run_id, self._ended, self._session_start = None, False, _now_ms()
-        self._found_end_time: int | None = None  # the end time of a run this session resumed
+        self._found_end_time: int | None = None  # the end time of a run this process resumed
         configure()
         commit, experiment = git_commit(), default_run_name()
         tags = {**({"git_commit": commit, "mlflow.source.git.commit": commit} if commit else {}),
@@ -211,7 +211,7 @@ class Tracker:
 
     def end(self, status: str = "FINISHED", unchanged: bool = False) -> None:
         """Mark the run ``status`` (FINISHED, FAILED or KILLED). A run that had ended before this
-        session resumed it ends at its old end plus this session's length (none if ``unchanged``:
+        process resumed it ends at its old end plus this process's length (none if ``unchanged``:
         it added nothing): the UI's Duration sums its sessions, not the days between them."""
         if self.active:
             self._call("end", self._client.set_terminated, self._run_id, status,
@@ -264,7 +264,7 @@ class Tracker:
             run = _retry_locked(client.create_run, experiment_id or _retry_locked(
                 self._experiment_id, client), run_name=run_name, tags=resolve_tags(tags))
         self._run_id = run.info.run_id
-        if not created and run.info.status != "RUNNING":  # it had ended: this session resumes
+        if not created and run.info.status != "RUNNING":  # it had ended: this process resumes
             self._found_end_time = run.info.end_time
             _retry_locked(client.update_run, self._run_id, status="RUNNING")
         owner = run.data.tags.get("dvc_experiment")

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 
 class Clock:
-    """``elapsed_s``: the run's training time before this session; ``max_minutes``: its
-    budget (0: none); ``window_s``: the open log row's training seconds before this session
+    """``elapsed_s``: the run's training time before this process; ``max_minutes``: its
+    budget (0: none); ``window_s``: the open log row's training seconds before this process
     (a checkpoint saves them, so that the row after a resume holds an unbroken run's rate).
     """
 
