@@ -25,12 +25,13 @@ from aiayn.memory import HeapTrimmer, loaded_allocator
 from aiayn.model import Transformer, TransformerConfig
 from aiayn.objective import make_criterion, make_optimizer
 from aiayn.precision import autocast_dtype, slow_bf16_warning
+from aiayn.run_log import RunLog
 from aiayn.run_store import RunStore, run_identity
 from aiayn.sampler import BatchLoader, PrefetchLoader, ShardDataset, TokenBudgetSampler
 from aiayn.schedule import deep_post_ln_warning
 from aiayn.shards import check_tokenizer
 from aiayn.subword import SubwordSplitter, split_closure
-from aiayn.training.loop import Trainer, TrainingListener, TrainPaths, lr_multiplier
+from aiayn.training.loop import RunState, Trainer, TrainingListener, TrainPaths, lr_multiplier
 from aiayn.training.resume import restore
 
 log = logging.getLogger("aiayn")
@@ -73,14 +74,15 @@ def open_training_data(shards: Path, plan: StepPlan) -> tuple[ShardDataset, Shar
     opened = []
     for split in ("train", "valid"):
         data = ShardDataset(shards / split)
-        if (longest := data.longest_pair()) > plan.batch_tokens:
+        try:
+            data.replan(plan.batch_tokens)  # a ValueError where the longest pair does not fit
+        except ValueError:
             raise ParamsError(
                 f"train: {plan.describe()}: a micro-batch of {plan.batch_tokens:,} tokens "
-                f"cannot hold the longest {split} pair of {shards / split} ({longest} tokens "
-                "on one side, with its special token); raise train.tokens_per_step or "
-                "train.max_tokens, train on fewer processes, or lower shard.max_len and "
-                "re-run the shard stage")
-        data.replan(plan.batch_tokens)
+                f"cannot hold the longest {split} pair of {shards / split} "
+                f"({data.longest_pair()} tokens on one side, with its special token); raise "
+                "train.tokens_per_step or train.max_tokens, train on fewer processes, or "
+                "lower shard.max_len and re-run the shard stage") from None
         opened.append(data)
     return opened[0], opened[1]
 
@@ -187,19 +189,18 @@ def build_trainer(p: Params, vocab_size: int, tokenizer_sha256: str, paths: Trai
     allocator = loaded_allocator()
     heap = HeapTrimmer(enabled=device.type == "cpu" and allocator == "glibc")
 
-    resumed = {}
+    state, run_log = RunState(), RunLog()
     if (found := store.resume_point()) is not None:
         path, ckpt = found
         state, run_log = restore(ckpt, path, model=model, optimizer=optimizer,
                                  scheduler=scheduler, scaler=scaler, loader=loader,
                                  train_data=train_data, plan=plan, world=world, seed=p.seed)
-        resumed = {"state": state, "log": run_log}
     criterion = make_criterion(kernels=t.kernels, label_smoothing=t.label_smoothing,
                                rdrop=t.rdrop, pad_id=cfg.pad_id, embedding=model.embedding.weight,
                                amp_dtype=amp_dtype, output=model.output_vocab(),
                                config=kernel_config)
     # Dropout differs between ranks; the seed offset keeps it reproducible per rank.
-    if not resumed:
+    if found is None:
         torch.manual_seed(p.seed + 1 + world.rank)
     net: nn.Module = model
     if world.distributed:
@@ -218,4 +219,5 @@ def build_trainer(p: Params, vocab_size: int, tokenizer_sha256: str, paths: Trai
                                     "tokenizer_sha256": tokenizer_sha256,
                                     "identity": identity},
                    heap=heap, allocator=allocator, valid_bleu=valid_bleu,
-                   listeners=list(listeners or []), progress=progress, **resumed)
+                   listeners=list(listeners or []), progress=progress, state=state,
+                   log=run_log)
