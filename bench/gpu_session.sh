@@ -38,7 +38,7 @@
 #      averaging, then translate and score valid; $RES/table3.md in the paper's layout.
 #  10. repeated batch shapes (issue 44): on new shapes every matrix product pays ~120-250 us
 #      of host time (cuBLAS's choice for a shape it has not met; ~12-27 us on shapes met
-#      before: session2 and session4 profiles), and a packed decoder's row count is new at
+#      before: the 2026-11-26 profiles), and a packed decoder's row count is new at
 #      every batch. gpu_step with widths padded to multiples of 8, the decoder on the padded
 #      batch (--no-packing) and every shape met once before measuring (--warm-shapes: a
 #      long run's steady state) against today's step, ABAB; the same without padding (the
@@ -69,9 +69,9 @@
 # params.yaml, run.log and metrics/), and for parts 1-4, $OUT/gpu_step_*.json, $OUT/m30k.tar.gz (metrics/, params.yaml),
 # $OUT/screen/<arm>-s<seed>/ (params.yaml, run.log, metrics/).
 # About 10 minutes on an H200 (the machine's start not counted); PARTS="1c 1d 2 3" MINUTES=2
-# took 7 minutes (docs/results/gpu-h200/session4); PARTS=4 with 12 runs of 1750 steps
-# 3.5 minutes (session5). The default shape screen, 15 runs of 1280-2520 steps, is 1.4x
-# session5's steps in all: by that rate about 5 minutes, not yet run (7 at most: the guard).
+# took 7 minutes (docs/results/gpu-h200/2026-11-26-loss-blocks); PARTS=4 with 12 runs of 1750 steps
+# 3.5 minutes (2026-11-27-recipe-screen). The default shape screen, 15 runs of 1280-2520 steps, is 1.4x
+# that screen's steps in all: by that rate about 5 minutes, not yet run (7 at most: the guard).
 set -u
 STEPS=${STEPS:-4000}
 MINUTES=${MINUTES:-3}
@@ -85,7 +85,7 @@ WORK=${WORK:-.gpu/m30k}                 # part 3's folder
 # shape's target tokens/s over the preset's, measured side by side on that CPU
 # (bench.train_throughput --arm, two runs, bench/README.md): d_ff 512 1.17-1.18x,
 # 2+2 layers 1.28x, d 192 (3 heads, d_ff 768) 1.40-1.48x, d 320 (5 heads, d_ff 1280)
-# 0.71-0.75x. The recipe screen of session5 (docs/results/gpu-h200/) set SCREEN to arms of
+# 0.71-0.75x. The recipe screen of 2026-11-27 (docs/results/gpu-h200/) set SCREEN to arms of
 # train.* settings at SCREEN_STEPS, e.g. "preset:;dropout0.1:model.dropout=0.1".
 SCREEN=${SCREEN:-"preset:;ff512:model.d_ff=512 train.steps=2055;l2:model.encoder_layers=2 model.decoder_layers=2 train.steps=2240;d192:model.d_model=192 model.heads=3 model.d_ff=768 train.steps=2520;d320:model.d_model=320 model.heads=5 model.d_ff=1280 train.steps=1280"}
 SEEDS=${SEEDS:-"1 2 3"}
@@ -95,9 +95,9 @@ PART5_SECONDS=${PART5_SECONDS:-190}     # part 5's deadline, all its runs togeth
 PART7_SECONDS=${PART7_SECONDS:-330}     # part 7's
 PART10_SECONDS=${PART10_SECONDS:-500}   # part 10's
 # part 6: arms as SCREEN's ("name:KEY=VALUE ..."), on top of the preset with 8k-token steps
-# The first screen (session6: "d0.2:;d0.3:model.dropout=0.3") chose dropout 0.3 on valid;
+# The first screen (2026-11-28-micro-batch-dropout: "d0.2:;d0.3:model.dropout=0.3") chose dropout 0.3 on valid;
 # the next one regularises further or widens the model, all at dropout 0.3 or more, and
-# offers averages of up to 30 checkpoints (all four runs of session6 took the widest, 20).
+# offers averages of up to 30 checkpoints (all four runs of 2026-11-28 took the widest, 20).
 # v10k: dropout 0.3 with the vocabulary of the published 41.02 (Wu et al. 2021: 10k BPE
 # merges; here byte-level, so 256 bytes + 4 specials + 10,000 merges), on its own data.
 # The published recipe whole (Transformer-tiny at peak lr 0.005; it lost on the AMX CPU at
