@@ -3,115 +3,59 @@
 Usage (from the repository root)::
 
     .venv/bin/python -m bench.train_throughput --baseline 9852772        # fast, plain, main
-    .venv/bin/python -m bench.train_throughput --contenders fast,fast+compile --rounds 3
-    .venv/bin/python -m bench.train_throughput --contenders fast+drop,nn+drop
     .venv/bin/python -m bench.train_throughput --profile fast                # where time goes
     .venv/bin/python -m bench.train_throughput --contenders fast -S model.d_model=128  # a recipe
-    .venv/bin/python -m bench.train_throughput --contenders fast,fast@2048           # batch size
     .venv/bin/python -m bench.train_throughput --contenders fast,ff512 \
         --arm ff512:model.d_ff=512                                       # model shapes
     .venv/bin/python -m bench.train_throughput --baseline f86d62d \
         --contenders fast/tcmalloc,fast/glibc,main/glibc --steps 6 --rounds 40  # C heaps
     .venv/bin/python -m bench.train_throughput --help
 
-What runs
----------
-Every contender but ``nn``/``nn+drop``/``matmul`` is the real ``aiayn.training.Trainer`` of
-a source tree, built from one params file (the ``--preset``, ``multi30k`` by default:
-d_model 256, 3+3 layers, d_ff 1024, 4 heads, 8k BPE, batches of <= 4096 tokens, dropout
-0.1, post-LN) on one set of shards, and timed through ``Trainer.train_step`` as ``fit``
-calls it: forward, loss, backward, (clipping,) Adam, with the loop's per-step heap trim and,
-in trees that defer it, the read-back of the loss sums at logging steps. Checkpoints and
-logs are not made; validation runs only in the contenders ``--validate`` names (below), and
-is never timed.
+Contenders
+----------
+Every contender but ``matmul`` is the real ``aiayn.training.Trainer`` of a source tree,
+built from one params file (the ``--preset``, ``multi30k`` by default) on one set of
+shards, and timed through ``Trainer.train_step`` as ``fit`` calls it: forward, loss,
+backward, (clipping,) Adam, with the loop's per-step heap trim and, in trees that defer it,
+the read-back of the loss sums at logging steps. No checkpoints, logs or validation.
 
 * ``fast``  - this tree, ``train.kernels: fast`` (the default: aiayn/fast/);
 * ``plain`` - this tree, ``train.kernels: plain`` (torch's own operators);
-* ``fast+compile`` - ``fast`` with ``train.compile: true``; the script counts Dynamo's
-  compiled graphs (one static and one dynamic-shape graph is the minimum after a second
-  batch shape) and graph breaks;
-* ``main``  - the tree of ``--baseline REF`` (a git commit, extracted with ``git archive``
-  into a temporary folder; params its schema does not know are dropped), the code before
-  a change: measures the change side by side;
-* ``fast+shared``, ``fast+target`` - ``fast`` with ``model.output_vocab`` ``shared`` (the
-  softmax over the whole shared vocabulary, as the paper) or ``target`` (over the tokens of
-  the target side only); one of them is ``fast`` itself, as the preset says. Each
-  contender's FLOPs count the softmax it computes;
-* ``fast+drop`` - ``fast`` with attention and activation dropout 0.1, the dropout
-  placement of ``torch.nn.Transformer(dropout=0.1)``;
-* ``nn``, ``nn+drop`` - ``torch.nn.Transformer(batch_first=True, norm_first=False)`` of the
-  same sizes inside our embedding, positions and tied projection (the very same methods),
-  with its two extra stack LayerNorms removed so that both compute one network, key-padding
-  masks and a causal mask; the loss ``F.cross_entropy(label_smoothing=0.1, ignore_index=pad,
-  reduction="sum")`` on full logits, Adam with torch's defaults; ``nn`` has the paper's
-  dropout placement (residual and embedding only: its attention and activation dropout set
-  to 0, as ``fast``), ``nn+drop`` torch's (0.1 on attention probabilities and FFN
-  activations too, as ``fast+drop``). Same batches, in the same order, as the trainers;
-* ``NAME@N`` - any trainer contender above with steps of ``N`` tokens in one micro-batch:
-  ``train.tokens_per_step`` ``N`` and ``train.max_tokens`` 0, over the same shards (training
-  plans its batches from them), e.g. ``fast@2048`` against ``fast``: what a batch size
-  costs or buys in tokens/s, side by side. Such a contender takes its own batches (the
-  same sampler seed over its own plan), so its tokens and FLOPs per round are counted on
-  its own batches. A baseline tree from before training planned its own batches takes the
-  shards' batches instead (the preset's ``shard.max_tokens``);
-* ``NAME/ALLOC`` - any contender above (``main``, ``fast@2048`` included) in a worker on C
-  heap ``ALLOC``: ``glibc``, ``tcmalloc`` or ``jemalloc``, preloaded as ``aiayn train``
-  re-launches itself (``aiayn.memory.allocator_env``; e.g. ``fast/tcmalloc,main/glibc``:
-  today's trainer as ``train.allocator: auto`` runs it where tcmalloc is installed, against
-  a baseline commit on glibc). The worker's heap is read back from its memory map and the
-  run stops if the library did not load. Without a suffix a worker keeps this process's
-  heap (whatever LD_PRELOAD says); the heap each ran on is printed and recorded. Trees
-  whose trainer knows ``train.allocator`` trim glibc's heap only on glibc; older trees
-  always trim, as they did. Short turns do not reach the slowdown a fragmenting heap
-  brings over the first few hundred steps: take longer ones (``--steps 6 --rounds 50``);
+* ``main``  - the tree of ``--baseline REF`` (a git commit, extracted with ``git archive``;
+  params its schema does not know are dropped): the code before a change, side by side;
 * ``--arm NAME:KEY=VALUE,...`` - a contender ``NAME``: ``fast`` with these ``model.*`` and
-  ``train.*`` settings, e.g. ``--arm enc4dec2:model.encoder_layers=4,model.decoder_layers=2``
-  (repeatable; list ``NAME`` in ``--contenders``). Same batches as ``fast``; its FLOPs are
-  counted for its own shape. What a shape costs per step, side by side: the step counts
-  that give each shape the same training time (a recipe screen on a GPU that stands for a
-  CPU's hour, ``bench/gpu_session.sh``);
-* ``--validate NAME,...`` - these trainer contenders also validate as the trainer's loop
-  does: the valid loss every ``train.valid_every`` steps and greedy valid BLEU (the
-  trainer's own hook over the raw valid split) every ``train.valid_bleu_every``, warm-up
-  steps counted. The passes' wall and CPU time and page faults are left out of the round's
-  figures and reported beside them, so the figures say what a training step costs *after*
-  such passes (a heap they fragmented, caches they evicted): e.g. ``--arm valid:
-  --contenders fast,valid --validate valid -S train.valid_every=100 -S
-  train.valid_bleu_every=100`` (``valid`` is ``fast`` under another name). Validation
-  takes no random numbers, so both train the same weights on the same batches. Each
-  worker's resident memory after every round is recorded too (``RSS MiB``: after the
-  last);
-* ``matmul`` - the machine's matmul rate in the same run, in the precision the trainers
-  compute in (fp32, or bf16 where ``train.precision`` resolves to bf16 autocast): products
-  of 2048x2048x2048 and 4096x256x1024 into preallocated outputs; reported as GFLOP/s, the
-  mean of the two is the denominator of "fraction of the matmul rate".
+  ``train.*`` settings (repeatable; list ``NAME`` in ``--contenders``), on the same batches
+  as ``fast``, its FLOPs counted for its own shape: e.g. ``ff512:model.d_ff=512``,
+  ``compiled:train.compile=true`` (Dynamo's graphs and breaks are printed),
+  ``shared:model.output_vocab=shared``;
+* ``NAME/ALLOC`` - any contender above in a worker on C heap ``ALLOC`` (``glibc``,
+  ``tcmalloc`` or ``jemalloc``), preloaded as ``aiayn train`` re-launches itself
+  (``aiayn.memory.allocator_env``); the run stops if the library did not load. Without a
+  suffix a worker keeps this process's heap. A fragmenting heap slows over the first few
+  hundred steps: take long turns (``--steps 6 --rounds 40``) to see it;
+* ``matmul`` - the machine's matmul rate in the same run, in the trainers' precision (fp32,
+  or bf16 where ``train.precision`` resolves to bf16 autocast): products of 2048x2048x2048
+  and 4096x256x1024; the mean of the two is the denominator of "of matmul".
 
 Protocol
 --------
 Each contender lives in its own worker process (its own allocator, thread pool and
-imports: a setting one tree makes cannot help or hurt another), all started before timing,
-each warmed up for ``--warmup`` steps. Then ``--rounds`` rounds: in each, every contender in
-turn runs ``--steps`` steps (the order rotates by one per round) while the others wait
-idle; all trainers take the same batches in a round (one sampler seed). The machine may be
-shared: only figures taken side by side mean anything, so each ratio is the median over
-rounds of the per-round ratio, and absolute figures are medians over rounds. CPU seconds
-per step (all threads) are reported beside wall seconds: their gap is time lost to other
-processes.
+imports), all started before timing, each warmed up for ``--warmup`` steps. Then
+``--rounds`` rounds: in each, every contender in turn runs ``--steps`` steps (the order
+rotates by one per round) while the others wait; all trainers take the same batches in a
+round. Each ratio is the median over rounds of the per-round ratio; absolute figures are
+medians over rounds. CPU seconds per step (all threads) are printed beside wall seconds:
+their gap is time lost to other processes. FLOPs are counted by ``bench.flops`` on real
+tokens only, for the softmax width each contender computes.
 
-FLOPs: counted analytically by ``bench.flops`` (weight matmuls, attention, the tied
-projection over the tokens the contender's softmax spans; real tokens only); achieved
-GFLOP/s = the FLOPs of the round's batches / its wall time.
-
-Data: ``--shards`` (and ``--tokenizer``) if given; otherwise the preset's data stages are run
-once into ``--workdir`` (``aiayn download/vocab/survey/shard``; the ``multi30k`` preset
-streams its corpus from the hub, or with ``--corpus DIR`` reads it from the text files there,
-as ``data.source: local``; ``demo`` needs nothing) and reused by later runs.
+Data: ``--shards`` (and ``--tokenizer``) if given; otherwise the preset's data stages run
+once into ``--workdir`` (``multi30k`` streams its corpus from the hub, or reads the text
+files of ``--corpus DIR``; ``demo`` needs nothing) and are reused by later runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -132,14 +76,10 @@ REPO = harness.REPO
 TRAINERS = {  # contender -> train.* overrides on top of the preset (model.*: under "model")
     "fast": {"kernels": "fast"},
     "plain": {"kernels": "plain"},
-    "fast+compile": {"kernels": "fast", "compile": True},
-    "fast+drop": {"kernels": "fast", "attention_dropout": 0.1, "activation_dropout": 0.1},
-    "fast+shared": {"kernels": "fast", "model": {"output_vocab": "shared"}},
-    "fast+target": {"kernels": "fast", "model": {"output_vocab": "target"}},
     "main": {},
 }
-OTHERS = ("nn", "nn+drop", "matmul")
-DEFAULT = "fast,plain,nn,matmul"
+OTHERS = ("matmul",)
+DEFAULT = "fast,plain,matmul"
 MATMULS = ((2048, 2048, 2048), (4096, 256, 1024))
 
 
@@ -194,18 +134,8 @@ class TrainerWorker:
                            metrics=run / "train.json", train_log=run / "train_log.tsv",
                            valid_log=run / "valid_log.tsv")
         tok = Path(spec["tokenizer"])
-        # --validate: the trainer's valid BLEU hook, over the raw valid split beside the shards
-        hook = None
-        self.validating = spec.get("validate", False)
-        if self.validating and p.train.valid_bleu_every:
-            from aiayn.translation import ValidationBleu
-
-            hook = ValidationBleu.from_params(p, Path(spec["raw"]), load_tokenizer(tok))
         self.trainer = make_trainer(p, load_tokenizer(tok).get_vocab_size(), file_sha256(tok),
-                                    paths, World(), progress=False,
-                                    **({"valid_bleu": hook} if hook else {}))
-        self.valid_every, self.bleu_every = p.train.valid_every, p.train.valid_bleu_every
-        self.paused = Paused()
+                                    paths, World(), progress=False)
         self.trainer.model.train()
         self.it = iter(self.trainer.loader)
         self.log_every = p.train.log_every
@@ -230,12 +160,6 @@ class TrainerWorker:
             self.heap.after_step(t.state.step)
         if self.flush is not None and t.state.step % self.log_every == 0:
             self.flush()
-        validate, bleu = validation_due(t.state.step, self.valid_every, self.bleu_every)
-        if self.validating and validate:
-            with self.paused.measure(bleu):  # as fit: the valid loss, then greedy BLEU
-                t.validate()
-                if bleu:
-                    t.valid_bleu(t.model, t.device, t.amp_dtype)
 
     def extra(self) -> dict:
         try:
@@ -244,108 +168,6 @@ class TrainerWorker:
             return {}
         return {"graphs": int(counters["stats"].get("unique_graphs", 0)),
                 "graph_breaks": int(sum(counters["graph_break"].values()))}
-
-
-class TorchNNWorker:
-    """torch.nn.Transformer of the preset's sizes, on the trainer's batches in its order."""
-
-    def __init__(self, spec: dict):
-        import torch
-        import torch.nn.functional as F
-        import yaml
-        from torch import nn
-
-        from aiayn.batching import plan_step
-        from aiayn.config import parse_params
-        from aiayn.model import Transformer, sinusoidal_positions
-        from aiayn.precision import autocast_dtype
-        from aiayn.sampler import BatchLoader, ShardDataset, TokenBudgetSampler
-        from aiayn.tokenizer import load_tokenizer
-        from aiayn.training import model_config
-
-        p = parse_params(yaml.safe_load(Path(spec["params"]).read_text()), spec["params"])
-        cfg = model_config(p, load_tokenizer(Path(spec["tokenizer"])).get_vocab_size())
-        drop_everywhere = spec["core"] == "nn+drop"
-        if (cfg.key_size, cfg.value_size) != (cfg.d_model // cfg.heads,) * 2 or (
-                cfg.positions != "sinusoidal"):
-            raise SystemExit(
-                f"error: contender {spec['name']}: torch.nn.Transformer has heads of "
-                f"d_model / heads = {cfg.d_model // cfg.heads} and sinusoidal positions only; "
-                f"this model has d_k {cfg.key_size}, d_v {cfg.value_size} and {cfg.positions} "
-                "positions (Table 3's rows): leave nn and nn+drop out of --contenders")
-
-        class TorchTransformer(nn.Module):
-            embed = Transformer.embed  # the very same input and output code as ours
-            logits = Transformer.logits
-            output_bias = None  # the whole shared vocabulary, whatever the preset says
-
-            def __init__(self):
-                super().__init__()
-                self.cfg = cfg
-                self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model,
-                                              padding_idx=cfg.pad_id)
-                self.embed_dropout = nn.Dropout(cfg.dropout)
-                self.register_buffer("positions", sinusoidal_positions(
-                    cfg.max_positions, cfg.d_model), persistent=False)
-                self.stack = nn.Transformer(
-                    d_model=cfg.d_model, nhead=cfg.heads, num_encoder_layers=cfg.encoder_layers,
-                    num_decoder_layers=cfg.decoder_layers, dim_feedforward=cfg.d_ff,
-                    dropout=cfg.dropout, batch_first=True, norm_first=False)
-                # Post-LN stacks end in a sub-layer LayerNorm; nn.Transformer adds one more.
-                self.stack.encoder.norm = None
-                self.stack.decoder.norm = None
-                if not drop_everywhere:  # the paper's placement: residual + embedding only
-                    for layer in [*self.stack.encoder.layers, *self.stack.decoder.layers]:
-                        layer.dropout = nn.Identity()  # the FFN activation's dropout
-                        for attn in (layer.self_attn, getattr(layer, "multihead_attn", None)):
-                            if attn is not None:
-                                attn.dropout = 0.0
-                nn.init.normal_(self.embedding.weight, mean=0.0, std=cfg.d_model ** -0.5)
-                with torch.no_grad():
-                    self.embedding.weight[cfg.pad_id].zero_()
-                for name, q in self.stack.named_parameters():
-                    if q.dim() > 1:
-                        nn.init.xavier_uniform_(q)
-                    elif "norm" not in name:
-                        nn.init.zeros_(q)
-
-            def forward(self, src, tgt_in):
-                src_pad, tgt_pad = src == cfg.pad_id, tgt_in == cfg.pad_id
-                t = tgt_in.shape[1]
-                causal = torch.ones(t, t, dtype=torch.bool).triu(1)  # True: masked
-                y = self.stack(self.embed(src), self.embed(tgt_in), tgt_mask=causal,
-                               src_key_padding_mask=src_pad, tgt_key_padding_mask=tgt_pad,
-                               memory_key_padding_mask=src_pad, tgt_is_causal=True)
-                return self.logits(y)
-
-        torch.manual_seed(p.seed)
-        self.model = TorchTransformer().train()
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4,
-                                    betas=tuple(p.train.adam_betas), eps=p.train.adam_eps)
-        # the trainer's micro-batches (one process), one a step
-        plan = plan_step(p.train.tokens_per_step, 1, p.train.max_tokens)
-        data = ShardDataset(Path(spec["shards"]) / "train", max_tokens=plan.batch_tokens)
-        self.it = iter(BatchLoader(data, TokenBudgetSampler(data.num_batches, seed=p.seed)))
-        self.amp = autocast_dtype(p.train.precision, torch.device("cpu"))
-        self.eps, self.pad, self.V = p.train.label_smoothing, cfg.pad_id, cfg.vocab_size
-        self.torch, self.F = torch, F
-        self.info = {"precision": p.train.precision}
-
-    def step(self) -> None:
-        torch, F = self.torch, self.F
-        b = next(self.it)
-        self.opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=self.amp or torch.float32, enabled=self.amp is not None):
-            logits = self.model(b.src, b.tgt_in)
-        loss = F.cross_entropy(logits.float().view(-1, self.V), b.tgt_out.view(-1),
-                               ignore_index=self.pad, label_smoothing=self.eps,
-                               reduction="sum") / b.tgt_tokens
-        loss.backward()
-        self.opt.step()
-        loss.item()
-
-    def extra(self) -> dict:
-        return {}
 
 
 class MatmulWorker:
@@ -382,47 +204,8 @@ class MatmulWorker:
         return {"gflops": rates}
 
 
-def validation_due(step: int, valid_every: int, bleu_every: int) -> tuple[bool, bool]:
-    """(validate, with valid BLEU) after training step ``step``, as the trainer's loop
-    decides between steps (a BLEU step validates too; the run's last step aside)."""
-    bleu = bool(bleu_every) and step % bleu_every == 0
-    return step % valid_every == 0 or bleu, bleu
-
-
-class Paused:
-    """What a worker's validation passes took (wall and CPU seconds, page faults), kept
-    out of the step's figures; counted per round (``take``)."""
-
-    def __init__(self):
-        self.wall = self.cpu = 0.0
-        self.faults = self.passes = self.bleu_passes = 0
-
-    @contextlib.contextmanager
-    def measure(self, bleu: bool):
-        import resource
-
-        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        cpu, wall = time.process_time(), time.perf_counter()
-        try:
-            yield
-        finally:
-            self.wall += time.perf_counter() - wall
-            self.cpu += time.process_time() - cpu
-            self.faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
-            self.passes += 1
-            self.bleu_passes += bleu
-
-    def take(self) -> dict:
-        """This round's totals, and a fresh count for the next."""
-        out = {"wall": self.wall, "cpu": self.cpu, "faults": self.faults,
-               "passes": self.passes, "bleu_passes": self.bleu_passes}
-        self.__init__()
-        return out
-
-
 def timed_run(worker, n: int) -> dict:
-    """``n`` steps of ``worker``: wall and CPU seconds and page faults, less whatever its
-    validation passes took (``worker.paused``, where it has one), and the resident memory
+    """``n`` steps of ``worker``: wall and CPU seconds, page faults, and the resident memory
     after them."""
     import resource
 
@@ -432,14 +215,8 @@ def timed_run(worker, n: int) -> dict:
         worker.step()
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
-    out = {"wall": wall, "cpu": cpu, "faults": faults}
-    paused = getattr(worker, "paused", None)
-    if paused is not None:
-        p = paused.take()
-        out = {k: v - p[k] for k, v in out.items()}
-        if p["passes"]:
-            out["validation"] = p
-    return {**out, "rss_mib": harness.rss_mib(), **worker.extra()}
+    return {"wall": wall, "cpu": cpu, "faults": faults, "rss_mib": harness.rss_mib(),
+            **worker.extra()}
 
 
 def worker_main(spec: dict) -> None:
@@ -448,9 +225,7 @@ def worker_main(spec: dict) -> None:
 
     torch.set_num_threads(spec["threads"])
     name = spec["name"]
-    cls = (MatmulWorker if name == "matmul" else TorchNNWorker if name.startswith("nn")
-           else TrainerWorker)
-    worker = cls(spec)
+    worker = (MatmulWorker if name == "matmul" else TrainerWorker)(spec)
     out = sys.stdout
     sys.stdout = sys.stderr  # whatever the code prints must not reach the protocol stream
     print(json.dumps({"ready": True, **worker.info}), file=out, flush=True)
@@ -474,53 +249,7 @@ def worker_main(spec: dict) -> None:
                 max_shapes_column_width=70)
             print(json.dumps({"profile": table}), file=out, flush=True)
             continue
-        if cmd == "onednn":
-            print(json.dumps(onednn_census(worker.step, n, out)), file=out, flush=True)
-            continue
         print(json.dumps(timed_run(worker, n)), file=out, flush=True)
-
-
-def onednn_census(step, n: int, out) -> dict:
-    """Run ``step`` ``n`` times with oneDNN's verbose log of primitive creation on, and
-    count per step the primitives it built (cache misses: a shape met for the first time,
-    JIT-compiled), reused (cache hits) and ran, and the distinct problems it ran in all
-    ``n`` steps (kind, implementation, layouts and shapes). The log is oneDNN's own printf
-    to fd 1, the protocol stream here, so fd 1 points at a scratch file meanwhile; ``out``
-    (the stream on fd 1) is flushed before."""
-    import ctypes
-    import tempfile
-
-    import torch
-
-    out.flush()
-    libc = ctypes.CDLL(None)
-    saved = os.dup(1)
-    with tempfile.TemporaryFile(mode="w+") as log:
-        os.dup2(log.fileno(), 1)
-        try:
-            with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON_CREATION):
-                for _ in range(n):
-                    step()
-        finally:
-            libc.fflush(None)  # oneDNN's lines still in C's stdout buffer
-            os.dup2(saved, 1)
-            os.close(saved)
-        log.seek(0)
-        built = reused = ran = 0
-        problems = set()
-        for line in log:
-            f = line.rstrip("\n").split(",")
-            if len(f) < 12 or f[0] != "onednn_verbose" or f[2] != "primitive":
-                continue
-            if f[3] == "create:cache_miss":
-                built += 1
-            elif f[3] == "create:cache_hit":
-                reused += 1
-            elif f[3] == "exec":
-                ran += 1
-                problems.add(tuple(f[5:12]))
-    return {"built": built / n, "reused": reused / n, "ran": ran / n,
-            "distinct": len(problems), "steps": n}
 
 
 class Worker:
@@ -609,25 +338,13 @@ def split_allocator(name: str) -> tuple[str, str | None]:
     return core, heap
 
 
-def split_contender(name: str, trainers: dict = TRAINERS) -> tuple[str, int | None]:
-    """``fast@2048`` -> ("fast", 2048); ``fast`` -> ("fast", None)."""
-    base, at, tokens = name.partition("@")
-    if not at:
-        return name, None
-    if base not in trainers or not tokens.isdigit() or int(tokens) < 16:
-        raise SystemExit(f"error: contender {name}: NAME@N needs a trainer contender "
-                         f"({', '.join(trainers)}) and a batch size N >= 16 in tokens, "
-                         "e.g. fast@2048")
-    return base, int(tokens)
-
-
 def parse_arm(text: str) -> tuple[str, dict]:
     """``ff512:model.d_ff=512,train.x=y`` -> ("ff512", {"kernels": "fast", "model":
     {"d_ff": 512}, "x": y}): a trainer contender's overrides (values parsed as YAML)."""
     import yaml
 
     name, colon, settings = text.partition(":")
-    if not colon or not name or name in TRAINERS or name in OTHERS or "@" in name:
+    if not colon or not name or name in TRAINERS or name in OTHERS or "/" in name:
         raise SystemExit(f"error: --arm {text}: give NAME:KEY=VALUE,... with a new NAME, e.g. "
                          "ff512:model.d_ff=512")
     spec: dict = {"kernels": "fast", "model": {}}
@@ -725,9 +442,9 @@ def round_batches(params: Path, shards: Path, steps: int, skip: int) -> list[tup
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = harness.parser(__doc__)
     ap.add_argument("--contenders", default=None,
-                    help=f"comma-separated from {', '.join([*TRAINERS, *OTHERS])} (default "
-                         f"{DEFAULT}, plus main with --baseline); a trainer contender with "
-                         "@N (e.g. fast@2048) runs batches of N tokens")
+                    help=f"comma-separated from {', '.join([*TRAINERS, *OTHERS])} and the "
+                         f"arms, each with /ALLOC if wanted (default {DEFAULT}, plus main "
+                         "with --baseline)")
     ap.add_argument("--arm", action="append", default=[], metavar="NAME:KEY=VALUE,...",
                     help="a contender NAME: fast with these model.*/train.* settings, e.g. "
                          "enc4dec2:model.encoder_layers=4,model.decoder_layers=2 (repeatable; "
@@ -760,18 +477,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--profile", default=None, metavar="CONTENDER",
                     help="also print torch.profiler tables of 3 steps of this contender (by "
                          "operator, then by operator and input shapes)")
-    ap.add_argument("--primitives", type=int, default=0, metavar="STEPS",
-                    help="after the rounds, run STEPS more steps of every trainer contender "
-                         "with oneDNN's creation log on and print, per step, the primitives "
-                         "oneDNN built (new shapes, JIT-compiled), reused and ran: the "
-                         "CPU's count of shapes met anew (default 0: off)")
-    ap.add_argument("--validate", default="", metavar="CONTENDERS",
-                    help="comma-separated trainer contenders that also validate as training "
-                         "does: the valid loss every train.valid_every steps and greedy valid "
-                         "BLEU every train.valid_bleu_every (warm-up steps counted), untimed, "
-                         "e.g. --arm valid: --contenders fast,valid --validate valid: what "
-                         "a step costs after validation passes, side by side with one that "
-                         "never validates (default: none validates)")
     ap.add_argument("--json", type=Path, default=None, help="write all results here")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -781,27 +486,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 @dataclass
 class Contenders:
-    """The contenders of a run: ``names`` in the order given, each one's trainer contender
-    without @N and /ALLOC (``base``), its batch tokens (``variant``; None: the preset's),
-    its name without /ALLOC (``core``) and its C heap (``heap``; None: this process's), the
-    trainer settings by name (``trainers``: TRAINERS and the arms), each arm's params, and
-    the contenders that validate (``validating``, from --validate)."""
+    """The contenders of a run: ``names`` in the order given, each one's name without
+    /ALLOC (``core``: a trainer, an arm or matmul) and its C heap (``heap``; None: this
+    process's), the trainer settings by name (``trainers``: TRAINERS and the arms), and
+    each arm's params."""
 
     names: list[str]
-    base: dict[str, str]
-    variant: dict[str, int | None]
+    core: dict[str, str]
+    heap: dict[str, str | None]
     trainers: dict[str, dict]
     arms: dict[str, dict]
     arm_params: dict
-    core: dict[str, str]
-    heap: dict[str, str | None]
-    validating: list[str]
 
 
 def choose_contenders(args) -> Contenders:
     """--contenders, --arm and --profile read and checked, before any data is made."""
     import yaml
 
+    from aiayn.memory import allocator_library, install_hint
     from stages.params import compose
 
     names = (args.contenders or DEFAULT + (",main" if args.baseline else "")).split(",")
@@ -815,75 +517,56 @@ def choose_contenders(args) -> Contenders:
         raise SystemExit(f"error: --contenders {','.join(names)}: name each contender once")
     core = {n: split_allocator(n)[0] for n in names}
     heap = {n: split_allocator(n)[1] for n in names}
-    base = {n: split_contender(core[n], trainers)[0] for n in names}
-    variant = {n: split_contender(core[n], trainers)[1] for n in names}
-    unknown = [n for n in names if base[n] not in trainers and core[n] not in OTHERS]
+    unknown = [n for n in names if core[n] not in trainers and core[n] not in OTHERS]
     if unknown:
         raise SystemExit(f"error: unknown contender(s) {', '.join(unknown)}; choose from "
                          f"{', '.join([*trainers, *OTHERS])}")
-    if "main" in base.values() and not args.baseline:
+    if "main" in core.values() and not args.baseline:
         raise SystemExit("error: contender main needs --baseline REF")
     if any(core[n] == "matmul" != n for n in names):
         raise SystemExit("error: contender matmul measures the products, not a heap: no /ALLOC")
-    validating = [n for n in args.validate.split(",") if n]
-    if bad := [n for n in validating if n not in names or core[n] in OTHERS]:
-        raise SystemExit(f"error: --validate {bad[0]}: name trainer contenders of --contenders "
-                         f"({','.join(n for n in names if core[n] not in OTHERS)})")
-    from aiayn.memory import allocator_library, install_hint
     for n in names:
         if heap[n] not in (None, "glibc") and allocator_library(heap[n]) is None:
             raise SystemExit(f"error: contender {n}: no {heap[n]} library here (e.g. "
                              f"{install_hint(heap[n])})")
-    return Contenders(names, base, variant, trainers, arms, arm_params, core, heap,
-                      validating)
+    return Contenders(names, core, heap, trainers, arms, arm_params)
 
 
-def prepare_variants(args, c: Contenders) -> dict:
-    """Batch tokens (None: the preset's) -> (params file, shards, tokenizer), for the batch
-    sizes some contender uses, the preset's first; --precision written into the params."""
+def prepare(args) -> tuple[Path, Path, Path]:
+    """(params file, shards, tokenizer) of the run, --precision written into the params."""
     import yaml
 
-    data = {}
-    for v in sorted(set(c.variant.values()), key=lambda v: (v is not None, v or 0)):
-        params, shards, tokenizer = prepare_data(args, v)
-        if args.precision:
-            raw = yaml.safe_load(params.read_text())
-            raw["train"]["precision"] = args.precision
-            params = params.with_name(f"params-{args.precision}.yaml")
-            params.write_text(yaml.safe_dump(raw, sort_keys=False))
-        data[v] = (params, shards, tokenizer)
-    return data
+    params, shards, tokenizer = prepare_data(args)
+    if args.precision:
+        raw = yaml.safe_load(params.read_text())
+        raw["train"]["precision"] = args.precision
+        params = params.with_name(f"params-{args.precision}.yaml")
+        params.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return params, shards, tokenizer
 
 
-def start_workers(args, c: Contenders, data: dict, scratch: Path, threads: int,
+def start_workers(args, c: Contenders, data: tuple, scratch: Path, threads: int,
                   matmul_dtype: str, workers: dict[str, Worker]) -> None:
     """One worker per contender (contender main's on the baseline commit's tree), each
     added to ``workers`` as it starts, so that the caller closes whatever started."""
     tree = (harness.extract_tree(args.baseline, scratch / "baseline")
-            if "main" in c.base.values() else None)
+            if "main" in c.core.values() else None)
+    params, shards, tokenizer = data
     for n in c.names:
-        n_params, n_shards, n_tokenizer = data[c.variant[n]]
-        spec = {"name": n, "core": c.core[n], "params": str(n_params), "shards": str(n_shards),
-                "tokenizer": str(n_tokenizer), "scratch": str(scratch), "threads": threads,
-                "matmul_dtype": matmul_dtype, "train": c.trainers.get(c.base[n], {}),
-                "validate": n in c.validating,
-                "raw": str(Path(n_shards).parent / "raw")}  # the download stage's folder
-        if spec["validate"] and not (Path(spec["raw"]) / "valid.parquet").is_file():
-            raise SystemExit(f"error: --validate {n}: valid BLEU reads the raw valid split, "
-                             f"{spec['raw']}/valid.parquet, which is missing: leave out "
-                             "--shards (the data stages then make both), or give shards whose "
-                             "folder has raw/ beside them")
-        workers[n] = Worker(spec, tree if c.base[n] == "main" else None, c.heap[n])
-        if c.base[n] == "main":
+        spec = {"name": n, "params": str(params), "shards": str(shards),
+                "tokenizer": str(tokenizer), "scratch": str(scratch), "threads": threads,
+                "matmul_dtype": matmul_dtype, "train": c.trainers.get(c.core[n], {})}
+        workers[n] = Worker(spec, tree if c.core[n] == "main" else None, c.heap[n])
+        if c.core[n] == "main":
             print(f"{n}: {workers[n].info['aiayn']} (git {args.baseline}); params it does "
                   f"not know, dropped: {', '.join(workers[n].info['dropped_params']) or '-'}")
 
 
-def round_line(replies: dict[str, dict], tokens: dict[str, int]) -> str:
-    """A round's progress line: each trainer's target tokens/s (``tokens`` over its reply's
-    wall seconds), the matmul rate, and each worker's resident memory after the round."""
-    line = "target tok/s: " + "  ".join(f"{n} {tokens[n] / replies[n]['wall']:.0f}"
-                                        for n in replies if n != "matmul")
+def round_line(replies: dict[str, dict], tokens: int) -> str:
+    """A round's progress line: each trainer's target tokens/s (the round's ``tokens`` over
+    its reply's wall seconds), the matmul rate, and each worker's resident memory."""
+    line = "target tok/s: " + "  ".join(f"{n} {tokens / x['wall']:.0f}"
+                                        for n, x in replies.items() if n != "matmul")
     if "matmul" in replies:
         line += "  matmul " + "/".join(f"{v:.0f}" for v in
                                        replies["matmul"]["gflops"].values()) + " GFLOP/s"
@@ -891,10 +574,10 @@ def round_line(replies: dict[str, dict], tokens: dict[str, int]) -> str:
     return line + ("  | RSS MiB: " + "  ".join(rss) if rss else "")
 
 
-def run_rounds(args, c: Contenders, workers: dict[str, Worker], data: dict, cfg,
-               cfgs: dict) -> dict:
+def run_rounds(args, c: Contenders, workers: dict[str, Worker], params: Path, shards: Path,
+               cfg, cfgs: dict) -> dict:
     """Warm-up, then --rounds alternating rounds of --steps steps per contender; each
-    round's batches counted (tokens, FLOPs per softmax width and per arm's own shape)."""
+    round's batches counted (tokens, and FLOPs per softmax width and per arm's shape)."""
     from bench.flops import train_flops
 
     for n, w in workers.items():  # warm-up: allocator, kernels, Adam state, compilation
@@ -902,57 +585,43 @@ def run_rounds(args, c: Contenders, workers: dict[str, Worker], data: dict, cfg,
         w.ask(f"run {args.warmup}")
         print(f"warm-up {n}: {time.perf_counter() - t:.0f} s", flush=True)
     runs: dict[str, list[dict]] = {n: [] for n in c.names}
-    flops = {v: [] for v in data}  # per batch size: the round's model FLOPs and tokens
-    tokens = {v: [] for v in data}
-    # the softmax's width per contender (model.output_vocab), and per batch size and width
-    # the round's FLOPs
+    tokens, flops = [], []  # the round's target tokens and model FLOPs (whole vocabulary)
+    # the softmax's width per contender (model.output_vocab), each width's FLOPs per round
     spans = {n: int(w.info.get("output_vocab") or cfg.vocab_size) for n, w in workers.items()}
-    widths = sorted(set(spans.values()))
-    span_flops = {(v, k): [] for v in data for k in widths}
+    span_flops: dict[int, list[float]] = {k: [] for k in sorted(set(spans.values()))}
     own_flops = {n: [] for n in cfgs}  # an arm's FLOPs, on its own shape
     for r, order in harness.rounds(c.names, args.rounds):
-        for v, (v_params, v_shards, _) in data.items():
-            batches = round_batches(v_params, v_shards, args.steps,
-                                    args.warmup + r * args.steps)
-            flops[v].append(sum(train_flops(cfg, s, t) for s, t, _ in batches))
-            for k in widths:
-                span_flops[v, k].append(sum(train_flops(cfg, s, t, k) for s, t, _ in batches))
-            tokens[v].append(sum(n for *_, n in batches))
-            for n in cfgs:
-                if c.variant[n] == v:
-                    own_flops[n].append(sum(train_flops(cfgs[n], s, t, spans[n])
-                                            for s, t, _ in batches))
+        batches = round_batches(params, shards, args.steps, args.warmup + r * args.steps)
+        for k, x in span_flops.items():
+            x.append(sum(train_flops(cfg, s, t, k) for s, t, _ in batches))
+        tokens.append(sum(n for *_, n in batches))
+        flops.append(sum(train_flops(cfg, s, t) for s, t, _ in batches))
+        for n, x in own_flops.items():
+            x.append(sum(train_flops(cfgs[n], s, t, spans[n]) for s, t, _ in batches))
         for n in order:
             runs[n].append(workers[n].ask(f"run {args.steps}"))
-        last = {n: runs[n][-1] for n in c.names}
         print(f"round {r + 1}/{args.rounds} "
-              + round_line(last, {n: tokens[c.variant[n]][r] for n in c.names if n != "matmul"}),
-              flush=True)
+              + round_line({n: runs[n][-1] for n in c.names}, tokens[r]), flush=True)
     # each contender's FLOPs per round: an arm's on its own shape, the others' on the preset's
-    n_flops = {n: own_flops[n] if n in cfgs else span_flops[c.variant[n], spans[n]]
+    n_flops = {n: own_flops[n] if n in cfgs else span_flops[spans[n]]
                for n in c.names if n != "matmul"}
     return {"runs": runs, "tokens": tokens, "flops": flops, "n_flops": n_flops, "spans": spans,
             "heaps": {n: w.info["allocator"] for n, w in workers.items()}}
 
 
 # the pairs whose ratio is printed when both ran
-PAIRS = (("fast", "main"), ("fast", "plain"), ("plain", "main"), ("fast", "nn"),
-         ("fast+drop", "nn+drop"), ("fast+compile", "fast"), ("fast+compile", "main"),
-         ("fast+drop", "fast"), ("nn+drop", "nn"), ("fast+target", "fast+shared"),
-         ("fast+shared", "main"), ("fast+shared", "nn"), ("fast+target", "main"))
+PAIRS = (("fast", "main"), ("fast", "plain"), ("plain", "main"))
 
 
 def ratio_pairs(c: Contenders, measured: list[str]) -> list[tuple[str, str]]:
     """The (numerator, denominator) pairs whose ratio is printed, of the ``measured``
     contenders: PAIRS, whatever heap each side ran on; the same contender on two heaps, in
-    the order given; each batch size against the preset's; each arm against fast."""
+    the order given; each arm against fast."""
     pairs = [(n, m) for a, b in PAIRS for n in measured for m in measured
              if c.core[n] == a and c.core[m] == b]
     pairs += [(n, m) for i, n in enumerate(measured) for m in measured[i + 1:]
               if c.core[n] == c.core[m]]
-    pairs += [(n, c.base[n]) for n in measured  # each batch size against the preset's
-              if c.variant[n] is not None and c.base[n] in measured]
-    pairs += [(n, "fast") for n in measured if c.base[n] in c.arms and "fast" in measured]
+    pairs += [(n, "fast") for n in measured if c.core[n] in c.arms and "fast" in measured]
     return list(dict.fromkeys(pairs))
 
 
@@ -965,10 +634,8 @@ def summarise(args, c: Contenders, measured: dict) -> tuple[dict, dict | None, d
     for n in c.names:
         if n == "matmul":
             continue
-        n_tokens = tokens[c.variant[n]]
-        tps[n] = [n_tokens[r] / x["wall"] for r, x in enumerate(runs[n])]
-        results[n] = {"tokens_per_s": med(tps[n]), "batch_tokens": c.variant[n],
-                      "output_vocab": spans[n],
+        tps[n] = [tokens[r] / x["wall"] for r, x in enumerate(runs[n])]
+        results[n] = {"tokens_per_s": med(tps[n]), "output_vocab": spans[n],
                       "gflop_per_s": med(n_flops[n][r] / x["wall"] / 1e9
                                          for r, x in enumerate(runs[n])),
                       "wall_s_per_step": med(x["wall"] for x in runs[n]) / args.steps,
@@ -977,9 +644,6 @@ def summarise(args, c: Contenders, measured: dict) -> tuple[dict, dict | None, d
                       "tokens_per_s_rounds": tps[n],
                       "allocator": measured["heaps"][n],
                       "rss_mib_rounds": [x.get("rss_mib") for x in runs[n]],
-                      "validation": {k: sum(x.get("validation", {}).get(k, 0) for x in runs[n])
-                                     for k in ("passes", "bleu_passes", "wall")},
-                      **({"onednn": measured["onednn"][n]} if "onednn" in measured else {}),
                       **{k: runs[n][-1][k] for k in ("graphs", "graph_breaks")
                          if k in runs[n][-1]}}
     matmul = None
@@ -1002,10 +666,9 @@ def print_report(args, c: Contenders, p, cfg, measured: dict, summary: tuple,
     tokens, flops, spans = measured["tokens"], measured["flops"], measured["spans"]
     width = max(len(n) for n in c.names) + 2
     print(f"\n{minutes:.1f} min")
-    for v in tokens:
-        print(f"batches of <= {v or p.shard.max_tokens} tokens: "
-              f"{statistics.fmean(tokens[v]) / args.steps:.0f} non-pad target tokens and "
-              f"{statistics.fmean(flops[v]) / args.steps / 1e9:.1f} GFLOP (model FLOPs) per step")
+    print(f"batches of <= {p.shard.max_tokens} tokens: "
+          f"{statistics.fmean(tokens) / args.steps:.0f} non-pad target tokens and "
+          f"{statistics.fmean(flops) / args.steps / 1e9:.1f} GFLOP (model FLOPs) per step")
     if any(k != cfg.vocab_size for k in spans.values()):
         print("softmax over the target side's tokens only (model.output_vocab: target), its "
               "FLOPs counted at that width: " + ", ".join(
@@ -1028,24 +691,11 @@ def print_report(args, c: Contenders, p, cfg, measured: dict, summary: tuple,
         if res.get("graphs"):
             line += f"   compiled graphs {res['graphs']}, graph breaks {res['graph_breaks']}"
         print(line)
-    for n, res in results.items():
-        v = res["validation"]
-        if v["passes"]:
-            print(f"  {n}: {v['passes']} validation passes ({v['bleu_passes']} with valid BLEU) "
-                  f"in the rounds, {v['wall']:.0f} s, left out of its figures")
     if matmul:
         shapes = ", ".join(f"{k} {v:.0f}" for k, v in matmul["shapes"].items())
         kind = "bf16" if matmul_dtype == "bfloat16" else "fp32"
         print(f"{'matmul':<{width}}{'':>13}{matmul['gflop_per_s']:>9.1f}   ({kind} products: "
               f"{shapes} GFLOP/s)")
-    if "onednn" in measured:
-        steps = next(iter(measured["onednn"].values()))["steps"]
-        print(f"\noneDNN primitives per step ({steps} steps after the rounds, creation log on):")
-        print(f"{'contender':<{width}}{'built':>8}{'reused':>8}{'ran':>8}"
-              f"{f'distinct in {steps} steps':>22}")
-        for n, x in measured["onednn"].items():
-            print(f"{n:<{width}}{x['built']:>8.1f}{x['reused']:>8.1f}{x['ran']:>8.1f}"
-                  f"{x['distinct']:>22}")
     if ratios:
         print("\nratios of target tokens/s (median over rounds of the per-round ratio):")
         for k, v in ratios.items():
@@ -1067,14 +717,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     c = choose_contenders(args)
     threads = args.threads or torch.get_num_threads()
-    data = prepare_variants(args, c)
-    params, shards, tokenizer = data[next(iter(data))]  # one model config in each
+    params, shards, tokenizer = data = prepare(args)
     p = parse_params(yaml.safe_load(params.read_text()))
     vocab = load_tokenizer(tokenizer).get_vocab_size()
     cfg = model_config(p, vocab)
     # an arm's own model (its FLOPs); every other contender computes the preset's
-    cfgs = {n: model_config(c.arm_params[c.base[n]], vocab) for n in c.names
-            if c.base[n] in c.arms}
+    cfgs = {n: model_config(c.arm_params[c.core[n]], vocab) for n in c.names
+            if c.core[n] in c.arms}
     amp = autocast_dtype(p.train.precision, torch.device("cpu"))
     matmul_dtype = "bfloat16" if amp == torch.bfloat16 else "float32"
     facts = {**harness.machine_facts(), "threads": threads}  # the workers' threads
@@ -1100,14 +749,11 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         t0 = time.perf_counter()
         start_workers(args, c, data, scratch, threads, matmul_dtype, workers)
-        measured = run_rounds(args, c, workers, data, cfg, cfgs)
+        measured = run_rounds(args, c, workers, params, shards, cfg, cfgs)
         minutes = (time.perf_counter() - t0) / 60
         if args.profile:  # after the timed rounds, so that every contender saw the same batches
             print(f"\n=== profile: {args.profile}, 3 steps ===")
             print(workers[args.profile].ask("profile 3")["profile"])
-        if args.primitives:  # after the timed rounds, as the profile
-            measured["onednn"] = {n: w.ask(f"onednn {args.primitives}")
-                                  for n, w in workers.items() if n != "matmul"}
     finally:
         for w in workers.values():
             w.close()
@@ -1116,10 +762,8 @@ def main(argv: list[str] | None = None) -> dict:
     summary = summarise(args, c, measured)
     print_report(args, c, p, cfg, measured, summary, matmul_dtype, minutes)
     results, matmul, ratios, _ = summary
-    tokens, flops = measured["tokens"], measured["flops"]
     out = {"info": info, "results": results, "matmul": matmul, "ratios": ratios,
-           "round_tokens": {"preset" if v is None else str(v): x for v, x in tokens.items()},
-           "round_flops": {"preset" if v is None else str(v): x for v, x in flops.items()},
+           "round_tokens": measured["tokens"], "round_flops": measured["flops"],
            "runs": measured["runs"]}
     if args.json:
         print()
