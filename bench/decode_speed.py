@@ -13,150 +13,40 @@ Usage (from the repository root)::
                                                               # with BLEU of every engine
     .venv/bin/python -m bench.decode_speed --help
 
-The exports come from the library (``aiayn.export``: ``save_ctranslate2``, ``to_marian``)
-and decode through its engines (``aiayn.engines``), as ``aiayn export`` and ``aiayn
-translate --engine`` do. ``ctranslate2`` and ``transformers`` (``pip install
-'aiayn[export]'``) are needed for their rows only (``--no-ct2``, ``--no-int8``, ``--no-hf``
-skip them).
+The exports come from the library (``aiayn.export``) and decode through its engines
+(``aiayn.engines``), as ``aiayn export`` and ``aiayn translate --engine`` do; ``ctranslate2``
+and ``transformers`` (``pip install 'aiayn[export]'``) are needed for their rows only
+(``--no-ct2``, ``--no-int8``, ``--no-hf`` skip them). Whether the engines decode as ours
+does, untimed: ``bench.export_agreement``.
 
-Model (default: the copy task)
-------------------------------
-Without ``--model``: d_model 256, 3+3 layers, 4 heads, d_ff 1024, vocabulary 8000, post-LN
-(``aiayn``'s default). Random weights decode degenerately: greedy output of a fresh model
-repeats a few tokens and never emits EOS, so every sentence runs to its maximum length
-(source + 50), a work profile unlike translation, and "the outputs agree" would test little.
-So the model is first trained for ``--train-steps`` (default 300) Adam steps on a copy task:
-batches of 32 sentences of 4-40 words drawn uniformly from 500 word ids (4-503), target =
-source; label smoothing 0.1, lr 1e-3 after 30 warm-up steps. That takes about 0.9
-CPU-seconds a step on one thread (about 5 minutes on an idle core); 50 steps are not enough
-(still degenerate: no EOS), and with Zipf-distributed words over the whole vocabulary the
-copy is not learnt within 400 steps. The result is deliberately half trained (about 40% of
-greedy output tokens right): output lengths follow the source lengths with EOS at varied
-positions (a translation-like work profile), yet the model is unsure, so beams hold real
-alternatives and near-ties. The weights are cached under ``--weights`` (default: the temp
-directory, keyed by seed and settings); a rerun loads them. ``--train-steps 0`` uses the
-random initialisation.
+The model. Without ``--model``: d_model 256, 3+3 layers, 4 heads, d_ff 1024, vocabulary
+8000, trained for ``--train-steps`` (300) Adam steps on a copy task (sentences of 4-40 word
+ids drawn from 500) and cached under ``--weights`` (default: the temp directory). Half
+trained on purpose: its outputs end at varied lengths as translations do (random weights
+never emit EOS), and its beams hold real alternatives. Inputs: ``--batches`` x
+``--batch-size`` synthetic sentences of ``--min-words``-``--max-words`` words. With
+``--model DIR --inputs FILE``: a folder written by ``aiayn average``, on the lines of FILE
+prepared as ``aiayn translate`` prepares them (encoded, empty lines dropped, cut at
+``max_positions - 1``, sorted by length, batched); ``--select head`` (default) takes the
+first ``--batches`` x ``--batch-size`` lines, ``shortest`` the first batches ``aiayn
+translate`` would make of the whole file. ``--references FILE`` adds each engine's
+sacreBLEU; ``--examples`` shows a few outputs as text.
 
-Inputs: ``--batches`` x ``--batch-size`` (64) source sentences of 10-40 words (same word
-distribution) + EOS, sorted by length and cut into batches as ``aiayn.translation`` does.
-
-Real model (``--model DIR --inputs FILE``)
-------------------------------------------
-``--model`` takes a folder written by ``aiayn average`` (``model.safetensors``,
-``config.json``, ``tokenizer.json``), loaded with ``aiayn.translation.load_translator``
-(device cpu, fp32; it checks the tokenizer's sha256 and vocabulary size against
-``config.json``). No copy-task training then: ``--train-steps``, ``--train-threads``,
-``--weights``, ``--min-words`` and ``--max-words`` are ignored. The two options go together
-(either alone is an argparse error). ``--inputs`` is plain text, one source sentence a line
-(e.g. ``../shared/data/multi30k/test2016.en``), prepared as ``aiayn.translation`` does:
-each line stripped and encoded with the model's tokenizer without special tokens, lines
-that encode to nothing dropped, a line over ``max_positions - 1`` tokens cut there (what
-``aiayn translate --truncate`` does; counted as ``truncated_in_file``), EOS appended,
-sorted by token count (stable) and cut into batches of ``--batch-size`` (default 64, the
-``decode.batch_size`` of ``params.yaml``). Which ``--batches`` x ``--batch-size``
-sentences: ``--select head`` (default) takes the first that many non-empty lines in file
-order, then sorts and batches them, i.e. exactly the batches ``aiayn translate --input``
-makes for a file of those lines, with the file's length mix; ``--select shortest`` takes
-the first batches that ``aiayn translate`` makes for the whole file, which are its
-shortest sentences (for 4 x 64 of test2016's 1000, its shortest quarter: not the file's
-length mix). Fewer sentences than asked for: all are used, and the last batch may be
-smaller. The beam settings are the script's (``--beam``, ``--alpha``,
-``--max-len-b``; max length = source tokens + EOS + b, as ``decode.max_len_a`` 1.0), not
-read from ``params.yaml``. Besides the tables below, the report shows ``--examples`` (3)
-sentences spread over the length range, detokenized with the model's tokenizer
-(``aiayn.tokenizer.decode``): the source line, our cached fp32 output and each engine's, from
-the first timed round, marked "same tokens" or "differs".
-
-Methods (all on the same batches, beam 4, alpha 0.6, max length = source length + 50)
-------------------------------------------------------------------------------------
-* ``cached``     ``beam_search(use_cache=True)``: encode once, one ``decode_step`` per token;
-* ``masked``     ``cached`` as before decoding projected onto the spanned tokens' rows: a
-                 model with ``model.output_vocab: target`` computes the logits of the whole
-                 vocabulary and sets the others to -inf (only for such a model);
-* ``bf16``       the same inside ``torch.autocast("cpu", dtype=torch.bfloat16)``;
-* ``recompute``  ``beam_search(use_cache=False)``: a full ``model(src, prefix)`` per step;
-                 slow, so timed on ``--recompute-batches`` (1) of the batches, the middle
-                 one(s) by length; its ratio to ``cached`` uses cached's times on the same
-                 batches of the same round;
-* ``ct2``        ``ctranslate2.Translator(device="cpu", compute_type="float32",
-                 inter_threads=1, intra_threads=threads).translate_batch(beam_size=4,
-                 length_penalty=0.6, max_decoding_length=max over the batch of
-                 (source length + 50))`` on the same weights (see "CTranslate2 model"),
-                 through ``aiayn.engines.CTranslate2Translator`` (patience 1, its default);
-* ``ct2_int8``   the same on an export quantized to int8 (``aiayn export --quantization
-                 int8``), ``compute_type="int8"``;
-* ``hf``         ``MarianMTModel.generate(num_beams=4, length_penalty=0.6,
-                 early_stopping="never", max_new_tokens=max over the batch)`` on the same
-                 weights (``aiayn.export.to_marian``), through
-                 ``aiayn.engines.TransformersTranslator``; torch threads as ours.
-
-``torch.set_num_threads(t)`` and CTranslate2's ``intra_threads`` take the same value ``t``,
-for each ``t`` of ``--threads`` (default 2). Each method decodes every batch once for warm-up;
-then ``--rounds`` rounds, each decoding all batches with every method, in an order rotated by
-one method per round, with a 0.5 s pause between methods (lets OpenMP threads of the other
-library stop spinning). The machine may be shared: only side-by-side ratios mean something,
-so each ratio is the median over rounds of the per-round ratio, and absolute figures are
-medians over rounds. CPU seconds (``time.process_time``, all threads of the process) come
-next to wall seconds: CPU/wall far below the thread count means time lost to other processes.
-
-CTranslate2 and transformers normalise by |Y|^alpha, ours (timed rows) by GNMT's
-((5 + |Y|) / 6)^alpha: the timed rows each decode as their engine does by default.
-
-sentences/s = sentences / wall seconds; tokens/s = generated tokens / wall seconds, where the
-generated tokens of a sentence are its output tokens + 1 (its EOS; also counted for an
-output cut at the maximum length). Beam search computes ``beam`` hypotheses per sentence;
-tokens/s counts the returned one only.
-
-CTranslate2 and transformers models
------------------------------------
-Converted by ``aiayn.export`` (its module docstring has the mapping, weight by weight):
-``save_ctranslate2(model, vocab, dir, quantization)`` for CTranslate2 (fp32 and int8) and
-``to_marian(model)`` for transformers (``MarianMTModel``, hidden dimensions permuted so that
-Marian's [sin | cos] sinusoid equals our interleaved one). One vocabulary for both sides,
-token string ``i`` for our id ``i``: for the copy task ``<pad> <s> </s> <unk> w4 ...
-w7999``, for ``--model`` the tokenizer's own tokens. Both exports carry an output bias of
--inf at PAD and BOS (our beam search's rule), so no ``suppress_sequences`` is needed; the
-engines pass ``min_decoding_length=0`` (CTranslate2's default of 1 forbids an empty output;
-ours allows it).
-
-BLEU (``--references FILE``, with ``--model``)
-----------------------------------------------
-The references of the decoded lines (the same line numbers as ``--inputs``), and for every
-method but ``recompute``, the first timed round's outputs detokenized with the model's
-tokenizer: sacreBLEU's corpus BLEU (default 13a tokenization, signature printed), and each
-engine's BLEU minus ``ct2``'s (the goal: int8 within 0.3 of fp32). With ``--batches 16``
-(x 64) all 1000 lines of Multi30k test2016 are decoded.
-
-Agreement (outside the timing)
-------------------------------
-* greedy: ``greedy_search`` against CTranslate2 ``beam_size=1`` and transformers
-  ``num_beams=1``, token for token;
-* beam 4, alpha 0: both rank finished hypotheses by log P and stop once the best finished one
-  beats every live one, so they should agree;
-* beam 4, alpha 0.6: not the same objective. Ours ranks by log P / ((5 + |Y|) / 6)^alpha
-  (GNMT; |Y| counts EOS) and stops when no live hypothesis can win any more (exact);
-  CTranslate2 ranks by log P / |Y|^alpha and stops a sentence as soon as ``beam x
-  patience`` = 4 hypotheses have finished. (|Y| with EOS in 4.8.5: its returned scores equal
-  our model's teacher-forced log P / (tokens + 1)^alpha; the script prints the largest
-  difference, about 1e-5, which also shows that both run the same weights.) An empty output
-  (EOS first) has lp = 1 under both formulas, so an unsure model can prefer it. Both keep
-  the same live beams (the top k non-EOS candidates of each step), so they differ only in
-  which finished hypothesis wins and in when they stop. Each disagreement is classified by
-  rescoring both outputs with our model (teacher forcing, fp32): "formula" (each output wins
-  under its own search's formula), "ct2 stopped early" (ours is better under both formulas:
-  CTranslate2 stopped before finding it), "ours stopped early" (CTranslate2's output is
-  better under both), "tie" (scores within 1e-4), and for the timed outputs "max length"
-  (ours was cut at source + 50, CTranslate2 ran on to the batch's one maximum).
-  Also: cached vs recompute and fp32 vs bf16 outputs.
-* beam 4 against transformers at alpha 0 (ours as is) and at alpha (ours with
-  ``length_norm="length"``, transformers' normalisation): both searches are exact
-  (``early_stopping="never"``), so they should agree; and CTranslate2 int8 against fp32.
+Methods, on the same batches (beam ``--beam`` 4, alpha ``--alpha`` 0.6, max length =
+source + ``--max-len-b`` 50): ``cached`` (``beam_search(use_cache=True)``), ``bf16`` (the same
+under CPU bf16 autocast; only on a CPU with native bf16 unless ``--bf16``), ``recompute``
+(no cache: a full forward per step, timed on the middle ``--recompute-batches`` batch),
+``ct2`` and ``ct2_int8`` (CTranslate2, ``intra_threads`` = torch's threads, one maximum
+length per batch, |Y|^alpha) and ``hf`` (``MarianMTModel.generate``). Every method decodes
+every batch once for warm-up, then ``--rounds`` rounds in an order rotated by one per round;
+figures are medians over rounds, ratios medians of per-round ratios. tokens/s counts the
+returned hypothesis's tokens and its EOS. The outputs of the first timed round are
+compared (identical token for token) between methods.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import hashlib
 import io
@@ -173,7 +63,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from aiayn.beam import BeamConfig, beam_search, length_penalty, max_lengths
+from aiayn.beam import BeamConfig, beam_search, max_lengths
 from aiayn.model import Transformer, TransformerConfig
 from aiayn.precision import cpu_has_native_bf16
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, decode, encode_ids
@@ -184,9 +74,8 @@ VOCAB = 8000
 WORDS = 500  # sentences draw their words uniformly from ids 4 .. 4 + WORDS - 1
 TRAIN_LENGTHS = (4, 40)
 VOCAB_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(4, VOCAB)]
-METHODS = ("cached", "masked", "bf16", "recompute", "ct2", "ct2_int8", "hf")
+METHODS = ("cached", "bf16", "recompute", "ct2", "ct2_int8", "hf")
 LABELS = {"cached": "ours, cached, fp32", "bf16": "ours, cached, bf16 autocast",
-          "masked": "ours, cached, masked",
           "recompute": "ours, recompute (no cache)", "ct2": "CTranslate2 fp32",
           "ct2_int8": "CTranslate2 int8", "hf": "transformers (MarianMT) fp32"}
 
@@ -387,9 +276,9 @@ def engine_cfg(batch: Batch, beam: int, alpha: float) -> BeamConfig:
                       length_norm="length")
 
 
-def ct2_decode(engine, batch: Batch, beam: int, alpha: float, num_hypotheses: int = 1):
-    return engine.results(batch.words, engine_cfg(batch, beam, alpha),
-                          num_hypotheses=num_hypotheses, return_scores=True, max_batch_size=0)
+def ct2_decode(engine, batch: Batch, beam: int, alpha: float):
+    return engine.results(batch.words, engine_cfg(batch, beam, alpha), return_scores=True,
+                          max_batch_size=0)
 
 
 def hf_decode(engine, batch: Batch, beam: int, alpha: float) -> list[list[int]]:
@@ -403,32 +292,9 @@ def ct2_ids(results, token_id: dict[str, int]) -> list[list[int]]:
 # -- ours --------------------------------------------------------------------------------
 
 def ours_decode(model, batch: Batch, cfg: BeamConfig, use_cache: bool = True,
-                bf16: bool = False, masked: bool = False) -> list[list[int]]:
-    """``masked``: a model with an output vocabulary decodes as before the projection onto
-    its rows: logits over the whole vocabulary, the others at -inf (the baseline)."""
+                bf16: bool = False) -> list[list[int]]:
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        return beam_search(model, batch.src, cfg, use_cache=use_cache, spanned_only=not masked)
-
-
-def log_probs_of(model, batch: Batch, hyps: list[list[int]], max_len: list[int]
-                 ) -> tuple[list[float], list[bool]]:
-    """log P(hyp [+ EOS] | src) under ``model`` in fp32, PAD and BOS banned as in beam.py
-    (``bench.export_agreement.our_log_p``), and whether each hypothesis ended: one as long
-    as its sentence's maximum length was cut there, with no EOS."""
-    from bench.export_agreement import our_log_p
-
-    ended = [len(h) < m for h, m in zip(hyps, max_len, strict=True)]
-    return our_log_p(model, batch.words, hyps, max_len), ended
-
-
-def gnmt(logp: float, n_out: int, alpha: float) -> float:
-    """Ours: log P / ((5 + |Y|) / 6)^alpha (``aiayn.beam.length_penalty``)."""
-    return logp / length_penalty(n_out, alpha)
-
-
-def ct2_norm(logp: float, n_out: int, alpha: float) -> float:
-    """CTranslate2 4.x: log P / |Y|^alpha, |Y| with EOS (its scores match this, see below)."""
-    return logp / length_penalty(n_out, alpha, "length") if alpha and n_out else logp
+        return beam_search(model, batch.src, cfg, use_cache=use_cache)
 
 
 # -- agreement ---------------------------------------------------------------------------
@@ -436,49 +302,6 @@ def ct2_norm(logp: float, n_out: int, alpha: float) -> float:
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
     same = sum(x == y for x, y in zip(a, b, strict=True))
     return {"sentences": len(a), "identical": same, "rate": same / len(a) if a else 1.0}
-
-
-def classify_beam(model, batches: list[Batch], ours: list[list[list[int]]],
-                  ct2: list[list[list[int]]], alpha: float, uniform: bool) -> dict:
-    """Count identical outputs; classify the others (see the module docstring).
-
-    ``uniform``: both searches ran with the batch's one maximum length (else ours per row).
-    """
-    counts = {"agree": 0, "formula": 0, "ct2 stopped early": 0, "ours stopped early": 0,
-              "tie": 0, "max length": 0}
-    examples = []
-    for batch, o_b, c_b in zip(batches, ours, ct2, strict=True):
-        diff = [i for i, (x, y) in enumerate(zip(o_b, c_b, strict=True)) if x != y]
-        counts["agree"] += len(o_b) - len(diff)
-        if not diff:
-            continue
-        mx = [batch.ct2_max_len] * len(o_b) if uniform else batch.max_len
-        lo, eo = log_probs_of(model, batch, o_b, mx)
-        lc, ec = log_probs_of(model, batch, c_b, [batch.ct2_max_len] * len(o_b))
-        for i in diff:
-            no, nc = len(o_b[i]) + eo[i], len(c_b[i]) + ec[i]
-            g_o, g_c = gnmt(lo[i], no, alpha), gnmt(lc[i], nc, alpha)
-            c_o, c_c = ct2_norm(lo[i], no, alpha), ct2_norm(lc[i], nc, alpha)
-            if not uniform and max(len(o_b[i]), len(c_b[i])) >= batch.max_len[i]:
-                kind = "max length"  # ours was cut at source + b, ct2 at the batch's max
-            elif abs(g_o - g_c) < 1e-4 or abs(c_o - c_c) < 1e-4:
-                kind = "tie"
-            elif g_o > g_c and c_c > c_o:
-                kind = "formula"
-            elif g_o > g_c:
-                kind = "ct2 stopped early"
-            else:
-                kind = "ours stopped early"
-            counts[kind] += 1
-            if len(examples) < 6:
-                examples.append({"kind": kind, "src_len": len(batch.words[i]),
-                                 "ours_len": len(o_b[i]), "ct2_len": len(c_b[i]),
-                                 "logp_ours": round(lo[i], 4), "logp_ct2": round(lc[i], 4),
-                                 "gnmt_ours": round(g_o, 4), "gnmt_ct2": round(g_c, 4),
-                                 "ct2norm_ours": round(c_o, 4), "ct2norm_ct2": round(c_c, 4)})
-    total = sum(counts.values())
-    return {"counts": counts, "rate": counts["agree"] / total if total else 1.0,
-            "examples": examples}
 
 
 # -- timing ------------------------------------------------------------------------------
@@ -493,30 +316,9 @@ def out_tokens(hyps: list[list[int]]) -> int:
     return sum(len(h) + 1 for h in hyps)
 
 
-@contextlib.contextmanager
-def counting_decode_steps(model):
-    """Count the decoder steps and rows (batch x beam) of the searches run inside the block:
-    the work a search asked of the cached decoder. Yields ``{"steps": n, "rows": n}``."""
-    work = {"steps": 0, "rows": 0}
-    step_fn = model.decode_step
-
-    def counting(tokens, state, projection=None):
-        work["steps"] += 1
-        work["rows"] += tokens.shape[0]
-        return step_fn(tokens, state, projection)
-
-    model.decode_step = counting
-    try:
-        yield work
-    finally:
-        del model.decode_step
-
-
 def profile_cached(model, batch: Batch, cfg: BeamConfig) -> dict:
     """cProfile (Python functions) and torch.profiler (operators) of one cached search."""
-    with counting_decode_steps(model) as work:
-        ours_decode(model, batch, cfg)
-    steps = {"decode_steps": work["steps"], "rows": work["rows"]}
+    ours_decode(model, batch, cfg)
     prof = cProfile.Profile()
     prof.enable()
     _, wall, _ = timed(lambda: ours_decode(model, batch, cfg))
@@ -532,7 +334,7 @@ def profile_cached(model, batch: Batch, cfg: BeamConfig) -> dict:
     table = p.key_averages().table(sort_by="self_cpu_time_total", row_limit=22)
     print("\n-- torch.profiler, same batch, by self CPU time --")
     print(table)
-    return {**steps, "profiler_table": table}
+    return {"profiler_table": table}
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[int]]:
@@ -691,106 +493,6 @@ def make_engines(args, model, vocab: list[str], cfg: BeamConfig, threads: list[i
     return engines
 
 
-def untimed_agreement(model, batches: list[Batch], cfg: BeamConfig, engines: Engines,
-                      threads: int, token_id: dict, tokenizer, info: dict) -> dict:
-    """Greedy and beam outputs of ours against each engine's, with one maximum length per
-    batch for both (CTranslate2 takes one per call): the agreements, and in ``info`` the
-    greedy outputs' lengths and the single (not alternated) passes' times."""
-    torch.set_num_threads(threads)
-    agree: dict = {}
-
-    def uniform(b: Batch, beam: int, alpha: float) -> BeamConfig:
-        return BeamConfig(beam=beam, alpha=alpha, max_len_a=0.0, max_len_b=b.ct2_max_len)
-
-    # The same passes give one (not alternated) timing each, with the same maximum lengths
-    # for both and, at alpha 0, the same stopping rule: a rough like-for-like ratio. Our
-    # decode_step is wrapped to count decoder rows x steps (the work the search asked for).
-    def ours_pass(beam: int, alpha: float) -> tuple[list[list[list[int]]], dict]:
-        with counting_decode_steps(model) as work:
-            outs, wall, _ = timed(lambda: [ours_decode(model, b, uniform(b, beam, alpha))
-                                           for b in batches])
-        return outs, {"ours_s": wall, "ours_decoder_steps": work["steps"],
-                      "ours_decoder_rows": work["rows"]}
-
-    single: dict = {}
-    greedy_ours, single["greedy"] = ours_pass(1, 0.0)
-    info["greedy_outputs"] = greedy_lengths(greedy_ours, batches, tokenizer)
-    print("greedy outputs (ours): " + ", ".join(
-        f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
-        for k, v in info["greedy_outputs"].items()), flush=True)
-    if engines.ct2:
-        tr = engines.ct2[threads]
-        greedy_ct2, single["greedy"]["ct2_s"], _ = timed(
-            lambda: [ct2_ids(ct2_decode(tr, b, 1, 0.0), token_id) for b in batches])
-        agree["greedy ours vs ct2"] = agreement(sum(greedy_ours, []), sum(greedy_ct2, []))
-        for alpha in dict.fromkeys([0.0, cfg.alpha]):
-            name = f"beam {cfg.beam} alpha={alpha}"
-            ours_b, single[name] = ours_pass(cfg.beam, alpha)
-            raw, single[name]["ct2_s"], _ = timed(
-                lambda alpha=alpha: [ct2_decode(tr, b, cfg.beam, alpha) for b in batches])
-            ct2_b = [ct2_ids(r, token_id) for r in raw]
-            # Same weights? CTranslate2's returned scores against our model's log P of
-            # CTranslate2's outputs, normalised by CTranslate2's formula.
-            diffs = []
-            for b, r, hyps in zip(batches, raw, ct2_b, strict=True):
-                lp, ended = log_probs_of(model, b, hyps, [b.ct2_max_len] * len(hyps))
-                diffs += [abs(x.scores[0] - ct2_norm(q, len(h) + e, alpha))
-                          for x, q, h, e in zip(r, lp, hyps, ended, strict=True)]
-            single[name]["max |ct2 score - our log P normalised|"] = max(diffs)
-            agree[f"{name} ours vs ct2"] = classify_beam(model, batches, ours_b, ct2_b, alpha,
-                                                         uniform=True)
-        if engines.ct2_int8:
-            tr8 = engines.ct2_int8[threads]
-            greedy_int8 = [ct2_ids(ct2_decode(tr8, b, 1, 0.0), token_id) for b in batches]
-            agree["greedy ct2 fp32 vs int8"] = agreement(sum(greedy_ct2, []),
-                                                         sum(greedy_int8, []))
-        for v in single.values():
-            v["ours / ct2 speed"] = v["ct2_s"] / v["ours_s"]
-    if engines.hf is not None:
-        greedy_hf = [hf_decode(engines.hf, b, 1, 0.0) for b in batches]
-        agree["greedy ours vs transformers"] = agreement(sum(greedy_ours, []), sum(greedy_hf, []))
-        for alpha in dict.fromkeys([0.0, cfg.alpha]):
-            norm = "gnmt" if alpha == 0 else "length"
-            ours_b = [ours_decode(model, b, BeamConfig(beam=cfg.beam, alpha=alpha, max_len_a=0.0,
-                                                       max_len_b=b.ct2_max_len,
-                                                       length_norm=norm)) for b in batches]
-            hf_b = [hf_decode(engines.hf, b, cfg.beam, alpha) for b in batches]
-            agree[f"beam {cfg.beam} alpha={alpha} ours ({norm}) vs transformers"] = agreement(
-                sum(ours_b, []), sum(hf_b, []))
-    info["single_pass"] = single
-    print(f"single passes (indicative, not alternated), {threads} thread(s), one max length per "
-          "batch for both:")
-    for k, v in single.items():
-        print(f"  {k}: ours {v['ours_s']:.2f} s ({v['ours_decoder_steps']} decoder steps, "
-              f"{v['ours_decoder_rows']} rows)" + (f", ct2 {v['ct2_s']:.2f} s, ours/ct2 "
-                                                 f"{v['ours / ct2 speed']:.2f}x"
-                                                 if "ct2_s" in v else "")
-              + "".join(f", {m} {x:.1e}" for m, x in v.items() if m.startswith("max |")))
-    for k, v in agree.items():
-        print(f"agreement {k}: {v['counts']['agree'] if 'counts' in v else v['identical']}/"
-              f"{sum(v['counts'].values()) if 'counts' in v else v['sentences']} "
-              f"({100 * v['rate']:.1f}%)" + (f" {v['counts']}" if "counts" in v else ""),
-              flush=True)
-    return agree
-
-
-def greedy_lengths(greedy: list, batches: list[Batch], tokenizer) -> dict:
-    """Lengths of our greedy outputs against the sources (and, for the copy task, how many
-    are the source itself)."""
-    lens = [len(h) for g in greedy for h in g]
-    cut = sum(len(h) >= m for g, b in zip(greedy, batches, strict=True)
-              for h, m in zip(g, b.max_len, strict=True))
-    src_lens = [len(w) for b in batches for w in b.words]
-    out = {"mean_src_words" if tokenizer is None else "mean_src_tokens": statistics.fmean(src_lens),
-           "mean_len": statistics.fmean(lens),
-           "min_len": min(lens), "max_len": max(lens), "distinct_lengths": len(set(lens)),
-           "longer_than_source_plus_b": cut}
-    if tokenizer is None:  # the copy task: how many outputs are the source
-        out["exact_copies"] = sum(h == w for g, b in zip(greedy, batches, strict=True)
-                                  for h, w in zip(g, b.words, strict=True))
-    return out
-
-
 def time_methods(args, model, batches: list[Batch], cfg: BeamConfig, engines: Engines,
                  methods: list[str], threads: list[int], rc_idx: list[int],
                  token_id: dict) -> tuple[dict, dict]:
@@ -811,7 +513,7 @@ def time_methods(args, model, batches: list[Batch], cfg: BeamConfig, engines: En
             if method == "hf":
                 return timed(lambda: hf_decode(engines.hf, b, cfg.beam, cfg.alpha))
             return timed(lambda: ours_decode(model, b, cfg, use_cache=method != "recompute",
-                                             bf16=method == "bf16", masked=method == "masked"))
+                                             bf16=method == "bf16"))
 
         def batch_ids(method: str) -> list[int]:
             return rc_idx if method == "recompute" else list(range(len(batches)))
@@ -839,30 +541,19 @@ def time_methods(args, model, batches: list[Batch], cfg: BeamConfig, engines: En
     return results, first_outputs
 
 
-def timed_agreement(model, batches: list[Batch], cfg: BeamConfig, fo: dict,
-                    rc_idx: list[int]) -> dict:
-    """Agreement of the first timed round's outputs (``fo``: method -> batch -> outputs)."""
-    agree: dict = {}
-    all_b = list(range(len(batches)))
-    if "ct2" in fo:
-        agree[f"timed beam {cfg.beam} alpha={cfg.alpha} ours (max len per sentence) vs ct2"] = (
-            classify_beam(model, batches, [fo["cached"][i] for i in all_b],
-                          [fo["ct2"][i] for i in all_b], cfg.alpha, uniform=False))
-    if "recompute" in fo:
-        agree["beam cached vs recompute"] = agreement(
-            sum((fo["cached"][i] for i in rc_idx), []),
-            sum((fo["recompute"][i] for i in rc_idx), []))
-    if "masked" in fo:
-        agree["beam spanned rows vs masked logits"] = agreement(
-            sum((fo["cached"][i] for i in all_b), []), sum((fo["masked"][i] for i in all_b), []))
-    if "bf16" in fo:
-        agree["beam fp32 vs bf16"] = agreement(sum((fo["cached"][i] for i in all_b), []),
-                                               sum((fo["bf16"][i] for i in all_b), []))
-    for m in ("ct2_int8", "hf"):
-        if m in fo and "ct2" in fo:
-            agree[f"timed beam {cfg.beam} alpha={cfg.alpha} ct2 vs {m}"] = agreement(
-                sum((fo["ct2"][i] for i in all_b), []), sum((fo[m][i] for i in all_b), []))
-    return agree
+def timed_agreement(fo: dict, n_batches: int, rc_idx: list[int]) -> dict:
+    """How many of the first timed round's outputs (``fo``: method -> batch -> outputs) are
+    identical between methods: ours against each engine (CTranslate2 and transformers
+    normalise by |Y|^alpha, ours by GNMT's ((5 + |Y|) / 6)^alpha, so beams may part), cached
+    against recompute and bf16, int8 against fp32."""
+    def joined(m: str, idx) -> list:
+        return sum((fo[m][i] for i in idx), [])
+
+    every = range(n_batches)
+    pairs = [("cached", m, every) for m in ("bf16", "ct2", "ct2_int8", "hf")]
+    pairs += [("cached", "recompute", rc_idx), ("ct2", "ct2_int8", every)]
+    return {f"{a} vs {b}": agreement(joined(a, idx), joined(b, idx))
+            for a, b, idx in pairs if a in fo and b in fo}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -882,18 +573,15 @@ def main(argv: list[str] | None = None) -> dict:
           + " ".join(f"{tuple(b.src.shape)}" for b in batches)
           + f"; recompute timed on batch(es) {rc_idx}")
     engines = make_engines(args, model, vocab, cfg, threads)
-    agree = untimed_agreement(model, batches, cfg, engines, threads[0], token_id, tokenizer,
-                              info)
     methods = [m for m in METHODS
                if not (m == "ct2" and not engines.ct2) and not (m == "bf16" and args.no_bf16)
                and not (m == "ct2_int8" and not engines.ct2_int8)
                and not (m == "hf" and engines.hf is None)
-               and not (m == "recompute" and not rc_idx)
-               and not (m == "masked" and model.output_vocab() is None)]
+               and not (m == "recompute" and not rc_idx)]
     results, fo = time_methods(args, model, batches, cfg, engines, methods, threads, rc_idx,
                                token_id)
     info["results"] = {str(t): v for t, v in results.items()}
-    agree.update(timed_agreement(model, batches, cfg, fo, rc_idx))
+    agree = timed_agreement(fo, len(batches), rc_idx)
     if tokenizer is not None and batches[0].refs:
         info["bleu"] = bleu_scores(tokenizer, batches, fo)
     info["agreement"] = agree
@@ -979,7 +667,6 @@ def summarize(runs: dict, rc_idx: list[int], rounds: int) -> dict:
 
     # speed ratio X/Y = time(Y) / time(X), per round on the same batches, median
     ratios["cached / recompute"] = ratio("recompute", "cached", rc_idx)
-    ratios["spanned rows / masked logits (cached)"] = ratio("masked", "cached")
     ratios["ours cached / ct2"] = ratio("ct2", "cached")
     ratios["ours bf16 / ct2"] = ratio("ct2", "bf16")
     ratios["ct2 fp32 / ours cached"] = ratio("cached", "ct2")
@@ -1022,17 +709,10 @@ def report(info: dict, results: dict, agree: dict, n_sent: int, n_rc: int) -> No
                     "ct2 fp32 / ours cached": "  (goal >= 1.5)",
                     "ct2 int8 / ours cached": "  (goal >= 2)"}.get(k, "")
             print(f"{t:>7}  speed ratio {k}: {v:.2f}x{goal}")
-    print("\n== agreement ==")
+    print(f"\n== identical outputs, first timed round (beam {info['beam']['beam']}, alpha "
+          f"{info['beam']['alpha']}) ==")
     for k, v in agree.items():
-        if "counts" in v:
-            tot = sum(v["counts"].values())
-            print(f"{k}: {v['counts']['agree']}/{tot} identical ({100 * v['rate']:.1f}%); "
-                  "disagreements: " + (", ".join(f"{c} {n}" for c, n in v["counts"].items()
-                                                  if c != "agree" and n) or "none"))
-            for ex in v["examples"]:
-                print(f"    {ex}")
-        else:
-            print(f"{k}: {v['identical']}/{v['sentences']} identical ({100 * v['rate']:.1f}%)")
+        print(f"{k}: {v['identical']}/{v['sentences']} ({100 * v['rate']:.1f}%)")
     print(f"(recompute timed on {n_rc} of {n_sent} sentences)")
     print("outputs of the first timed round: " + "; ".join(
         f"{m}: {v['tokens']} tokens (with EOS) for {v['sentences']} sentences, {v['empty']} empty"
