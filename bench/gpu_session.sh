@@ -1,112 +1,47 @@
 #!/usr/bin/env bash
-# The GPU checks as one prepared run, for a GPU machine lent for a few minutes.
+# The GPU checks as one prepared run, for a GPU machine at hand for a few minutes.
 #
 #   bash bench/gpu_session.sh prepare   # here, with .venv: wheels, multi30k data and params
 #   bash bench/gpu_session.sh           # there, from the repository root ($OUT: results)
-# The bench scripts run as modules from the repository root ($PY -m bench.gpu_step).
 #
-# `prepare` fills two git-ignored folders that travel with the working tree:
-#   .whl/       wheels of what the pipeline needs beyond a CUDA PyTorch image (pydantic and
-#               sacremoses; MLflow and DVC are not needed: stages run without --mlflow)
-#   .gpu/m30k/  the multi30k preset's params.yaml (a step budget: STEPS, with a MINUTES
-#               guard) and data/{raw,vocab,shards}, built by the pipeline's own stages.
-# The run then, each part under its own time limit so that one failure leaves the others:
-#   1. bench.gpu_step, base and big, bf16, eager: tokens/s, split, MFU; base again with
-#      cuDNN attention allowed (the baseline of avoid_cudnn_attention), and on batch shapes
-#      met before, profiled, and on them with the loss in the CPU's blocks (the baseline
-#      of aiayn.kernels.loss_blocks on CUDA)
-#   2. base with torch.compile inside DDP under torchrun (NCCL), graphs counted
-#   3. the multi30k preset trained on the GPU by the train stage (bf16, fused Adam, pinned
-#      prefetch, validation BLEU), then average, translate (valid, test) and score.
-#   1e. base on shapes met before, bf16 weights cast once per step (the trainer's
-#      aiayn.precision.step_casts) against once per micro-batch (--cast-per-batch), ABAB
-#   4. a recipe screen (arms and seeds fixed by `prepare`'s SCREEN and SEEDS): the
-#      multi30k preset with each arm's settings and each seed, trained side by side on the
-#      one GPU (precision auto: bf16 there) for the steps that 2 AVX2-only CPU cores reach
-#      in the preset's hour at the arm's speed (SCREEN_STEPS, or the arm's own
-#      train.steps; the lr cooldown by steps, SCREEN_MINUTES only a guard), then average
-#      (the count chosen on valid), translate valid, score valid.
-#      Valid only: the recipe is chosen on valid.
-#   5. micro-batch size (issue 44): bench.gpu_step, base and big, bf16, new shapes
-#      every step, 25k target tokens per step as 4 x 6,250 (the default) or 1 x 25,000,
-#      eager, ABAB, with the kernel launches of a step counted; then 1 x 25,000 compiled.
-#      All under one deadline (PART5_SECONDS) so that part 6 keeps its time.
-#   7. fp16 (issue 44, goal 3): gpu_step base and big, 1 x 25,000, bf16 against fp16 with
-#      dynamic loss scaling, ABAB; then big compiled (did not fit part 5's deadline).
-#   8. Table 3 (issue 46) on multi30k: the paper's 20 rows built on the preset by
-#      aiayn.table3, side by side for TABLE3_MINUTES each (the cooldown by the clock), no
-#      averaging, then translate and score valid; $RES/table3.md in the paper's layout.
-#  10. repeated batch shapes (issue 44): on new shapes every matrix product pays ~120-250 us
-#      of host time (cuBLAS's choice for a shape it has not met; ~12-27 us on shapes met
-#      before: the 2026-11-26 profiles), and a packed decoder's row count is new at
-#      every batch. gpu_step with widths padded to multiples of 8, the decoder on the padded
-#      batch (--no-packing) and every shape met once before measuring (--warm-shapes: a
-#      long run's steady state) against today's step, ABAB; the same without padding (the
-#      shape cache's gain alone); then base compiled, default and reduce-overhead (CUDA
-#      graphs, one per shape). Beside today's step in the same rounds, its baseline with
-#      the int16 dropout masks on the GPU (--int16-dropout: five launches per dropout where
-#      the model now keeps F.dropout's one). All under PART10_SECONDS.
-#  11. de->en (issue 45): the arm part 6 chose on valid (DEEN_ARM overrides), its seeds with
-#      source and target swapped, side by side as part 6 (CONV_MINUTES), then test2016.
-#      A call of its own after part 6 on the same machine (~6 min), or alone with DEEN_ARM.
-#   9. decoding on the GPU (issue 44, goal 2): bench.decode_batching over the multi30k
-#      valid sources, greedy (the validation BLEU pass) and beam 8 at alpha 1.4 (the
-#      preset's translate), with DECODE_BASELINES' decoders at decode.batch_size 64 against
-#      this checkout's at DECODE_BATCHES, side by side; the model is `prepare`'s copy of
-#      DECODE_MODEL (a folder written by `aiayn average`), else one that part 3, 8 or 6
-#      trained, else the preset trained here for 2 minutes. Runs after the other parts.
-#   6. multi30k towards convergence (issue 45): runs of CONV arms x CONV_SEEDS side by side
-#      on the one GPU, each with 8,192-token batches (one micro-batch a step; shards of
-#      `prepare`'s .gpu/m30k8k), up to CONV_STEPS steps, the time budget CONV_MINUTES (the
-#      cooldown follows whichever ends first), greedy valid BLEU every 1000 steps (the
-#      curve), then average (the count chosen on valid), translate valid, score valid; the
-#      arm with the best mean valid sacreBLEU alone then translates and scores test2016.
-#      An arm that sets the data stages (data.*, vocab.*, survey.*, shard.*: e.g. the
-#      vocabulary's size) trains on data that `prepare` built for it with those settings
-#      (.gpu/m30k8k-<arm>, and -deen for part 11; ~10 MB of the carry's 64 MiB for the
-#      two); the others share .gpu/m30k8k.
-# Results: $OUT/session.log, $OUT/results.tar.gz (parts 5 and 6: JSON records, run folders'
-# params.yaml, run.log and metrics/), and for parts 1-4, $OUT/gpu_step_*.json, $OUT/m30k.tar.gz (metrics/, params.yaml),
-# $OUT/screen/<arm>-s<seed>/ (params.yaml, run.log, metrics/).
-# About 10 minutes on an H200 (the machine's start not counted); PARTS="1c 1d 2 3" MINUTES=2
-# took 7 minutes (docs/results/gpu-h200/2026-11-26-loss-blocks); PARTS=4 with 12 runs of 1750 steps
-# 3.5 minutes (2026-11-27-recipe-screen). The default shape screen, 15 runs of 1280-2520 steps, is 1.4x
-# that screen's steps in all: by that rate about 5 minutes, not yet run (7 at most: the guard).
+# `prepare` fills two git-ignored folders that travel with the working tree: .whl/ (wheels of
+# what a CUDA PyTorch image lacks) and .gpu/ (the multi30k preset's data, each part's params
+# files). PARTS picks the parts (default "1 2 3"; a sub-part as "1c"), each under its own time
+# limit, so that one failure leaves the others:
+#   1a. bench.gpu_step: base and big, bf16, eager, new batch shapes every step
+#   1c. bench.gpu_step: base on batch shapes met before, first and last step profiled
+#   2.  bench.gpu_step: base, torch.compile inside DDP under torchrun (NCCL), graphs counted
+#   3.  the multi30k preset: train (STEPS; MINUTES a guard), average, translate, score
+#   4.  recipe screen: SCREEN's arms x SEEDS side by side for their steps, scored on valid
+#   6.  towards convergence: CONV's arms x CONV_SEEDS, 8k-token steps, CONV_MINUTES each;
+#       the best arm on valid then translates and scores test2016
+#   7.  bench.gpu_step: fp16 (dynamic loss scaling) against bf16, 1 x 25,000 tokens, ABAB
+#   8.  Table 3's rows built on the multi30k preset (aiayn.table3), TABLE3_MINUTES each
+#   9.  bench.decode_batching on the GPU: greedy and beam 8 by batch size, against baselines
+#   10. bench.gpu_step: batch widths padded to multiples of 8, the decoder unpacked, shapes
+#       met before, against the step as it is (ABAB); then compiled, with CUDA graphs
+#   11. de->en: part 6's chosen arm (DEEN_ARM overrides) with source and target swapped
+# Results: $OUT/session.log, gpu_step_*.json, m30k.tar.gz, screen/, and results.tar.gz
+# (parts 6-11: JSON records, run folders' params.yaml, run.log, metrics/). Past runs and
+# their timings: docs/results/gpu-h200/.
 set -u
 STEPS=${STEPS:-4000}
 MINUTES=${MINUTES:-3}
 PY=${PY:-python3}
 M30K=${M30K:-../shared/data/multi30k}  # the corpus (prepare only): {train,val,test2016}.{en,de}
-PARTS=${PARTS:-"1 2 3"}                 # which parts to run: "1 2 3", or sub-parts ("1c 1d 3")
+PARTS=${PARTS:-"1 2 3"}                 # which parts to run: "1 2 3", or sub-parts ("1c 3")
 WORK=${WORK:-.gpu/m30k}                 # part 3's folder
-# part 4: "name:KEY=VALUE KEY=VALUE;name:..." (an arm without settings is the preset itself;
-# an arm's own train.steps overrides SCREEN_STEPS). The default: model shapes, each trained
-# for the steps the AVX2-only CPU's hour holds at that shape's speed. SCREEN_STEPS x the
-# shape's target tokens/s over the preset's, measured side by side on that CPU
-# (bench.train_throughput --arm, two runs, bench/README.md): d_ff 512 1.17-1.18x,
-# 2+2 layers 1.28x, d 192 (3 heads, d_ff 768) 1.40-1.48x, d 320 (5 heads, d_ff 1280)
-# 0.71-0.75x. The recipe screen of 2026-11-27 (docs/results/gpu-h200/) set SCREEN to arms of
-# train.* settings at SCREEN_STEPS, e.g. "preset:;dropout0.1:model.dropout=0.1".
+# part 4: "name:KEY=VALUE KEY=VALUE;name:..." (no settings: the preset; an arm's train.steps
+# overrides SCREEN_STEPS). The default: model shapes, each for the steps the AVX2-only CPU's
+# hour holds at its speed (bench.train_throughput --arm, bench/README.md)
 SCREEN=${SCREEN:-"preset:;ff512:model.d_ff=512 train.steps=2055;l2:model.encoder_layers=2 model.decoder_layers=2 train.steps=2240;d192:model.d_model=192 model.heads=3 model.d_ff=768 train.steps=2520;d320:model.d_model=320 model.heads=5 model.d_ff=1280 train.steps=1280"}
 SEEDS=${SEEDS:-"1 2 3"}
-SCREEN_STEPS=${SCREEN_STEPS:-1750}      # the AVX2-only CPU's hour: steps 1683-1750 (2026-11-26/27)
+SCREEN_STEPS=${SCREEN_STEPS:-1750}      # the AVX2-only CPU's hour of the preset
 SCREEN_MINUTES=${SCREEN_MINUTES:-7}     # a guard only: the steps end each run first
-PART5_SECONDS=${PART5_SECONDS:-190}     # part 5's deadline, all its runs together
-PART7_SECONDS=${PART7_SECONDS:-330}     # part 7's
+PART7_SECONDS=${PART7_SECONDS:-330}     # part 7's deadline, all its runs together
 PART10_SECONDS=${PART10_SECONDS:-500}   # part 10's
-# part 6: arms as SCREEN's ("name:KEY=VALUE ..."), on top of the preset with 8k-token steps
-# The first screen (2026-11-28-micro-batch-dropout: "d0.2:;d0.3:model.dropout=0.3") chose dropout 0.3 on valid;
-# the next one regularises further or widens the model, all at dropout 0.3 or more, and
-# offers averages of up to 30 checkpoints (all four runs of 2026-11-28 took the widest, 20).
-# v10k: dropout 0.3 with the vocabulary of the published 41.02 (Wu et al. 2021: 10k BPE
-# merges; here byte-level, so 256 bytes + 4 specials + 10,000 merges), on its own data.
-# The published recipe whole (Transformer-tiny at peak lr 0.005; it lost on the AMX CPU at
-# 28M tokens, still underfitting) is one arm away, if CONV_MINUTES lets it reach its 8,000
-# steps: "wu:model.d_model=128 model.d_ff=256 model.encoder_layers=4 model.decoder_layers=4
-# model.dropout=0.3 train.warmup_steps=2000 train.lr_scale=2.53 vocab.vocab_size=10260".
-# rdrop: the multi30k_rdrop preset (R-Drop, alpha 5, at the preset's dropout 0.2): valid
-# 42.08 and test2016 41.31 / 41.73 lc-tok over 2 seeds in the AMX CPU hour at 17-18M tokens
-# (docs/results/multi30k/bf16-amx-rdrop/); its step costs ~2x, so it sees fewer steps here.
+# part 6: arms as SCREEN's, on the preset with 8k-token steps; an arm that sets the data
+# stages (data.*, vocab.*, survey.*, shard.*) trains on data `prepare` builds for it
 CONV=${CONV:-"rdrop:train.rdrop=5;d0.3:model.dropout=0.3;reg:model.dropout=0.3 train.attention_dropout=0.1 train.activation_dropout=0.1 train.subword_split=0.1;wide:model.d_model=512 model.heads=8 model.d_ff=2048 model.dropout=0.4;v10k:model.dropout=0.3 vocab.vocab_size=10260"}
 CONV_AVERAGE=${CONV_AVERAGE:-"[1,5,10,20,30]"}
 CONV_SEEDS=${CONV_SEEDS:-"1 2"}
@@ -114,7 +49,7 @@ CONV_STEPS=${CONV_STEPS:-8000}          # the published recipe's 8,000 updates o
 CONV_MINUTES=${CONV_MINUTES:-4}         # each run's time budget (validation included)
 TABLE3_MINUTES=${TABLE3_MINUTES:-5}     # part 8: each of Table 3's rows, side by side
 DECODE_MODEL=${DECODE_MODEL:-}          # part 9 (prepare): a model folder to carry
-# part 9 (prepare): the decoders before the grouped state (055b2b1) and before bf16 weights (0b24f1f)
+# part 9 (prepare): baseline decoders (055b2b1: before the grouped state; 0b24f1f: bf16 weights)
 DECODE_BASELINES=${DECODE_BASELINES:-"055b2b1 0b24f1f"}
 DECODE_BATCHES=${DECODE_BATCHES:-"64,128,1024"}
 DECODE_DEVICE=${DECODE_DEVICE:-cuda}   # part 9 (cpu: a dry run here)
@@ -129,7 +64,7 @@ own_data() {
 if [ "${1:-}" = prepare ]; then
     set -e
     # (also the run folders and results of an earlier run or dry run: they would travel and
-    # be packed with this run's; the carry holds 64 MiB in all, DECODE_MODEL ~30 MB of it)
+    # be packed with this run's; a DECODE_MODEL is ~30 MB of what travels)
     rm -rf .whl .gpu/m30k .gpu/out .gpu/deen && mkdir -p .gpu/m30k
     for d in .whl .gpu; do grep -qx "/$d/" .git/info/exclude || echo "/$d/" >> .git/info/exclude; done
     # Python 3.12 wheels for the CUDA image (versions as this project's .venv resolves them)
@@ -265,11 +200,6 @@ part "1a. gpu_step: base and big, bf16, eager, new batch shapes every step"
 timeout 150 $PY -m bench.gpu_step --configs base,big --json "$OUT/gpu_step_eager.json" \
     || echo "PART 1a FAILED ($?)"
 fi
-if want 1b; then
-part "1b. the same for base with cuDNN attention left in SDPA's choice (the baseline)"
-timeout 60 $PY -m bench.gpu_step --configs base --warmup 3 --steps 8 --cudnn-attention \
-    --json "$OUT/gpu_step_cudnn.json" || echo "PART 1b FAILED ($?)"
-fi
 if want 1c; then
 part "1c. base on shapes met before (--reuse), first and last step profiled"
 timeout 120 $PY -m bench.gpu_step --configs base --warmup 30 --steps 10 --reuse --profile \
@@ -277,22 +207,6 @@ timeout 120 $PY -m bench.gpu_step --configs base --warmup 30 --steps 10 --reuse 
 rc=${PIPESTATUS[0]}  # the benchmark's status, not grep's
 [ "$rc" -eq 0 ] || echo "PART 1c FAILED ($rc)"
 fi
-if want 1d; then
-part "1d. the same shapes with the loss in the CPU's 256-row blocks (the baseline of loss_blocks)"
-timeout 90 $PY -m bench.gpu_step --configs base --warmup 30 --steps 10 --reuse --cpu-loss-blocks \
-    --json "$OUT/gpu_step_cpu_loss_blocks.json" || echo "PART 1d FAILED ($?)"
-fi
-if want 1e; then
-part "1e. base on shapes met before: weights cast once per step (default) / per micro-batch, ABAB"
-for round in 1 2; do
-    for how in step batch; do
-        flag=(); [ "$how" = batch ] && flag=(--cast-per-batch)
-        timeout 60 $PY -m bench.gpu_step --configs base --warmup 20 --steps 10 --reuse "${flag[@]}" \
-            --json "$OUT/gpu_step_cast_${how}_$round.json" || echo "PART 1e FAILED ($?)"
-    done
-done
-fi
-
 if want 2; then
 part "2. gpu_step: base, torch.compile inside DDP (torchrun, NCCL)"
 timeout 240 $PY -m torch.distributed.run --standalone --nproc-per-node 1 -m bench.gpu_step --ddp --compile \
@@ -357,7 +271,7 @@ part "4. recipe screen: $(ls .gpu/screen/*.yaml | wc -l) runs side by side"
 side_by_side 4 .gpu/screen "$PWD/$WORK/data" "$SCREEN_MINUTES" 2 "$OUT/screen"
 $PY -m bench.screen_table --runs .gpu/screen/*/
 fi
-RES=$PWD/.gpu/out  # parts 5 and 6 write here; packed into $OUT/results.tar.gz after each
+RES=$PWD/.gpu/out  # parts 6-11 write here; packed into $OUT/results.tar.gz after each
 mkdir -p "$RES"
 pack() { tar czf "$OUT/results.tar.gz" -C "$RES" . 2>/dev/null; }
 
@@ -366,24 +280,9 @@ step_run() {  # $1: the JSON's name, $2: the seconds it may take at most; the re
     local name=$1 limit=$2 left=$((deadline - SECONDS)); shift 2
     [ "$left" -lt "$limit" ] && limit=$left
     if [ "$limit" -lt 15 ]; then echo "PART $label SKIPPED $name: the part's deadline"; return; fi
-    local run=($PY)
-    case " $* " in *" --ddp "*) run=($PY -m torch.distributed.run --standalone --nproc-per-node 1);; esac
-    timeout "$limit" "${run[@]}" -m bench.gpu_step --configs base,big --count-kernels "$@" \
+    timeout "$limit" $PY -m bench.gpu_step --configs base,big --count-kernels "$@" \
         --json "$RES/gpu_step_$name.json" || echo "PART $label FAILED $name ($?)"
 }
-
-if want 5; then
-part "5. micro-batch size: 4 x 6250 against 1 x 25000 (eager, ABAB), then 1 x 25000 compiled"
-deadline=$((SECONDS + PART5_SECONDS)) label=5
-for round in 1 2; do
-    step_run "mb6250_$round" 50 --warmup 3 --steps 8 --max-tokens 6250
-    step_run "mb25000_$round" 50 --warmup 3 --steps 8 --max-tokens 25000 \
-        $([ "$round" = 2 ] && echo --profile)  # where the time goes, in the log
-done
-step_run mb25000_ddp 60 --warmup 3 --steps 8 --max-tokens 25000 --ddp  # torchrun, NCCL
-step_run mb25000_compile 150 --warmup 6 --steps 8 --max-tokens 25000 --compile --configs base
-pack
-fi
 
 if want 7; then
 part "7. fp16 (dynamic loss scaling) against bf16, 1 x 25000, eager, ABAB; big compiled"
@@ -397,11 +296,11 @@ pack
 fi
 
 if want 10; then
-part "10. repeated batch shapes: widths to multiples of 8, decoder unpacked, shapes met before; ABAB against today's; compiled"
+part "10. repeated batch shapes: widths to multiples of 8, decoder unpacked, shapes met before; ABAB against the step as it is; compiled"
 deadline=$((SECONDS + PART10_SECONDS)) label=10
 shapes=(--max-tokens 25000 --no-packing --warm-shapes)
 for round in 1 2; do
-    step_run "today_$round" 50 --warmup 3 --steps 8 --max-tokens 25000
+    step_run "asis_$round" 50 --warmup 3 --steps 8 --max-tokens 25000
     step_run "pad8_$round" 70 --warmup 3 --steps 8 "${shapes[@]}" --pad-multiple 8
     step_run "int16drop_$round" 50 --warmup 3 --steps 8 --max-tokens 25000 --int16-dropout
 done
@@ -444,8 +343,6 @@ pack
 fi
 
 if want 11; then
-# de->en (issue 45): the arm part 6 chose on en->de valid (its record; DEEN_ARM overrides),
-# each of CONV_SEEDS with source and target swapped, side by side, then test2016
 arm=${DEEN_ARM:-$(cat "$RES/conv_best.txt" 2>/dev/null)}
 arm=${arm:-d0.3}
 part "11. de->en: arm $arm, seeds $CONV_SEEDS side by side, then test2016"

@@ -16,9 +16,7 @@ autocast where the GPU has it natively, fused Adam, gradient accumulation over b
 ``torch.compile``, optionally inside ``DistributedDataParallel`` (``--ddp``, under
 torchrun: NCCL on GPUs, gloo on CPU; compiled after wrapping, as the trainer does), with
 cuDNN attention out of SDPA's choice as in the trainer (``--cudnn-attention`` leaves it in:
-it builds a plan per new shape), and the fused loss in blocks sized for the device
-(``aiayn.fast.loss_blocks``; ``--cpu-loss-blocks``: the CPU's 256-row blocks, the
-baseline). Batches are token buckets of WMT-like lengths (lognormal,
+it builds a plan per new shape). Batches are token buckets of WMT-like lengths (lognormal,
 median 26 BPE tokens, 2..256, target = source x N(1, 0.1)), made once, random ids, each
 step's new (``--reuse``: the measured steps cycle through the warm-up's, shapes met
 before). It prints target tokens/s, the step's time split into forward + loss (the fused
@@ -42,7 +40,6 @@ big steps of ~25k target tokens) take on 1 x H100 and 8 x A100 at 30, 40 and 50%
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import re
 import statistics
@@ -208,11 +205,8 @@ def measure(name: str, args, device: torch.device) -> dict:
     accum = plan.accumulation
     # --reuse: the measured steps cycle through the warm-up's batches, whose shapes were met.
     fresh = args.warmup + (0 if args.reuse else args.steps)
-    # --cpu-loss-blocks, the baseline: whatever the device, the CPU's blocks
-    blocks = (fast.loss_blocks(torch.device("cpu"), cfg.vocab_size, kernels)
-              if args.cpu_loss_blocks else None)
     criterion = make_criterion(kernels="fast", label_smoothing=0.1, rdrop=0.0, pad_id=0,
-                               embedding=model.embedding.weight, amp_dtype=amp, blocks=blocks,
+                               embedding=model.embedding.weight, amp_dtype=amp,
                                pack=not args.no_packing, config=kernels)
     batches = make_batches(fresh * accum, plan.batch_tokens, 1, device, args.pad_multiple)
     timer = Timer(device)
@@ -223,8 +217,7 @@ def measure(name: str, args, device: torch.device) -> dict:
         t0 = timer.mark()
         marks = []  # (before forward, after forward + loss, after backward) per micro-batch
         total = sum(b.tgt_tokens for b in group)
-        # as the trainer: bf16 weights cast once per step (--cast-per-batch: per micro-batch)
-        with contextlib.nullcontext() if args.cast_per_batch else step_casts(device.type, amp):
+        with step_casts(device.type, amp):  # as the trainer: bf16 weights cast once per step
             for b in group:
                 b = b.to(device, non_blocking=True)
                 a = timer.mark()
@@ -280,9 +273,8 @@ def measure(name: str, args, device: torch.device) -> dict:
               "shapes_warmed": len(warmed),
               "dropout": "int16 masks" if args.int16_dropout or device.type != "cuda"
               else "F.dropout",
-              "weight_casts": "per micro-batch" if args.cast_per_batch else "per step",
               "cudnn_attention": torch.backends.cuda.cudnn_sdp_enabled(),
-              "loss_blocks": blocks or fast.loss_blocks(device, cfg.vocab_size, kernels),
+              "loss_blocks": fast.loss_blocks(device, cfg.vocab_size, kernels),
               "batch_shapes": len(shapes),
               "max_tokens": args.max_tokens,
               "launches_per_step": launches,
@@ -379,7 +371,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--pad-multiple", type=int, default=1,
                     help="pad every batch's widths (and count lengths in the cut) up to a "
                          "multiple of this, so that batch shapes repeat (default 1: as the "
-                         "shard stage cuts today)")
+                         "shard stage cuts)")
     ap.add_argument("--int16-dropout", action="store_true",
                     help="dropout masks from aiayn.fast.dropout on a GPU too (the "
                          "baseline: the model keeps F.dropout's fused kernel there)")
@@ -393,12 +385,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "batch's shape, which repeats with --pad-multiple")
     ap.add_argument("--cudnn-attention", action="store_true",
                     help="leave cuDNN attention in SDPA's choice (the trainer takes it out)")
-    ap.add_argument("--cpu-loss-blocks", action="store_true",
-                    help="the fused loss in the blocks sized for a CPU (32 MiB chunks, 256-row "
-                         "softmax), as before loss_blocks sized them for CUDA: the baseline")
-    ap.add_argument("--cast-per-batch", action="store_true",
-                    help="cast the weights to bf16 in every micro-batch (the baseline of the "
-                         "trainer's once per step, aiayn.precision.step_casts)")
     ap.add_argument("--reuse", action="store_true",
                     help="measured steps reuse the warm-up's batches (shapes met before)")
     ap.add_argument("--profile", action="store_true",
@@ -471,7 +457,6 @@ def measure_configs(args, device: torch.device) -> list[dict]:
           + ("; decoder on the padded batch (no packing)" if args.no_packing else "")
           + ("; every batch shape met once before measuring" if args.warm_shapes else "")
           + ("; cuDNN attention allowed" if args.cudnn_attention else "")
-          + ("; the loss in CPU-sized blocks" if args.cpu_loss_blocks else "")
           + (f"; DDP over {dist.get_world_size()} process(es), "
              f"{dist.get_backend()}" if args.ddp else ""))
     measured = []
