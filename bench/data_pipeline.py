@@ -6,30 +6,19 @@ Usage (from the repository root)::
     .venv/bin/python -m bench.data_pipeline --pairs 200000   # quick check
     .venv/bin/python -m bench.data_pipeline --help
 
-What it does:
-
-1. Generates a synthetic English-German corpus straight into the raw split files of the
-   download stage (``WORKDIR/raw/{train,valid,test}.parquet``; string columns ``de`` and
-   ``en``, zstd, row groups of 50k pairs), deterministically from ``--seed``. Sentence
-   lengths are lognormal like WMT (English mean ~23 words, median ~20, tail past 100,
-   clipped at 250; German = English x ~0.95 +- noise); words are Zipf-distributed over
-   large syllable-built vocabularies (German: longer words, compounds, capitalised nouns,
-   umlauts and sharp s), plus shared names, numbers and attached punctuation, so that the
-   number of distinct whitespace tokens (1-2M per side at 4.5M pairs) and the BPE training
-   cost are of WMT14's order. Everything is numpy-vectorised and streamed chunk by chunk:
-   strings are assembled as bytes and handed to Arrow without Python string objects. A
-   corpus of the same size, seed and generator version already in the work folder is
-   reused.
-2. Writes ``WORKDIR/params.yaml``: the repository's ``params.yaml`` with the paper's
-   WMT14 data settings (37000 BPE tokens, max_tokens 6250, max_len 256, ...).
-3. Runs ``aiayn vocab``, ``aiayn survey`` and ``aiayn shard`` one after another as child
-   processes, exactly as ``dvc repro`` would but with paths under the work folder, and
-   measures each child's wall time, CPU time and peak RSS (``os.wait4`` rusage, plus a
-   sampled RSS timeline), against the goals: the three stages under 15 minutes together,
-   no stage over 4 GiB. Prints a table and the stages' key metrics and writes everything
-   to ``WORKDIR/bench_data_pipeline.json``; each stage's output (with arrival times) is in
-   ``WORKDIR/logs/``. ``--profile`` runs each stage under cProfile instead
-   (``WORKDIR/profile/{stage}.prof`` and a top-function listing; this adds overhead).
+It writes a synthetic English-German corpus straight into the download stage's raw split
+files (``WORKDIR/raw/{train,valid,test}.parquet``), deterministically from ``--seed``:
+lognormal sentence lengths as WMT's, Zipf-distributed words over syllable-built
+vocabularies of WMT14's order (German with compounds, capitalised nouns, umlauts), shared
+names, numbers and punctuation; numpy-vectorised and streamed chunk by chunk, and reused
+while size, seed and generator version match. Then it runs ``aiayn vocab``, ``survey`` and
+``shard`` as ``dvc repro`` would (the command from ``dvc.yaml``, every ``data/`` and
+``metrics/`` path moved under the work folder, the paper's WMT14 data settings in
+``WORKDIR/params.yaml``), each in a child whose own ``wait4`` rusage gives its wall time, CPU
+time and peak RSS, and judges them against the goals: the three stages under 15 minutes
+together, no stage over 4 GiB. Everything goes to ``WORKDIR/bench_data_pipeline.json``, each
+stage's output with arrival times to ``WORKDIR/logs/``; ``--profile`` runs each stage under
+cProfile (``WORKDIR/profile/``).
 """
 
 from __future__ import annotations
@@ -46,7 +35,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -518,12 +506,9 @@ class StageResult:
     user_s: float
     sys_s: float
     peak_rss_gib: float  # ru_maxrss of the stage process (wait4): its own peak
-    sampled_peak_rss_gib: float  # RSS of the child and its descendants, sampled
-    sampled_peak_at_s: float
     events: list  # (seconds since start, log line) of the stage's own log lines
-    rss_timeline: list  # (seconds, GiB) samples, about one per second
     log: str
-    mean_loadavg: float  # 1-minute load average of the machine, sampled during the stage
+    mean_loadavg: float  # the machine's 1-minute load average, mean of start and end
     interrupted: bool = False
 
     def as_dict(self) -> dict:
@@ -563,21 +548,6 @@ def _loadavg() -> float:
         return float("nan")
 
 
-def _tree_rss(proc) -> int:
-    import psutil
-
-    total = 0  # the wrapper itself (a few MiB) is left out
-    try:
-        for child in proc.children(recursive=True):
-            try:
-                total += child.memory_info().rss
-            except psutil.Error:
-                pass
-    except psutil.Error:
-        pass
-    return total
-
-
 def _pump(stream, log, name: str, start: float, events: list, echo_every: float) -> None:
     """Copy a stage's output to its log with arrival times; echo log lines (and progress
     every ``echo_every`` seconds); collect the log lines and 100% progress lines."""
@@ -609,8 +579,6 @@ def _pump(stream, log, name: str, start: float, events: list, echo_every: float)
 
 def run_stage(name: str, argv: list[str], log_path: Path, echo_every: float = 20.0) -> StageResult:
     """Run one stage, stream its output to a log (with arrival times), measure it."""
-    import psutil
-
     log_path.parent.mkdir(parents=True, exist_ok=True)
     print(f"\n$ {' '.join(argv)}", flush=True)
     start = time.perf_counter()
@@ -618,20 +586,7 @@ def run_stage(name: str, argv: list[str], log_path: Path, echo_every: float = 20
     usage_file.unlink(missing_ok=True)
     proc = subprocess.Popen([sys.executable, "-c", RUSAGE_WRAPPER, str(usage_file), *argv],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    ps = psutil.Process(proc.pid)
-    samples: list[tuple[float, int]] = []
-    done = threading.Event()
-    loads: list[float] = []
-
-    def sample() -> None:
-        while not done.is_set():
-            samples.append((time.perf_counter() - start, _tree_rss(ps)))
-            if len(samples) % 20 == 1:
-                loads.append(_loadavg())
-            done.wait(0.25)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
+    load = _loadavg()
     events: list[tuple[float, str]] = []
     interrupted = False
     with open(log_path, "w", encoding="utf-8", buffering=1) as log:
@@ -643,24 +598,13 @@ def run_stage(name: str, argv: list[str], log_path: Path, echo_every: float = 20
             proc.terminate()  # the wrapper passes it on to the stage
     proc.wait()
     wall = time.perf_counter() - start
-    done.set()
     usage = _read_json(usage_file) or {"ru_maxrss_kib": 0, "ru_utime": 0.0, "ru_stime": 0.0}
-    sampler.join()
-    peak_t, peak = max(samples, key=lambda s: s[1]) if samples else (0.0, 0)
-    timeline, next_t = [], 0.0
-    for t, rss in samples:
-        if t >= next_t:
-            timeline.append((round(t, 2), round(rss / GIB, 3)))
-            next_t = t + 1.0
     return StageResult(
         name=name, argv=argv, returncode=proc.returncode, wall_s=wall,
         user_s=usage["ru_utime"], sys_s=usage["ru_stime"],
         peak_rss_gib=usage["ru_maxrss_kib"] * 1024 / GIB,  # KiB on Linux
-        sampled_peak_rss_gib=peak / GIB, sampled_peak_at_s=peak_t,
-        events=events, rss_timeline=timeline, log=str(log_path),
-        mean_loadavg=float(np.mean(loads)) if loads else _loadavg(),
-        interrupted=interrupted,
-    )
+        events=events, log=str(log_path), mean_loadavg=(load + _loadavg()) / 2,
+        interrupted=interrupted)
 
 
 # Prints, for each stage of the `aiayn` CLI, its options and their defaults (as JSON).
@@ -844,18 +788,18 @@ def print_table(results: list[StageResult], total_wall: float,
     """The stages' table with totals, and the goals' verdicts: those are for WMT14's
     training set, so a run on fewer ``pairs`` reports them as not judged (None)."""
     print("\n" + "=" * 78)
-    print(f"{'stage':<8} {'wall s':>9} {'peak RSS GiB':>13} {'sampled GiB':>12} "
-          f"{'CPU s':>9} {'CPU/wall':>9} {'load':>6}  status")
+    print(f"{'stage':<8} {'wall s':>9} {'peak RSS GiB':>13} {'CPU s':>9} {'CPU/wall':>9} "
+          f"{'load':>6}  status")
     print("-" * 78)
     for r in results:
         cpu = r.user_s + r.sys_s
-        print(f"{r.name:<8} {r.wall_s:9.1f} {r.peak_rss_gib:13.2f} {r.sampled_peak_rss_gib:12.2f} "
-              f"{cpu:9.1f} {cpu / max(r.wall_s, 1e-9):9.2f} {r.mean_loadavg:6.1f}  "
+        print(f"{r.name:<8} {r.wall_s:9.1f} {r.peak_rss_gib:13.2f} {cpu:9.1f} "
+              f"{cpu / max(r.wall_s, 1e-9):9.2f} {r.mean_loadavg:6.1f}  "
               f"{'ok' if r.returncode == 0 else f'FAILED ({r.returncode})'}")
     peak = max((r.peak_rss_gib for r in results), default=0.0)
     cpu = sum(r.user_s + r.sys_s for r in results)
     print("-" * 78)
-    print(f"{'total':<8} {total_wall:9.1f} {peak:13.2f} {'':>12} {cpu:9.1f} "
+    print(f"{'total':<8} {total_wall:9.1f} {peak:13.2f} {cpu:9.1f} "
           f"{cpu / max(total_wall, 1e-9):9.2f}  (peak = max over stages)")
     complete = len(results) == len(STAGES) and all(r.returncode == 0 for r in results)
     wall_ok = complete and total_wall <= GOAL_WALL_S
@@ -995,8 +939,7 @@ def run_stages(args, work: Path, commands: dict) -> list[StageResult]:
             continue
         res = run_stage(name, commands[name], work / f"logs/{name}.log")
         results.append(res)
-        print(f"  -> {name}: {res.wall_s:.1f} s wall, peak RSS {res.peak_rss_gib:.2f} GiB "
-              f"(sampled {res.sampled_peak_rss_gib:.2f} GiB at {res.sampled_peak_at_s:.0f} s), "
+        print(f"  -> {name}: {res.wall_s:.1f} s wall, peak RSS {res.peak_rss_gib:.2f} GiB, "
               f"exit {res.returncode}", flush=True)
         if args.profile:
             print_profile(work / f"profile/{name}.prof")
