@@ -8,33 +8,23 @@ Usage (from the repository root)::
     .venv/bin/python -m bench.gpu_step --device cpu --configs tiny --steps 3   # smoke test
     torchrun --standalone --nproc-per-node 1 -m bench.gpu_step --ddp --compile --configs base
 
-With a CUDA device it measures, for the paper's base and big configurations (Table 3, shared
-37k BPE vocabulary), the step the trainer takes with the defaults: ``train.kernels: fast``
-(a decoder without padding, the fused output-projection loss; ``aiayn/fast/``), bf16
-autocast where the GPU has it natively, fused Adam, gradient accumulation over batches of
-``--max-tokens`` (6250) up to ``--tokens-per-step`` (25000: the paper's), optionally
-``torch.compile``, optionally inside ``DistributedDataParallel`` (``--ddp``, under
-torchrun: NCCL on GPUs, gloo on CPU; compiled after wrapping, as the trainer does), with
-cuDNN attention out of SDPA's choice as in the trainer (``--cudnn-attention`` leaves it in:
-it builds a plan per new shape). Batches are token buckets of WMT-like lengths (lognormal,
-median 26 BPE tokens, 2..256, target = source x N(1, 0.1)), made once, random ids, each
-step's new (``--reuse``: the measured steps cycle through the warm-up's, shapes met
-before). It prints target tokens/s, the step's time split into forward + loss (the fused
-loss also forms its own gradients there), backward and optimizer (CUDA events, read once
-per step), peak memory, and MFU: model FLOPs (``bench.flops``: weight matmuls,
-attention and the tied projection of the real tokens, x3 for forward + backward) per
-second over the GPU's dense bf16 peak (H100 SXM/H200 989, H100 PCIe 756, A100 312, L4 121,
-A10 125 TFLOP/s; ``--peak-tflops`` for others). With ``--compile`` it also counts the
-graphs Dynamo made and its graph breaks over all the batch shapes it met; ``--profile``
-prints torch.profiler's top operators of the first and the last step (not measured).
-``--count-kernels`` profiles one more step after the measured ones and records what a step
-launches: on a GPU its CUDA kernels (and memory copies/sets), on a CPU the operators called
-from Python (torch.profiler's ``aten::`` events with no ``aten::`` parent), so that a
-change that cuts launches is seen on a CPU before a GPU measures it.
+With a CUDA device it measures the step the trainer takes for the paper's base and big
+configurations (shared 37k vocabulary): ``train.kernels: fast``, bf16 autocast where the GPU
+has it, fused Adam, batches of ``--max-tokens`` (6250) accumulated to ``--tokens-per-step``
+(25000), cuDNN attention out of SDPA's choice as in the trainer (``--cudnn-attention``
+leaves it in), optionally ``--compile`` and ``--ddp`` (under torchrun, compiled after
+wrapping as the trainer does). Batches are token buckets of WMT-like lengths with random
+ids, new at every step (``--reuse``: the warm-up's again, shapes met before). It prints
+target tokens/s, the step split into forward + loss, backward and optimizer (CUDA events),
+peak memory and MFU (``bench.flops``'s model FLOPs over the GPU's dense bf16 peak;
+``--peak-tflops`` for a GPU the table lacks); with ``--compile`` Dynamo's graphs and graph
+breaks; ``--profile`` prints torch.profiler's top operators of the first and last step;
+``--count-kernels`` records what one step launches (CUDA kernels on a GPU, operators called
+from Python on a CPU, so that a change that cuts launches shows on a CPU first).
 
 Without a GPU (or with ``--estimate``) it measures nothing and says so, and prints an
-estimate from the counted FLOPs: the time the paper's schedules (100k base steps and 300k
-big steps of ~25k target tokens) take on 1 x H100 and 8 x A100 at 30, 40 and 50% MFU.
+estimate from the counted FLOPs: the paper's schedules (100k base steps, 300k big) on
+1 x H100 and 8 x A100 at 30, 40 and 50% MFU.
 """
 
 from __future__ import annotations

@@ -1,31 +1,21 @@
 """What the bench scripts share, so that each script holds only its own question.
 
-Run a script from the repository root as a module: ``.venv/bin/python -m bench.<name> --help``.
+* arguments: ``parser`` (the script's docstring as its help), ``require_positive`` and
+  ``int_list`` (argparse's usage error, naming the option and the fix);
+* the machine facts a figure must name: ``machine_facts`` (CPU model and kind from its
+  /proc/cpuinfo flags, native bf16, instruction caps, torch and its threads, the GPU) and
+  ``machine_line``, the same as one printed line;
+* alternating rounds: ``rounds`` (each round's order, rotated by one, so that a machine's
+  drift hits every contender alike) and ``ratio`` (taken round by round: median and range);
+* the JSON record: ``save`` adds ``argv``, ``time`` and ``machine`` to the results and
+  writes them whole or not at all (``--json``);
+* a baseline commit: ``extract_tree`` unpacks another commit's library, and
+  ``module_command``/``child_env`` start a bench script that imports it;
+* ``train_stage_args``: the train stage's flags for a run folder apart from DVC.
 
-A timing means something only beside the machine it was taken on and the figures it was
-taken against, so the scripts that time something share these parts:
-
-* **arguments**: ``parser`` (the script's docstring as its help), ``require_positive`` and
-  ``int_list`` (argparse's usage error, exit status 2, naming the option and the fix);
-* **machine facts** a figure must name: ``machine_facts`` (CPU model, its kind from the
-  /proc/cpuinfo flags: AMX, AVX512-BF16, AVX-512, AVX2-only, ...; native bf16, the
-  instruction caps in force, torch and its threads, the GPU when there is one) and
-  ``machine_line``, the same as one printed line. The CPU's name, flags and caps are
-  ``aiayn.precision``'s, which records the same in a training's metrics;
-* **alternating rounds**: ``rounds`` gives each round's order (rotated by one per round, so
-  a machine's drift hits every contender alike), ``alternate`` runs contenders through
-  them, ``ratio`` is a ratio taken round by round and summarised (median and range);
-* **the JSON record**: ``save`` adds ``argv``, ``time`` and ``machine`` to a script's
-  results and writes them atomically (``--json``);
-* **a baseline commit**: ``extract_tree`` unpacks the library of another commit into a
-  folder, and ``module_command``/``child_env`` start a bench script as a child process that
-  imports the library from such a folder (or from this checkout);
-* **a training apart from DVC**: ``train_stage_args``, the train stage's flags for one run
-  folder (the tests start theirs with it too).
-
-The library (``aiayn``) is imported inside the functions that need it, not at the top: a
-child process of ``bench.train_throughput`` imports this module with a baseline commit's
-``aiayn`` first on its path, and that may lack what the newest one has.
+The library is imported inside the functions that need it: a child process of
+``bench.train_throughput`` imports this module with a baseline commit's ``aiayn`` first on
+its path, and that may lack what the newest one has.
 """
 
 from __future__ import annotations
@@ -39,14 +29,13 @@ import shlex
 import statistics
 import subprocess
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 CPUINFO = Path("/proc/cpuinfo")
-T = TypeVar("T")
 
 
 # =========================================================================== arguments
@@ -104,14 +93,6 @@ def cpu_kind(cpuinfo: Path = CPUINFO) -> str:
     return next((kind for flag, kind in CPU_KINDS if flag in flags), "unknown")
 
 
-def describe_caps() -> str:
-    """'' when nothing is capped, else ', capped by NAME=VALUE ...' for a figure's header."""
-    from aiayn.precision import instruction_caps_text
-
-    caps = instruction_caps_text()
-    return f", capped by {caps}" if caps else ""
-
-
 def machine_facts() -> dict:
     """What a figure must name about the machine it was taken on (plain JSON values)."""
     import torch
@@ -148,16 +129,6 @@ def rounds(names: Sequence[str], n: int) -> Iterator[tuple[int, list[str]]]:
     for r in range(n):
         k = r % len(names)
         yield r, names[k:] + names[:k]
-
-
-def alternate(contenders: Mapping[str, Callable[[], T]], n: int) -> dict[str, list[T]]:
-    """Each contender called once per round, in the turns of ``rounds``: what each returned
-    (a time, say), in round order."""
-    out: dict[str, list[T]] = {name: [] for name in contenders}
-    for _, order in rounds(list(contenders), n):
-        for name in order:
-            out[name].append(contenders[name]())
-    return out
 
 
 @dataclass(frozen=True)

@@ -1,38 +1,22 @@
-"""Resident memory of CPU training with and without ``aiayn.memory.HeapTrimmer``.
+"""Resident memory and step time of CPU training on each C heap: glibc with and without the
+trainer's ``malloc_trim`` (``aiayn.memory.HeapTrimmer``), tcmalloc, jemalloc.
 
 Usage (from the repository root)::
 
     .venv/bin/python -m bench.train_memory --corpus ../shared/data/multi30k  # 300 steps
-    .venv/bin/python -m bench.train_memory --steps 100 --repeats 2 --json out.json
+    .venv/bin/python -m bench.train_memory --modes trim,tcmalloc --steps 200 --repeats 2
     .venv/bin/python -m bench.train_memory --preset demo --steps 60   # the toy corpus
     .venv/bin/python -m bench.train_memory --help
 
-What it measures
-----------------
-Token-bucket batches have a different shape at almost every step, so each step allocates
-activations of new sizes. On glibc the freed blocks stay in malloc's heap, fragmented, and
-the resident set size (RSS) of a training process creeps up for as long as it runs.
-``aiayn.training.Trainer`` on CPU calls ``malloc_trim(0)`` every
-``aiayn.memory.TRIM_EVERY_STEPS`` steps through ``HeapTrimmer``. This script trains the
-same model on the same batches with the trimmer (``trim``) and without it (``notrim``) and
-prints RSS along the way and seconds per step.
-
-Each mode runs in a fresh Python process (a heap is per process), one after the other,
-alternating ``notrim``/``trim`` ``--repeats`` times; the machine may be shared, so compare
-the modes of one run as ratios. What trains is the real ``aiayn.training.Trainer`` stepping
-through its own loader, as ``bench.train_throughput``'s ``fast`` contender does (its
-worker class, its data preparation): the ``--preset`` (``multi30k`` by default: from the
-hub, or from its text files in ``--corpus``; ``demo`` needs none), with ``-S`` overrides,
-batches of the preset's size or steps of one ``--max-tokens`` micro-batch, the sampler
-seeded by ``--seed``: the same sequence of batches in both modes. It computes in the
-precision ``aiayn train`` picks (``--precision``, default ``auto``: bf16 autocast on a CPU
-with native bf16, fp32 elsewhere; see ``aiayn.precision``). The ``notrim`` worker replaces
-the trainer's trimmer by a disabled one.
-
-Reported per mode: the peak RSS in the warm-up (``--warmup`` steps) and in five windows
-after it (peaks, not samples: right after a trim step RSS is low, and sampling there would
-flatter the trimmed run), the growth from the warm-up's peak to the last window's, and the
-median seconds per step after the warm-up.
+Token-bucket batches change shape at almost every step; on glibc the freed blocks stay in
+the heap, fragmented, and a long run's RSS creeps up. Each mode trains the real
+``aiayn.training.Trainer`` (``bench.train_throughput``'s worker, on the ``--preset``'s data)
+on the same batches in a fresh process of its own (a heap is per process), one after the
+other, ``--repeats`` times: ``notrim`` and ``trim`` on glibc, ``tcmalloc`` and ``jemalloc``
+preloaded as ``aiayn train`` preloads them. Printed per mode: the peak RSS of the warm-up
+and of five windows after it (peaks: right after a trim RSS is low, and a sample there
+would flatter the trimmed run), the growth from the first to the last, and the median
+seconds per step; then each mode against the first, as ratios.
 """
 
 from __future__ import annotations
