@@ -13,11 +13,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Not the repository's own pages: tools' and DVC's folders, run stores, and pipeline outputs
-# (data/ holds the stages' outputs, model cards included).
+# Not the repository's own pages: tools' and DVC's folders (its cache included), run stores,
+# and pipeline outputs (data/ holds the stages' outputs, the exports' model cards included).
 SKIP_DIRS = {".git", ".venv", "venv", ".dvc", "mlruns", "mlartifacts", "node_modules",
              ".pytest_cache", ".ruff_cache", "__pycache__", "build", "dist"}
-SKIP_TOP = {"data", "export/data"}
+SKIP_TOP = {"data", "export"}
 
 FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1")
