@@ -33,7 +33,7 @@ PARTS=${PARTS:-"1 2 3"}                 # which parts to run: "1 2 3", or sub-pa
 WORK=${WORK:-.gpu/m30k}                 # part 3's folder
 # part 4: "name:KEY=VALUE KEY=VALUE;name:..." (no settings: the preset; an arm's train.steps
 # overrides SCREEN_STEPS). The default: model shapes, each for the steps the AVX2-only CPU's
-# hour holds at its speed (bench.train_throughput --arm, bench/README.md)
+# hour holds at its speed (docs/results/bench/2026-11-cpu-step-history.md, --arm)
 SCREEN=${SCREEN:-"preset:;ff512:model.d_ff=512 train.steps=2055;l2:model.encoder_layers=2 model.decoder_layers=2 train.steps=2240;d192:model.d_model=192 model.heads=3 model.d_ff=768 train.steps=2520;d320:model.d_model=320 model.heads=5 model.d_ff=1280 train.steps=1280"}
 SEEDS=${SEEDS:-"1 2 3"}
 SCREEN_STEPS=${SCREEN_STEPS:-1750}      # the AVX2-only CPU's hour of the preset
