@@ -66,7 +66,7 @@ import torch.nn.functional as F
 from aiayn.beam import BeamConfig, beam_search, max_lengths
 from aiayn.model import Transformer, TransformerConfig
 from aiayn.precision import cpu_has_native_bf16
-from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, decode, encode_ids
+from aiayn.tokenizer import BOS_ID, PAD_ID, decode, encode_ids
 from aiayn.translation import source_batch
 from bench import harness
 
@@ -107,7 +107,6 @@ def pad(seqs: list[list[int]], pre: tuple[int, ...] = (), post: tuple[int, ...] 
 class Batch:
     words: list[list[int]]  # source token ids (copy task: word ids), without EOS
     src: torch.Tensor  # (B, S) ids + EOS, PAD-padded
-    tokens: list[list[str]]  # the same as CTranslate2 token strings, with "</s>"
     max_len: list[int]  # our per-sentence maximum output length (EOS included)
     texts: list[str] = field(default_factory=list)  # --inputs: the source lines
     refs: list[str] = field(default_factory=list)  # --references: their reference lines
@@ -117,17 +116,15 @@ class Batch:
         return max(self.max_len)
 
 
-def cut_batches(pool: list[list[int]], batch_size: int, vocab: list[str], cfg: BeamConfig,
-                limit: int, texts: list[str] | None = None, refs: list[str] | None = None
-                ) -> list[Batch]:
+def cut_batches(pool: list[list[int]], batch_size: int, cfg: BeamConfig, limit: int,
+                texts: list[str] | None = None, refs: list[str] | None = None) -> list[Batch]:
     """``pool`` (sorted by length) in consecutive batches, each source + EOS, PAD-padded
     (``aiayn.translation.source_batch``)."""
     batches = []
     for start in range(0, len(pool), batch_size):
         words = pool[start:start + batch_size]
         src = source_batch(words)
-        batches.append(Batch(words, src, [[vocab[i] for i in w] + [vocab[EOS_ID]] for w in words],
-                             max_lengths(src, cfg.max_len_a, cfg.max_len_b, limit),
+        batches.append(Batch(words, src, max_lengths(src, cfg.max_len_a, cfg.max_len_b, limit),
                              list(texts[start:start + batch_size]) if texts else [],
                              list(refs[start:start + batch_size]) if refs else []))
     return batches
@@ -137,7 +134,7 @@ def make_batches(n_batches: int, batch_size: int, lo: int, hi: int, seed: int,
                  cfg: BeamConfig, limit: int) -> list[Batch]:
     rng = np.random.default_rng(seed + 1)
     pool = sorted(sentences(rng, n_batches * batch_size, lo, hi), key=len)
-    return cut_batches(pool, batch_size, VOCAB_TOKENS, cfg, limit)
+    return cut_batches(pool, batch_size, cfg, limit)
 
 
 def read_inputs(path: Path, tokenizer, n: int, select: str, limit: int
@@ -456,7 +453,7 @@ def model_and_batches(args, cfg: BeamConfig, info: dict) -> tuple:
                              f"lines, --inputs {info['inputs']['lines']}")
         refs = [lines[i] for i in chosen]
         info["references"] = str(args.references)
-    batches = cut_batches(pool, args.batch_size, vocab, cfg, model.cfg.max_positions, texts,
+    batches = cut_batches(pool, args.batch_size, cfg, model.cfg.max_positions, texts,
                           refs)
     print("inputs: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
                                  for k, v in info["inputs"].items()))

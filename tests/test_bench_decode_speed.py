@@ -89,10 +89,10 @@ def test_copy_task_sentences_and_padding():
 
 
 def test_copy_task_batches_are_sorted_sources_with_eos_and_their_max_lengths():
-    """make_batches against source_batch, 'w<id>' tokens and min(limit, source + EOS + b)."""
+    """make_batches against source_batch and min(limit, source + EOS + b)."""
     # make_batches: consecutive batches of a length-sorted pool; each source is the words + EOS,
-    # PAD-padded exactly as aiayn.translation.source_batch builds it; CTranslate2 tokens are "w<id>"
-    # + "</s>"; max length = source + EOS + b, capped by the model's limit.
+    # PAD-padded exactly as aiayn.translation.source_batch builds it; max length = source + EOS
+    # + b, capped by the model's limit.
     cfg = BeamConfig(beam=4, alpha=0.6, max_len_a=1.0, max_len_b=7)
     batches = ds.make_batches(3, 5, 2, 9, seed=4, cfg=cfg, limit=14)
     assert [len(b.words) for b in batches] == [5, 5, 5]
@@ -103,7 +103,6 @@ def test_copy_task_batches_are_sorted_sources_with_eos_and_their_max_lengths():
     assert any(len(w) + 1 + 7 > 14 for w in words)  # the cap is exercised
     for b in batches:
         assert torch.equal(b.src, source_batch(b.words))
-        assert b.tokens == [[f"w{i}" for i in w] + ["</s>"] for w in b.words]
         assert b.max_len == [min(14, len(w) + 1 + 7) for w in b.words]
         assert b.ct2_max_len == max(b.max_len)
         assert b.texts == [] and b.refs == []
@@ -150,7 +149,7 @@ def test_inputs_are_the_batches_aiayn_translate_makes(tokenizer, tmp_path, selec
         spy.translate(LINES, BeamConfig(), batch_size=size, truncate=True)
     expected = spy.batches[:n_batches]
     cfg = BeamConfig(max_len_a=1.0, max_len_b=5)
-    batches = ds.cut_batches(pool, size, [str(i) for i in range(400)], cfg, limit, texts)
+    batches = ds.cut_batches(pool, size, cfg, limit, texts)
     assert [b.words for b in batches] == expected
     assert [t for b in batches for t in b.texts] == [LINES[i].strip() for i in chosen]
     lengths = {i: len(tokenizer.encode(line.strip(), add_special_tokens=False).ids)
