@@ -1,15 +1,16 @@
-"""The table of a recipe screen (part 4 of ``bench/gpu_session.sh``) from its session logs.
+"""The table of a recipe screen (parts 4 and 6 of ``bench/gpu_session.sh``) from its logs.
 
 Each run of the screen prints one summary line, ``<arm>-s<seed>  steps N (...), valid NLL x,
 averaged k of {...}, valid sacreBLEU y``. This script gathers those lines from one or more
-logs (screens run in several calls add up: with a budget in steps a run's result does not
-depend on the call it ran in) and prints a markdown table: per arm, the valid sacreBLEU of
-every seed, the mean, and the mean difference to the baseline arm over the seeds both ran
-(paired by seed: one seed is one initialisation, data order and dropout stream) with its
-standard error (the standard deviation of the paired differences / sqrt(pairs)).
+logs (screens run in several runs of the script add up: with a budget in steps a run's
+result does not depend on what ran beside it) and prints a markdown table: per arm, the
+valid sacreBLEU of every seed, the mean, and the mean difference to the baseline arm over
+the seeds both ran (paired by seed: one seed is one initialisation, data order and dropout
+stream) with its standard error (the standard deviation of the paired differences /
+sqrt(pairs)).
 
     python -m bench.screen_table --baseline preset \
-        docs/results/gpu-h200/2026-11-27-recipe-screen/call*.log
+        docs/results/gpu-h200/2026-11-27-recipe-screen/*screen-*.log
     python -m bench.screen_table --runs .gpu/screen/*/    # the summary lines (gpu_session.sh)
 """
 
@@ -77,10 +78,10 @@ def table(runs: dict[str, dict[int, dict]], baseline: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = harness.parser(__doc__)
     ap.add_argument("logs", nargs="+", type=Path,
-                    help="session logs of bench/gpu_session.sh (with --runs: run folders)")
+                    help="logs of bench/gpu_session.sh (session.log; with --runs: run folders)")
     ap.add_argument("--baseline", default="preset", help="the arm the others are compared with")
     ap.add_argument("--runs", action="store_true",
-                    help="print the summary line of each run folder given (what the session "
+                    help="print the summary line of each run folder given (what the script's "
                          "log holds) instead of the table")
     args = ap.parse_args(argv)
     if args.runs:
