@@ -117,6 +117,24 @@ def cpu_has_native_bf16() -> bool:
     return bool(_cpuinfo_flags() & BF16_FLAGS)
 
 
+CPU_KINDS = ("amx", "bf16", "fp32")
+
+
+@functools.cache
+def cpu_kind() -> str:
+    """What this CPU computes a training step in, as oneDNN may use it under the caps in force:
+    'amx' (bf16 products in AMX tiles), 'bf16' (native bf16 without AMX, e.g. AVX512-BF16)
+    or 'fp32' (no native bf16: AVX2-only CPUs and the rest; ``precision: auto`` is fp32)."""
+    if not cpu_has_native_bf16():
+        return "fp32"
+    cap = onednn_isa_cap()
+    if cap not in (None, "ALL") and "AMX" not in cap:
+        return "bf16"  # e.g. AVX512_CORE_BF16: the AMX tiles are out of oneDNN's reach
+    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    amx = check() if callable(check) else "amx_bf16" in _cpuinfo_flags()
+    return "amx" if amx else "bf16"
+
+
 def gpu_has_native_bf16() -> bool:
     """True where the current CUDA device computes in bf16 natively (Ampere and later)."""
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)

@@ -416,3 +416,40 @@ def test_yes_no_and_true_false_are_not_numbers(tmp_path):
     p = load_params(REPO / "params.yaml")
     with pytest.raises(ValueError, match="wants a number"):
         p.model.heads = True
+
+
+@pytest.mark.parametrize("kind, preset, fits, level, says", [
+    ("amx", "multi30k_rdrop", True, "INFO", "+2.2 test2016 BLEU"),
+    ("amx", "multi30k", False, "INFO", "`aiayn params multi30k_rdrop`"),
+    ("bf16", "multi30k", True, "INFO", "without AMX"),
+    ("bf16", "multi30k_rdrop", False, "WARNING", "`aiayn params multi30k`"),
+    ("fp32", "multi30k_rdrop", False, "WARNING", "31.72 against 38.19-39.52"),
+    ("fp32", "multi30k", True, "INFO", "no native bf16"),
+])
+def test_params_names_the_multi30k_preset_for_this_cpus_kind(tmp_path, monkeypatch, caplog,
+                                                             kind, preset, fits, level, says):
+    """`aiayn params` on a Multi30k preset says whether it is the one recorded for this CPU's
+    kind, and warns only where R-Drop's doubled step would cost the CPU its hour; the record
+    it names exists; other presets, and machines with a GPU, get no such line."""
+    import logging
+
+    import torch
+    from typer.testing import CliRunner
+
+    from aiayn import precision
+    from stages.params import RDROP_RECORD, app, cpu_preset_advice
+
+    assert (REPO / RDROP_RECORD).is_file()
+    monkeypatch.setattr(precision, "cpu_kind", lambda: kind)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    advice = cpu_preset_advice(preset)
+    assert advice is not None and advice[0] is fits and says in advice[1]
+    assert cpu_preset_advice("demo") is None
+    with caplog.at_level(logging.INFO, logger="aiayn"):
+        result = CliRunner().invoke(app, [preset, "--conf", str(REPO / "conf"),
+                                          "--out", str(tmp_path / "p.yaml")])
+    assert result.exit_code == 0, result.output
+    lines = [r for r in caplog.records if says in r.getMessage()]
+    assert [r.levelname for r in lines] == [level]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cpu_preset_advice(preset) is None

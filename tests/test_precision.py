@@ -179,3 +179,27 @@ def test_fp16_is_float16_autocast_asked_for_explicitly():
         "fp32", "bf16", "fp16"]
     warning = slow_bf16_warning("fp16", cpu, "train.precision")
     assert "train.precision is fp16 on a CPU" in warning and "auto or fp32" in warning
+
+
+def test_cpu_kind_names_amx_native_bf16_or_fp32_under_the_caps_in_force(bf16_cpu):
+    def kind(amx: bool, cap: str | None = None) -> str:
+        bf16_cpu.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+        if cap is None:
+            bf16_cpu.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+        else:
+            bf16_cpu.setenv("ONEDNN_MAX_CPU_ISA", cap)
+        precision.cpu_has_native_bf16.cache_clear()
+        precision.cpu_kind.cache_clear()
+        return precision.cpu_kind()
+
+    try:
+        assert kind(amx=False) == "bf16"  # AVX512-BF16 without AMX
+        assert kind(amx=True) == "amx"
+        assert kind(amx=True, cap="ALL") == "amx"
+        assert kind(amx=True, cap="AVX512_CORE_AMX") == "amx"
+        assert kind(amx=True, cap="AVX512_CORE_BF16") == "bf16"  # AMX out of oneDNN's reach
+        assert kind(amx=True, cap="AVX2") == "fp32"
+        bf16_cpu.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
+        assert kind(amx=False) == "fp32"  # AVX2 only
+    finally:
+        precision.cpu_kind.cache_clear()
