@@ -12,14 +12,14 @@ What it measures
 Token-bucket batches have a different shape at almost every step, so each step allocates
 activations of new sizes. On glibc the freed blocks stay in malloc's heap, fragmented, and
 the resident set size (RSS) of a training process creeps up for as long as it runs.
-``aiayn.training.Trainer`` on CPU calls ``malloc_trim(0)`` every
+``aiayn.training.loop.Trainer`` on CPU calls ``malloc_trim(0)`` every
 ``aiayn.memory.TRIM_EVERY_STEPS`` steps through ``HeapTrimmer``. This script trains the
 same model on the same batches with the trimmer (``trim``) and without it (``notrim``) and
 prints RSS along the way and seconds per step.
 
 Each mode runs in a fresh Python process (a heap is per process), one after the other,
 alternating ``notrim``/``trim`` ``--repeats`` times; the machine may be shared, so compare
-the modes of one run as ratios. What trains is the real ``aiayn.training.Trainer`` stepping
+the modes of one run as ratios. What trains is the real ``aiayn.training.loop.Trainer`` stepping
 through its own loader, as ``bench.train_throughput``'s ``fast`` contender does (its
 worker class, its data preparation): the ``--preset`` (``multi30k`` by default: from the
 hub, or from its text files in ``--corpus``; ``demo`` needs none), with ``-S`` overrides,

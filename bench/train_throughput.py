@@ -16,7 +16,7 @@ Usage (from the repository root)::
 
 What runs
 ---------
-Every contender but ``nn``/``nn+drop``/``matmul`` is the real ``aiayn.training.Trainer`` of
+Every contender but ``nn``/``nn+drop``/``matmul`` is the real ``aiayn.training.loop.Trainer`` of
 a source tree, built from one params file (the ``--preset``, ``multi30k`` by default:
 d_model 256, 3+3 layers, d_ff 1024, 4 heads, 8k BPE, batches of <= 4096 tokens, dropout
 0.1, post-LN) on one set of shards, and timed through ``Trainer.train_step`` as ``fit``
@@ -174,8 +174,8 @@ class TrainerWorker:
         from aiayn.distributed import World
         from aiayn.tokenizer import load_tokenizer
         try:
-            from aiayn.training import TrainPaths
-            from aiayn.training import build_trainer as make_trainer
+            from aiayn.training.build import build_trainer as make_trainer
+            from aiayn.training.loop import TrainPaths
         except ImportError:  # a baseline tree from before aiayn.training
             from aiayn.trainer import Trainer as make_trainer
             from aiayn.trainer import TrainPaths
@@ -261,7 +261,7 @@ class TorchNNWorker:
         from aiayn.precision import autocast_dtype
         from aiayn.sampler import BatchLoader, ShardDataset, TokenBudgetSampler
         from aiayn.tokenizer import load_tokenizer
-        from aiayn.training import model_config
+        from aiayn.training.build import model_config
 
         p = parse_params(yaml.safe_load(Path(spec["params"]).read_text()), spec["params"])
         cfg = model_config(p, load_tokenizer(Path(spec["tokenizer"])).get_vocab_size())
@@ -1063,7 +1063,7 @@ def main(argv: list[str] | None = None) -> dict:
     from aiayn.config import parse_params
     from aiayn.precision import autocast_dtype
     from aiayn.tokenizer import load_tokenizer
-    from aiayn.training import model_config
+    from aiayn.training.build import model_config
 
     c = choose_contenders(args)
     threads = args.threads or torch.get_num_threads()

@@ -28,7 +28,8 @@ from aiayn.tracking import (
     load_run_id,
     save_run_id,
 )
-from aiayn.training import Trainer, TrainingListener, TrainPaths, build_trainer, device_kind
+from aiayn.training.build import build_trainer, device_kind
+from aiayn.training.loop import Trainer, TrainingListener, TrainPaths
 from stages.common import ParamsPath, log, read_params, single_command_app, stage
 from stages.params import nearest_preset
 

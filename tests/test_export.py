@@ -500,7 +500,7 @@ def test_a_target_side_output_vocabulary_is_exported_as_the_output_bias(toy_work
     """model.output_vocab: target: both engines decode as we do, inside the vocabulary."""
     from aiayn.engines import CTranslate2Translator, TransformersTranslator
     from aiayn.sampler import ShardDataset
-    from aiayn.training import target_vocabulary
+    from aiayn.training.build import target_vocabulary
     from aiayn.translation import load_translator
 
     torch.manual_seed(2)

@@ -15,7 +15,7 @@ from aiayn.objective import make_criterion
 from aiayn.sampler import Batch, BatchLoader, ShardDataset, TokenBudgetSampler
 from aiayn.subword import NO_PARENT, SubwordSplitter, merge_parents, split_closure
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, load_tokenizer
-from aiayn.training import target_vocabulary
+from aiayn.training.build import target_vocabulary
 from aiayn.translation import source_batch
 from tests.test_training import make_trainer
 

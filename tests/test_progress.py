@@ -135,7 +135,7 @@ def test_a_folder_deleted_by_hand_starts_afresh_and_its_files_are_kept_aside(
 def test_a_first_run_into_a_folder_whose_parents_do_not_exist_yet_keeps_its_mirror(
         toy_workspace, tmp_path, caplog):
     from aiayn.distributed import World
-    from aiayn.training import build_trainer
+    from aiayn.training.build import build_trainer
     from tests.test_training import paths
 
     settings = make_trainer(toy_workspace, tmp_path / "settings", {"train": {"steps": 6}})

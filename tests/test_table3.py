@@ -20,7 +20,7 @@ from aiayn import table3 as t3
 from aiayn.config import flatten, parse_params
 from aiayn.errors import AiaynError
 from aiayn.model import Transformer, count_parameters
-from aiayn.training import model_config
+from aiayn.training.build import model_config
 from stages.params import compose
 from stages.table3 import base_of, hydra_value
 from tests.conftest import REPO

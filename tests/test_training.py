@@ -32,7 +32,8 @@ from aiayn.schedule import cooldown_factor, noam_lr
 from aiayn.subword import merge_parents
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, decode, load_tokenizer
 from aiayn.toy import generate_pairs
-from aiayn.training import Trainer, TrainingDiverged, TrainPaths, build_trainer
+from aiayn.training.build import build_trainer
+from aiayn.training.loop import Trainer, TrainingDiverged, TrainPaths
 from bench import harness
 from tests.conftest import REPO, build_toy_workspace, merge, write_params
 
@@ -864,7 +865,7 @@ def test_a_run_that_goes_on_from_before_its_cooldown_gets_a_new_mlflow_run_with_
 
 def test_out_of_memory_names_the_batch_budget_and_the_param(toy_workspace, tmp_path,
                                                             monkeypatch):
-    from aiayn.training import OutOfMemory
+    from aiayn.training.loop import OutOfMemory
 
     trainer = make_trainer(toy_workspace, tmp_path)
     calls = {"n": 0}

@@ -1,16 +1,10 @@
-"""Training (Section 5): the loop (:mod:`.loop`), what it is built from (:mod:`.build`), its
-clock and checkpoint rule (:mod:`.clock`) and resuming (:mod:`.resume`)."""
+"""Training (Section 5): what trains a model.
 
-from aiayn.training.build import build_trainer, device_kind, model_config, target_vocabulary
-from aiayn.training.loop import (
-    OutOfMemory,
-    RunState,
-    Trainer,
-    TrainingDiverged,
-    TrainingListener,
-    TrainPaths,
-)
+- ``loop``: the training loop (the Trainer, its steps, validation and checkpoints);
+- ``build``: what a run is built from (model, data, objective, optimizer, run store);
+- ``clock``: the run's clock and its checkpoint rule;
+- ``resume``: going on from a checkpoint.
 
-__all__ = ["OutOfMemory", "RunState", "Trainer", "TrainPaths", "TrainingDiverged",
-           "TrainingListener", "build_trainer", "device_kind", "model_config",
-           "target_vocabulary"]
+Nothing is imported here: the decoders and the exporter read model files through this
+package without loading the trainer.
+"""
