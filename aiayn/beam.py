@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 NEG_INF = float("-inf")
 

@@ -72,7 +72,7 @@ class SplitNames(Strict):
 
 
 class ToySource(Strict):
-    """The built-in synthetic English→German-like task (see ``aiayn.toy``)."""
+    """The built-in synthetic English→German-like task (see ``aiayn.data.toy``)."""
 
     train_pairs: int = Field(20_000, gt=0)
     valid_pairs: int = Field(500, gt=0)
@@ -279,7 +279,7 @@ class TrainConfig(Strict):
     tokens_per_step: int = Field(
         25_000, gt=0, description="target tokens per optimizer step across all processes and "
         "machines, whatever their number: each process's micro-batches are planned for it "
-        "when training starts (aiayn/batching.py)")
+        "when training starts (aiayn/data/batching.py)")
     max_tokens: int = Field(
         0, ge=0, description="the most tokens one process's micro-batch may hold per side, "
         "padding included (a GPU's memory); 0: one micro-batch per process a step, of "
@@ -350,7 +350,7 @@ class TrainConfig(Strict):
     subword_split: float = Field(
         0.0, ge=0.0, lt=1.0, description="probability that a merged BPE token of a training "
         "batch is replaced by the two tokens it was merged from (again for each part), a new "
-        "segmentation each epoch; a subword regulariser after BPE-dropout (aiayn/subword.py). "
+        "segmentation each epoch; a subword regulariser after BPE-dropout (aiayn/data/subword.py). "
         "Validation and decoding keep the plain segmentation; 0: off")
     rdrop: float = Field(
         0.0, ge=0.0, description="R-Drop's weight alpha (Liang et al. 2021): each training "

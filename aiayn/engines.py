@@ -28,10 +28,10 @@ import torch
 from tokenizers import Tokenizer
 
 from aiayn.beam import BeamConfig, max_lengths
+from aiayn.data.tokenizer import EOS, EOS_ID, PAD_ID, load_tokenizer
 from aiayn.errors import DataError
 from aiayn.export import METADATA_FILE, quiet_transformers, require, token_strings
 from aiayn.io import read_json
-from aiayn.tokenizer import EOS, EOS_ID, PAD_ID, load_tokenizer
 from aiayn.translation import BatchTranslator, load_translator, source_batch
 
 ENGINES = ("aiayn", "ctranslate2", "transformers")

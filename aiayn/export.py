@@ -125,10 +125,7 @@ from torch import Tensor
 
 from aiayn.beam import greedy_search
 from aiayn.checkpoint import CONFIG_FILE, load_model_files
-from aiayn.errors import DataError, MissingPackageError
-from aiayn.io import atomic_path, read_json, write_json, write_text
-from aiayn.model import Transformer, TransformerConfig
-from aiayn.tokenizer import (
+from aiayn.data.tokenizer import (
     BOS,
     BOS_ID,
     EOS,
@@ -138,6 +135,9 @@ from aiayn.tokenizer import (
     SPECIAL_TOKENS,
     UNK,
 )
+from aiayn.errors import DataError, MissingPackageError
+from aiayn.io import atomic_path, read_json, write_json, write_text
+from aiayn.model import Transformer, TransformerConfig
 from aiayn.translation import model_tokenizer, source_batch
 
 log = logging.getLogger("aiayn")
@@ -515,7 +515,7 @@ def fast_tokenizer(tokenizer: Tokenizer, max_positions: int) -> Any:
     tok.post_processor = processors.TemplateProcessing(
         single=f"$A {EOS}", pair=f"$A $B {EOS}", special_tokens=[(EOS, EOS_ID)])
     # split_special_tokens: "<pad>" in a sentence is text, as our tokenizer reads it
-    # (aiayn.tokenizer.literal_special_tokens); saved in tokenizer_config.json.
+    # (aiayn.data.tokenizer.literal_special_tokens); saved in tokenizer_config.json.
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=BOS, eos_token=EOS, unk_token=UNK, pad_token=PAD,
         model_max_length=max_positions - 1, clean_up_tokenization_spaces=False,

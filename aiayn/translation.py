@@ -21,14 +21,14 @@ from torch import Tensor
 
 from aiayn.beam import BeamConfig, beam_search
 from aiayn.checkpoint import load_model_files
-from aiayn.corpus import iter_raw
+from aiayn.data.corpus import iter_raw
+from aiayn.data.tokenizer import EOS_ID, PAD_ID, decode, encode_ids, load_tokenizer
 from aiayn.errors import DataError
 from aiayn.fast import avoid_cudnn_attention
 from aiayn.io import file_sha256
 from aiayn.model import Transformer, TransformerConfig
 from aiayn.precision import autocast_dtype, slow_bf16_warning
 from aiayn.scoring import sacre_scores
-from aiayn.tokenizer import EOS_ID, PAD_ID, decode, encode_ids, load_tokenizer
 
 log = logging.getLogger("aiayn")
 

@@ -64,7 +64,7 @@ smaller. The beam settings are the script's (``--beam``, ``--alpha``,
 ``--max-len-b``; max length = source tokens + EOS + b, as ``decode.max_len_a`` 1.0), not
 read from ``params.yaml``. Besides the tables below, the report shows ``--examples`` (3)
 sentences spread over the length range, detokenized with the model's tokenizer
-(``aiayn.tokenizer.decode``): the source line, our cached fp32 output and each engine's, from
+(``aiayn.data.tokenizer.decode``): the source line, our cached fp32 output and each engine's, from
 the first timed round, marked "same tokens" or "differs".
 
 Methods (all on the same batches, beam 4, alpha 0.6, max length = source length + 50)
@@ -174,9 +174,9 @@ import torch
 import torch.nn.functional as F
 
 from aiayn.beam import BeamConfig, beam_search, length_penalty, max_lengths
+from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, decode, encode_ids
 from aiayn.model import Transformer, TransformerConfig
 from aiayn.precision import cpu_has_native_bf16
-from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, decode, encode_ids
 from aiayn.translation import source_batch
 from bench import harness
 

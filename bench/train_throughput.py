@@ -172,7 +172,10 @@ class TrainerWorker:
         from aiayn.checkpoint import file_sha256
         from aiayn.config import Params, parse_params
         from aiayn.distributed import World
-        from aiayn.tokenizer import load_tokenizer
+        try:
+            from aiayn.data.tokenizer import load_tokenizer
+        except ImportError:  # a baseline tree from before aiayn.data: the flat layout
+            from aiayn.tokenizer import load_tokenizer
         try:
             from aiayn.training.build import build_trainer as make_trainer
             from aiayn.training.loop import TrainPaths
@@ -255,12 +258,12 @@ class TorchNNWorker:
         import yaml
         from torch import nn
 
-        from aiayn.batching import plan_step
         from aiayn.config import parse_params
+        from aiayn.data.batching import plan_step
+        from aiayn.data.sampler import BatchLoader, ShardDataset, TokenBudgetSampler
+        from aiayn.data.tokenizer import load_tokenizer
         from aiayn.model import Transformer, sinusoidal_positions
         from aiayn.precision import autocast_dtype
-        from aiayn.sampler import BatchLoader, ShardDataset, TokenBudgetSampler
-        from aiayn.tokenizer import load_tokenizer
         from aiayn.training.build import model_config
 
         p = parse_params(yaml.safe_load(Path(spec["params"]).read_text()), spec["params"])
@@ -700,9 +703,9 @@ def round_batches(params: Path, shards: Path, steps: int, skip: int) -> list[tup
     import numpy as np
     import yaml
 
-    from aiayn.batching import plan_step
     from aiayn.config import parse_params
-    from aiayn.sampler import ShardDataset, TokenBudgetSampler
+    from aiayn.data.batching import plan_step
+    from aiayn.data.sampler import ShardDataset, TokenBudgetSampler
 
     p = parse_params(yaml.safe_load(params.read_text()))
     plan = plan_step(p.train.tokens_per_step, 1, p.train.max_tokens)  # as the trainer's
@@ -1061,8 +1064,8 @@ def main(argv: list[str] | None = None) -> dict:
     import yaml
 
     from aiayn.config import parse_params
+    from aiayn.data.tokenizer import load_tokenizer
     from aiayn.precision import autocast_dtype
-    from aiayn.tokenizer import load_tokenizer
     from aiayn.training.build import model_config
 
     c = choose_contenders(args)

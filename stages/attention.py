@@ -26,8 +26,8 @@ def attention(
     import torch
 
     from aiayn.beam import greedy_search
+    from aiayn.data.tokenizer import BOS_ID, EOS_ID, decode
     from aiayn.plots import plot_attention_maps
-    from aiayn.tokenizer import BOS_ID, EOS_ID, decode
     from aiayn.translation import load_translator
 
     tr = load_translator(model, device="cpu")

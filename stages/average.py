@@ -136,8 +136,8 @@ def average(
 def _pick(p, candidates: list[int], found: list[Path], how: str, folder: Path, raw: Path,
           tokenizer: Path, model: Transformer, device: str) -> tuple[int, dict[int, float]]:
     """The candidate count whose average decodes the valid split best, and every score."""
+    from aiayn.data.tokenizer import load_tokenizer
     from aiayn.precision import autocast_dtype
-    from aiayn.tokenizer import load_tokenizer
     from aiayn.translation import ValidationBleu, decode_device
 
     scorer = ValidationBleu.from_params(p, raw, load_tokenizer(tokenizer))

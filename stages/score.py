@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from aiayn.config import SPLITS
-from aiayn.corpus import iter_raw, raw_path
+from aiayn.data.corpus import iter_raw, raw_path
 from aiayn.errors import AiaynError
 from aiayn.io import check_output_path, write_json
 from stages.common import ParamsPath, log, read_params, single_command_app, stage

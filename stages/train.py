@@ -12,14 +12,14 @@ from typing import Annotated
 import typer
 
 from aiayn import distributed
+from aiayn.data.subword import merge_parents
+from aiayn.data.tokenizer import load_tokenizer
 from aiayn.distributed import world_from_env
 from aiayn.errors import AiaynError
 from aiayn.io import check_output_path, file_sha256
 from aiayn.plots import plot_training_curves
 from aiayn.precision import hardware, precision_name
 from aiayn.run_log import TrainRow, ValidRow
-from aiayn.subword import merge_parents
-from aiayn.tokenizer import load_tokenizer
 from aiayn.tracking import (
     RUN_FILE,
     Tracker,

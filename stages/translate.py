@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from aiayn.beam import BeamConfig
 from aiayn.config import SPLITS
-from aiayn.corpus import iter_raw
+from aiayn.data.corpus import iter_raw
 from aiayn.errors import DataError
 from aiayn.io import check_output_path, write_text
 from aiayn.scoring import utf8_lines

@@ -152,10 +152,10 @@ def build_toy_workspace(root: Path, changes: dict | None = None) -> Path:
     """``root`` with params.yaml (TINY_PARAMS and ``changes``) and data/{raw,vocab,survey,
     shards} for its toy corpus, built through the library functions the stages call."""
     from aiayn.config import load_params
-    from aiayn.corpus import iter_raw, make_source, write_raw_splits
-    from aiayn.shards import build_shards
-    from aiayn.survey import build_survey
-    from aiayn.tokenizer import save_tokenizer, train_bpe
+    from aiayn.data.corpus import iter_raw, make_source, write_raw_splits
+    from aiayn.data.shards import build_shards
+    from aiayn.data.survey import build_survey
+    from aiayn.data.tokenizer import save_tokenizer, train_bpe
 
     root.mkdir(parents=True, exist_ok=True)
     p = load_params(write_params(root / "params.yaml", changes))

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from aiayn.beam import BeamConfig
+from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from aiayn.model import Transformer, TransformerConfig
-from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from aiayn.translation import BatchTranslator, source_batch
 from bench import decode_speed as ds
 from tests.conftest import (
@@ -39,7 +39,7 @@ def keep_threads():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from aiayn.tokenizer import train_bpe
+    from aiayn.data.tokenizer import train_bpe
 
     return train_bpe(SENTENCES_EN + SENTENCES_DE, vocab_size=400, min_frequency=1)
 
@@ -54,7 +54,7 @@ def tiny_model(vocab: int, seed: int = 0, **changes) -> Transformer:
 @pytest.fixture(scope="module")
 def model_dir(tokenizer, tmp_path_factory):
     """A tiny untrained model exported as `aiayn average` exports one (as test_translate)."""
-    from aiayn.tokenizer import save_tokenizer
+    from aiayn.data.tokenizer import save_tokenizer
 
     root = tmp_path_factory.mktemp("decode_speed")
     tok_path = root / "tokenizer.json"

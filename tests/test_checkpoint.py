@@ -24,9 +24,9 @@ from aiayn.checkpoint import (
     load_model_files,
     save_checkpoint,
 )
+from aiayn.data.tokenizer import save_tokenizer, train_bpe
 from aiayn.errors import DataError
 from aiayn.model import Transformer, TransformerConfig
-from aiayn.tokenizer import save_tokenizer, train_bpe
 from tests.conftest import REPO, SENTENCES_DE, SENTENCES_EN
 
 

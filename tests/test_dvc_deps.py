@@ -30,7 +30,7 @@ NOT_RESULTS = {
     "aiayn/tracking.py": "MLflow logging",
     "aiayn/plots.py": "the training curves' picture (drawn from the logs; no reason to train "
                       "again)",
-    "aiayn/toy.py": "the toy corpus's generator: its text reaches later stages only through "
+    "aiayn/data/toy.py": "the toy corpus's generator: its text reaches later stages only through "
                     "data/raw (a dependency of `download`, which runs it)",
     "stages/common.py": "logging, the stage wrapper, reading params.yaml",
     "stages/params.py": "the composition of params.yaml; `train` reads it only to name its "

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 from aiayn.beam import BeamConfig
-from aiayn.corpus import iter_raw
+from aiayn.data.corpus import iter_raw
+from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, encode_ids, load_tokenizer
 from aiayn.errors import DataError, MissingPackageError
 from aiayn.export import (
     check_exportable,
@@ -34,7 +35,6 @@ from aiayn.export import (
 )
 from aiayn.model import Transformer, TransformerConfig
 from aiayn.model_card import model_card
-from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, encode_ids, load_tokenizer
 from aiayn.translation import source_batch
 from stages.cli import app
 from tests.conftest import save_model_folder as conftest_save_model_folder
@@ -498,8 +498,8 @@ def test_the_model_card_says_what_the_softmax_spans():
 def test_a_target_side_output_vocabulary_is_exported_as_the_output_bias(toy_workspace,
                                                                        tmp_path, sources):
     """model.output_vocab: target: both engines decode as we do, inside the vocabulary."""
+    from aiayn.data.sampler import ShardDataset
     from aiayn.engines import CTranslate2Translator, TransformersTranslator
-    from aiayn.sampler import ShardDataset
     from aiayn.training.build import target_vocabulary
     from aiayn.translation import load_translator
 
@@ -650,7 +650,7 @@ def test_an_engine_given_another_kind_of_folder_or_tokenizer_says_so(model_dir, 
     """One line, no traceback: an `aiayn average` folder given to the transformers engine, a
     CTranslate2 export without its vocabulary, a transformers export whose tokenizer is
     another's."""
-    from aiayn.tokenizer import save_tokenizer, train_bpe
+    from aiayn.data.tokenizer import save_tokenizer, train_bpe
 
     params = str(toy_workspace / "params.yaml")
     ct2_dir = tmp_path / "ct2"

@@ -139,6 +139,7 @@ def test_the_criteria_compute_one_loss_four_ways(toy_workspace, output_vocab):
     equal passes is the plain loss (its KL terms are 0), and without gradients R-Drop is its
     base; each is what make_criterion returns for its settings."""
     from aiayn import fast
+    from aiayn.data.sampler import ShardDataset
     from aiayn.model import OutputVocab, Transformer, TransformerConfig
     from aiayn.objective import (
         FusedLabelSmoothedCrossEntropy,
@@ -147,7 +148,6 @@ def test_the_criteria_compute_one_loss_four_ways(toy_workspace, output_vocab):
         RDrop,
         make_criterion,
     )
-    from aiayn.sampler import ShardDataset
 
     data = ShardDataset(toy_workspace / "data/shards/train")
     batch = data.batch(0)

@@ -20,6 +20,9 @@ import yaml
 
 from aiayn.checkpoint import checkpoint_step, list_checkpoints, load_checkpoint
 from aiayn.config import load_params, parse_params
+from aiayn.data.subword import merge_parents
+from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, decode, load_tokenizer
+from aiayn.data.toy import generate_pairs
 from aiayn.distributed import World
 from aiayn.errors import DataError
 from aiayn.fast import extension
@@ -29,9 +32,6 @@ from aiayn.objective import label_smoothed_loss
 from aiayn.precision import cpu_has_native_bf16, cpu_model
 from aiayn.precision import hardware as precision_hardware
 from aiayn.schedule import cooldown_factor, noam_lr
-from aiayn.subword import merge_parents
-from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, decode, load_tokenizer
-from aiayn.toy import generate_pairs
 from aiayn.training.build import build_trainer
 from aiayn.training.loop import Trainer, TrainingDiverged, TrainPaths
 from bench import harness
@@ -208,7 +208,7 @@ def test_a_resume_on_another_number_of_processes_goes_on_in_the_same_data_order(
     """Each epoch's order is one permutation of all batches for any world size, rank r
     taking every N-th from r; a run saved by 2 processes after p batches each has taken the
     first 2p of it, and one process goes on from the (2p+1)-th."""
-    from aiayn.sampler import TokenBudgetSampler
+    from aiayn.data.sampler import TokenBudgetSampler
 
     trainer = make_trainer(toy_workspace, tmp_path, {"train": {"steps": 40}})
     trainer.fit(should_stop=lambda: trainer.state.step == 5)
@@ -256,8 +256,8 @@ def test_a_resume_with_other_micro_batches_goes_on_at_the_same_share_of_the_epoc
 
 
 def test_a_step_too_small_for_the_longest_pair_names_the_settings(toy_workspace, tmp_path):
+    from aiayn.data.sampler import ShardDataset
     from aiayn.errors import ParamsError
-    from aiayn.sampler import ShardDataset
 
     longest = ShardDataset(toy_workspace / "data/shards/train").longest_pair()
     with pytest.raises(ParamsError) as err:
@@ -495,8 +495,8 @@ def test_shards_from_another_vocabulary_are_refused(toy_workspace, tmp_path):
 def test_shards_from_another_tokenizer_of_the_same_size_are_refused(toy_workspace, tmp_path):
     """The vocabulary retrained (same size, other merges) and training run by hand without
     the survey and shard stages: the shards' ids are the old tokenizer's."""
-    from aiayn.shards import SOURCE_FILE
-    from aiayn.tokenizer import save_tokenizer, train_bpe
+    from aiayn.data.shards import SOURCE_FILE
+    from aiayn.data.tokenizer import save_tokenizer, train_bpe
 
     tok = toy_workspace / "data/vocab/tokenizer.json"
     size = load_tokenizer(tok).get_vocab_size()
@@ -1411,7 +1411,7 @@ def test_average_candidates_are_scored_as_a_plain_decode_of_each_average(toy_wor
 
     from aiayn.beam import BeamConfig
     from aiayn.checkpoint import average_checkpoints, load_model_files
-    from aiayn.corpus import iter_raw
+    from aiayn.data.corpus import iter_raw
     from aiayn.io import read_json
     from aiayn.translation import Translator
 

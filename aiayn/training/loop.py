@@ -5,7 +5,7 @@ loader and run store (and resumes a run); :class:`Trainer` only steps, validates
 checkpoints and stops:
 
 * one optimizer step takes ``plan.accumulation`` micro-batches per process
-  (:mod:`aiayn.batching`); its loss is the sum over every target token of every
+  (:mod:`aiayn.data.batching`); its loss is the sum over every target token of every
   micro-batch on every rank divided by their global count, so 1 process x 2 micro-batches
   and 2 processes x 1 compute the same update;
 * loss sums and token counts stay on the device: the host waits for it only at logging,
@@ -32,8 +32,9 @@ import torch
 from torch import nn
 
 from aiayn import distributed
-from aiayn.batching import StepPlan
 from aiayn.config import Params
+from aiayn.data.batching import StepPlan
+from aiayn.data.sampler import Batch, ShardDataset, TokenBudgetSampler
 from aiayn.distributed import World
 from aiayn.errors import AiaynError, DataError
 from aiayn.io import write_json
@@ -42,7 +43,6 @@ from aiayn.model import count_parameters
 from aiayn.precision import hardware, no_autocast, precision_name, step_casts
 from aiayn.run_log import RunLog, TrainRow, ValidRow
 from aiayn.run_store import RunStore
-from aiayn.sampler import Batch, ShardDataset, TokenBudgetSampler
 from aiayn.schedule import cooldown_factor
 from aiayn.training.clock import CheckpointPolicy, Clock
 from aiayn.training.resume import gather_rng_states
