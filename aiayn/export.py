@@ -8,7 +8,7 @@ into place: a failure leaves nothing half-written.
 
 Both engines normalise beam scores by |Y|^alpha (|Y| with EOS), not by GNMT's
 ((5 + |Y|) / 6)^alpha of the paper and of ``aiayn translate``; ``BeamConfig(length_norm=
-"length")`` makes our beam search use theirs (see aiayn/beam.py). The two agree at alpha 0.
+"length")`` makes our beam search use theirs (see aiayn/decoding/beam.py). The two agree at alpha 0.
 
 PAD and BOS
 -----------
@@ -123,7 +123,6 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import Tensor
 
-from aiayn.beam import greedy_search
 from aiayn.checkpoint import CONFIG_FILE, load_model_files
 from aiayn.data.tokenizer import (
     BOS,
@@ -135,10 +134,11 @@ from aiayn.data.tokenizer import (
     SPECIAL_TOKENS,
     UNK,
 )
+from aiayn.decoding.beam import greedy_search
+from aiayn.decoding.translation import model_tokenizer, source_batch
 from aiayn.errors import DataError, MissingPackageError
 from aiayn.io import atomic_path, read_json, write_json, write_text
 from aiayn.model import Transformer, TransformerConfig
-from aiayn.translation import model_tokenizer, source_batch
 
 log = logging.getLogger("aiayn")
 
@@ -146,7 +146,7 @@ FORMATS = ("ctranslate2", "transformers")
 # "none" keeps float32 weights; the others are CTranslate2's quantization types.
 QUANTIZATIONS = ("none", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16",
                  "float16", "bfloat16")
-BANNED_IDS = (PAD_ID, BOS_ID)  # never generated (aiayn/beam.py): -inf output bias
+BANNED_IDS = (PAD_ID, BOS_ID)  # never generated (aiayn/decoding/beam.py): -inf output bias
 METADATA_FILE = "aiayn.json"
 INSTALL_HINT = "pip install 'aiayn[export]'"
 # An export is refused if its engine's per-token log-probabilities of the probe differ from

@@ -38,17 +38,17 @@ directory, keyed by seed and settings); a rerun loads them. ``--train-steps 0`` 
 random initialisation.
 
 Inputs: ``--batches`` x ``--batch-size`` (64) source sentences of 10-40 words (same word
-distribution) + EOS, sorted by length and cut into batches as ``aiayn.translation`` does.
+distribution) + EOS, sorted by length and cut into batches as ``aiayn.decoding.translation`` does.
 
 Real model (``--model DIR --inputs FILE``)
 ------------------------------------------
 ``--model`` takes a folder written by ``aiayn average`` (``model.safetensors``,
-``config.json``, ``tokenizer.json``), loaded with ``aiayn.translation.load_translator``
+``config.json``, ``tokenizer.json``), loaded with ``aiayn.decoding.translation.load_translator``
 (device cpu, fp32; it checks the tokenizer's sha256 and vocabulary size against
 ``config.json``). No copy-task training then: ``--train-steps``, ``--train-threads``,
 ``--weights``, ``--min-words`` and ``--max-words`` are ignored. The two options go together
 (either alone is an argparse error). ``--inputs`` is plain text, one source sentence a line
-(e.g. ``../shared/data/multi30k/test2016.en``), prepared as ``aiayn.translation`` does:
+(e.g. ``../shared/data/multi30k/test2016.en``), prepared as ``aiayn.decoding.translation`` does:
 each line stripped and encoded with the model's tokenizer without special tokens, lines
 that encode to nothing dropped, a line over ``max_positions - 1`` tokens cut there (what
 ``aiayn translate --truncate`` does; counted as ``truncated_in_file``), EOS appended,
@@ -173,11 +173,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from aiayn.beam import BeamConfig, beam_search, length_penalty, max_lengths
 from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, decode, encode_ids
+from aiayn.decoding.beam import BeamConfig, beam_search, length_penalty, max_lengths
+from aiayn.decoding.translation import source_batch
 from aiayn.model import Transformer, TransformerConfig
 from aiayn.precision import cpu_has_native_bf16
-from aiayn.translation import source_batch
 from bench import harness
 
 VOCAB = 8000
@@ -232,7 +232,7 @@ def cut_batches(pool: list[list[int]], batch_size: int, vocab: list[str], cfg: B
                 limit: int, texts: list[str] | None = None, refs: list[str] | None = None
                 ) -> list[Batch]:
     """``pool`` (sorted by length) in consecutive batches, each source + EOS, PAD-padded
-    (``aiayn.translation.source_batch``)."""
+    (``aiayn.decoding.translation.source_batch``)."""
     batches = []
     for start in range(0, len(pool), batch_size):
         words = pool[start:start + batch_size]
@@ -253,14 +253,14 @@ def make_batches(n_batches: int, batch_size: int, lo: int, hi: int, seed: int,
 
 def read_inputs(path: Path, tokenizer, n: int, select: str, limit: int
                 ) -> tuple[list[list[int]], list[str], dict, list[int]]:
-    """Source lines of ``path`` as ``aiayn.translation`` encodes and orders them.
+    """Source lines of ``path`` as ``aiayn.decoding.translation`` encodes and orders them.
 
     Lines are stripped and encoded with the model's tokenizer (no special tokens; EOS is
     appended when batching); lines that encode to nothing are dropped; a line longer than
     ``limit - 1`` tokens is cut there (what ``aiayn translate --truncate`` does). ``select``
     "head" keeps the first ``n`` remaining lines in file order, "shortest" the ``n`` shortest
     of the whole file; either way the kept ones are returned sorted by token count (stable,
-    as ``aiayn.translation`` sorts), ready to be cut into batches, with their line indices.
+    as ``aiayn.decoding.translation`` sorts), ready to be cut into batches, with their line indices.
     """
     if not path.is_file():
         raise SystemExit(f"--inputs {path}: no such file")
@@ -312,8 +312,8 @@ def train_copy(model: Transformer, steps: int, seed: int, batch_size: int = 32) 
 
 def load_real_model(model_dir: Path) -> tuple[Transformer, dict, list[str], object]:
     """An ``aiayn average`` folder through the project's loader; vocabulary by token id."""
+    from aiayn.decoding.translation import load_translator
     from aiayn.io import read_json
-    from aiayn.translation import load_translator
 
     tr = load_translator(model_dir, device="cpu", precision="fp32")
     vocab_map = tr.tokenizer.get_vocab(with_added_tokens=True)
@@ -422,7 +422,7 @@ def log_probs_of(model, batch: Batch, hyps: list[list[int]], max_len: list[int]
 
 
 def gnmt(logp: float, n_out: int, alpha: float) -> float:
-    """Ours: log P / ((5 + |Y|) / 6)^alpha (``aiayn.beam.length_penalty``)."""
+    """Ours: log P / ((5 + |Y|) / 6)^alpha (``aiayn.decoding.beam.length_penalty``)."""
     return logp / length_penalty(n_out, alpha)
 
 
@@ -547,7 +547,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[int]]:
     ap.add_argument("--select", choices=("head", "shortest"), default="head",
                     help="with --inputs: decode the first --batches x --batch-size non-empty "
                          "lines in file order (head, default) or the shortest that many of the "
-                         "file (shortest); sorted by length and batched as aiayn.translation")
+                         "file (shortest); sorted by length and batched as "
+                         "aiayn.decoding.translation")
     ap.add_argument("--examples", type=int, default=3,
                     help="with --model: detokenized outputs of ours and CTranslate2 shown (3)")
     ap.add_argument("--batches", type=int, default=4, help="batches of --batch-size (4)")

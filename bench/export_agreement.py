@@ -39,11 +39,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from aiayn.beam import BeamConfig, max_lengths
 from aiayn.data.tokenizer import BOS_ID, EOS, EOS_ID, PAD_ID, encode_ids
+from aiayn.decoding.beam import BeamConfig, max_lengths
+from aiayn.decoding.translation import Translator, source_batch
 from aiayn.engines import CTranslate2Translator, TransformersTranslator
 from aiayn.export import export, load_model_folder
-from aiayn.translation import Translator, source_batch
 from bench import harness
 
 

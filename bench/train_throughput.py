@@ -201,7 +201,10 @@ class TrainerWorker:
         hook = None
         self.validating = spec.get("validate", False)
         if self.validating and p.train.valid_bleu_every:
-            from aiayn.translation import ValidationBleu
+            try:
+                from aiayn.decoding.translation import ValidationBleu
+            except ImportError:  # a baseline tree from before aiayn.decoding: the flat layout
+                from aiayn.translation import ValidationBleu
 
             hook = ValidationBleu.from_params(p, Path(spec["raw"]), load_tokenizer(tok))
         self.trainer = make_trainer(p, load_tokenizer(tok).get_vocab_size(), file_sha256(tok),

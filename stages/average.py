@@ -137,8 +137,8 @@ def _pick(p, candidates: list[int], found: list[Path], how: str, folder: Path, r
           tokenizer: Path, model: Transformer, device: str) -> tuple[int, dict[int, float]]:
     """The candidate count whose average decodes the valid split best, and every score."""
     from aiayn.data.tokenizer import load_tokenizer
+    from aiayn.decoding.translation import ValidationBleu, decode_device
     from aiayn.precision import autocast_dtype
-    from aiayn.translation import ValidationBleu, decode_device
 
     scorer = ValidationBleu.from_params(p, raw, load_tokenizer(tokenizer))
     dev = decode_device(device)

@@ -59,7 +59,7 @@ def score(
     METRICS and HYPOTHESES into the training run's MLflow run (the id in RUN_FILE); skipped
     when there is none or with --no-mlflow.
     """
-    from aiayn.scoring import score_files
+    from aiayn.decoding.scoring import score_files
 
     p = read_params(params)
     check_output_path(metrics)

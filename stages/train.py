@@ -320,7 +320,7 @@ def log_results(tracker: Tracker, summary: dict, metric_files: list[Path], curve
 
 def validation_bleu(p, raw: Path, tok):
     """The hook that translates the valid split (or its first sentences) and scores it."""
-    from aiayn.translation import ValidationBleu
+    from aiayn.decoding.translation import ValidationBleu
 
     hook = ValidationBleu.from_params(p, raw, tok)
     log.info("train: validation BLEU every %d steps on %d valid sentences, beam %d",

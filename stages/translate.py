@@ -9,12 +9,12 @@ from typing import Annotated, Literal
 import typer
 from tqdm import tqdm
 
-from aiayn.beam import BeamConfig
 from aiayn.config import SPLITS
 from aiayn.data.corpus import iter_raw
+from aiayn.decoding.beam import BeamConfig
+from aiayn.decoding.scoring import utf8_lines
 from aiayn.errors import DataError
 from aiayn.io import check_output_path, write_text
-from aiayn.scoring import utf8_lines
 from stages.common import ParamsPath, log, read_params, single_command_app, stage
 
 

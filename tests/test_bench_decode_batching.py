@@ -11,9 +11,9 @@ import pytest
 import sacrebleu
 import torch
 
-from aiayn.beam import BeamConfig
+from aiayn.decoding.beam import BeamConfig
+from aiayn.decoding.translation import load_translator
 from aiayn.model import Transformer, TransformerConfig
-from aiayn.translation import load_translator
 from bench import decode_batching as db
 from bench.harness import REPO
 from tests.conftest import SENTENCES_DE, SENTENCES_EN, save_model_folder, usage_error

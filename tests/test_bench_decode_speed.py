@@ -1,4 +1,4 @@
-"""bench/decode_speed.py: its batches against aiayn.translation's own batching, its scoring
+"""bench/decode_speed.py: its batches against aiayn.decoding.translation's own batching, its scoring
 (log P, length normalisations, the classification of disagreements) against token-by-token
 references, its summary against hand-computed medians, and two short runs, the copy task and
 a tiny exported model with references, whose results are checked field by field (sizes far
@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aiayn.beam import BeamConfig
 from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from aiayn.decoding.beam import BeamConfig
+from aiayn.decoding.translation import BatchTranslator, source_batch
 from aiayn.model import Transformer, TransformerConfig
-from aiayn.translation import BatchTranslator, source_batch
 from bench import decode_speed as ds
 from tests.conftest import (
     SENTENCES_DE,
@@ -92,8 +92,8 @@ def test_copy_task_sentences_and_padding():
 def test_copy_task_batches_are_sorted_sources_with_eos_and_their_max_lengths():
     """make_batches against source_batch, 'w<id>' tokens and min(limit, source + EOS + b)."""
     # make_batches: consecutive batches of a length-sorted pool; each source is the words + EOS,
-    # PAD-padded exactly as aiayn.translation.source_batch builds it; CTranslate2 tokens are "w<id>"
-    # + "</s>"; max length = source + EOS + b, capped by the model's limit.
+    # PAD-padded exactly as aiayn.decoding.translation.source_batch builds it; CTranslate2 tokens
+    # are "w<id>" + "</s>"; max length = source + EOS + b, capped by the model's limit.
     cfg = BeamConfig(beam=4, alpha=0.6, max_len_a=1.0, max_len_b=7)
     batches = ds.make_batches(3, 5, 2, 9, seed=4, cfg=cfg, limit=14)
     assert [len(b.words) for b in batches] == [5, 5, 5]
@@ -115,7 +115,7 @@ def test_copy_task_batches_are_sorted_sources_with_eos_and_their_max_lengths():
 
 
 class SpyTranslator(BatchTranslator):
-    """aiayn.translation's line handling (strip, drop empty, truncate, sort, batch) with a
+    """aiayn.decoding.translation's line handling (strip, drop empty, truncate, sort, batch) with a
     decoder that records the batches it is given."""
 
     def __init__(self, tokenizer, max_positions: int):
@@ -134,7 +134,8 @@ class SpyTranslator(BatchTranslator):
 
 @pytest.mark.parametrize("select", ["head", "shortest"])
 def test_inputs_are_the_batches_aiayn_translate_makes(tokenizer, tmp_path, select):
-    """read_inputs + cut_batches against the batches aiayn.translation makes for the same lines."""
+    """read_inputs + cut_batches against the batches aiayn.decoding.translation makes for the
+    same lines."""
     # --select head: the batches `aiayn translate --truncate` makes for the file's first batches x
     # batch-size non-empty lines; shortest: its first batches for the whole file. The texts are
     # those lines (stripped); the stats count lines, blanks and cut lines.
@@ -481,12 +482,12 @@ def test_exported_model_run_scores_each_engine_against_the_references(model_dir,
     """A tiny exported-model run: ours' BLEU equals sacreBLEU of aiayn's Translator on the lines."""
     # --model/--inputs/--references on a tiny exported model: the inputs' stats; BLEU of every
     # method but recompute on the selected lines, where ours equals sacreBLEU of what
-    # aiayn.translation's Translator outputs for the same lines against their references (line for
-    # line: a misaligned reference would change it); the examples show the sources with the
-    # Translator's outputs.
+    # aiayn.decoding.translation's Translator outputs for the same lines against their
+    # references (line for line: a misaligned reference would change it); the examples show the
+    # sources with the Translator's outputs.
     import sacrebleu
 
-    from aiayn.translation import load_translator
+    from aiayn.decoding.translation import load_translator
 
     inputs, refs = tmp_path / "in.txt", tmp_path / "refs.txt"
     inputs.write_text("\n".join(LINES) + "\n", encoding="utf-8")

@@ -493,7 +493,7 @@ def test_average_stage_averages_learned_positions_and_records_the_head_sizes(tra
 
 
 def test_checkpoints_and_folders_from_before_the_table3_settings_load_as_the_base(trained):
-    from aiayn.translation import load_translator
+    from aiayn.decoding.translation import load_translator
 
     # Written by a version without d_k, d_v and positions: they were the paper's base.
     rewrite_checkpoints(trained, tiny_config(trained["vocab"]),

@@ -20,9 +20,10 @@ import torch
 import torch.nn.functional as F
 from typer.testing import CliRunner
 
-from aiayn.beam import BeamConfig
 from aiayn.data.corpus import iter_raw
 from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, encode_ids, load_tokenizer
+from aiayn.decoding.beam import BeamConfig
+from aiayn.decoding.translation import source_batch
 from aiayn.errors import DataError, MissingPackageError
 from aiayn.export import (
     check_exportable,
@@ -35,7 +36,6 @@ from aiayn.export import (
 )
 from aiayn.model import Transformer, TransformerConfig
 from aiayn.model_card import model_card
-from aiayn.translation import source_batch
 from stages.cli import app
 from tests.conftest import save_model_folder as conftest_save_model_folder
 
@@ -121,8 +121,8 @@ def sources(toy_workspace, model_dir) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def engines(model_dir, exports):
+    from aiayn.decoding.translation import load_translator
     from aiayn.engines import CTranslate2Translator, TransformersTranslator
-    from aiayn.translation import load_translator
 
     return {"aiayn": load_translator(model_dir, device="cpu"),
             "ctranslate2": CTranslate2Translator.from_folder(exports["ctranslate2"], threads=1),
@@ -499,9 +499,9 @@ def test_a_target_side_output_vocabulary_is_exported_as_the_output_bias(toy_work
                                                                        tmp_path, sources):
     """model.output_vocab: target: both engines decode as we do, inside the vocabulary."""
     from aiayn.data.sampler import ShardDataset
+    from aiayn.decoding.translation import load_translator
     from aiayn.engines import CTranslate2Translator, TransformersTranslator
     from aiayn.training.build import target_vocabulary
-    from aiayn.translation import load_translator
 
     torch.manual_seed(2)
     tok = load_tokenizer(toy_workspace / "data/vocab/tokenizer.json")
@@ -556,8 +556,8 @@ def shaped_folder(toy_workspace, tmp_path, settings: dict) -> Path:
 
 @pytest.mark.parametrize("name", list(TABLE3_SHAPES))
 def test_table3_shapes_export_exactly_or_say_why_not(name, toy_workspace, tmp_path, sources):
+    from aiayn.decoding.translation import load_translator
     from aiayn.engines import CTranslate2Translator, TransformersTranslator
-    from aiayn.translation import load_translator
 
     settings, marian = TABLE3_SHAPES[name]
     folder = shaped_folder(toy_workspace, tmp_path, settings)

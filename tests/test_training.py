@@ -1409,11 +1409,11 @@ def test_average_candidates_are_scored_as_a_plain_decode_of_each_average(toy_wor
     with that average; the export is the average of the best (of equals, the larger)."""
     import sacrebleu
 
-    from aiayn.beam import BeamConfig
     from aiayn.checkpoint import average_checkpoints, load_model_files
     from aiayn.data.corpus import iter_raw
+    from aiayn.decoding.beam import BeamConfig
+    from aiayn.decoding.translation import Translator
     from aiayn.io import read_json
-    from aiayn.translation import Translator
 
     result = average_with_candidates(toy_workspace, tmp_path, [2, 1, 4, 5])
     assert result.exit_code == 0, result.output
@@ -1457,8 +1457,8 @@ def test_average_candidates_keep_the_best_score(toy_workspace, tmp_path, monkeyp
     from mlflow.tracking import MlflowClient
 
     from aiayn.checkpoint import load_model_files
+    from aiayn.decoding.translation import ValidationBleu
     from aiayn.tracking import Tracker, save_run_id
-    from aiayn.translation import ValidationBleu
 
     make_trainer(toy_workspace, tmp_path, {"train": {"keep_checkpoints": 5}}).fit()
     uri = f"sqlite:///{tmp_path}/mlflow.db"

@@ -10,10 +10,10 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from aiayn.beam import BeamConfig
+from aiayn.decoding.beam import BeamConfig
+from aiayn.decoding.translation import ValidationBleu, decoding_model, load_translator
 from aiayn.errors import DataError
 from aiayn.model import Transformer, TransformerConfig
-from aiayn.translation import ValidationBleu, decoding_model, load_translator
 from tests.conftest import save_model_folder, write_params
 
 
@@ -170,7 +170,7 @@ def test_input_lines_are_split_at_newlines_only_as_the_score_stage_reads_them(
         model_dir, tmp_path, monkeypatch):
     """Form feed, U+2028, U+0085 and a lone CR are characters of a sentence, not line
     ends (sacreBLEU's command line and `wc -l` agree): 4 input lines, 4 output lines."""
-    from aiayn.scoring import read_lines
+    from aiayn.decoding.scoring import read_lines
     from stages.cli import app
 
     monkeypatch.chdir(tmp_path)

@@ -134,7 +134,7 @@ def build_trainer(p: Params, vocab_size: int, tokenizer_sha256: str, paths: Trai
                   run_files: tuple[str, ...] = ()) -> Trainer:
     """The run of ``p`` in ``paths.checkpoints``, resumed from its last checkpoint if it has
     one (aiayn.run_store decides which run goes on). ``valid_bleu(model, device, amp_dtype)
-    -> score``: rank 0's validation BLEU (aiayn.translation.ValidationBleu); ``merges``
+    -> score``: rank 0's validation BLEU (aiayn.decoding.translation.ValidationBleu); ``merges``
     (aiayn.data.subword.merge_parents) is needed by train.subword_split; ``listeners`` hear the
     loop's log rows and checkpoints; ``run_files``: files beside the checkpoints that belong
     to the run (a tracker's), moved aside with it. The order of what is built keeps the
