@@ -310,9 +310,9 @@ class TrainConfig(Strict):
         "training stops at a checkpoint (0: no budget, train.steps decides)")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     allocator: Literal["auto", "glibc", "tcmalloc", "jemalloc"] = Field(
-        "auto", description="the C heap of CPU training (aiayn/memory.py): auto: tcmalloc, "
-        "else jemalloc, where installed (`aiayn train` re-launches itself with it preloaded), "
-        "else glibc's malloc trimmed every few steps; on a GPU auto keeps glibc")
+        "auto", description="the C heap of CPU training (aiayn/training/memory.py): auto: "
+        "tcmalloc, else jemalloc, where installed (`aiayn train` re-launches itself with it "
+        "preloaded), else glibc's malloc trimmed every few steps; on a GPU auto keeps glibc")
     nproc_per_node: int = Field(1, gt=0, description="processes per machine under torchrun")
     max_restarts: int = Field(
         0, ge=0, description="with nproc_per_node > 1: how often torchrun restarts the group "
@@ -356,7 +356,7 @@ class TrainConfig(Strict):
         0.0, ge=0.0, description="R-Drop's weight alpha (Liang et al. 2021): each training "
         "batch goes through the model twice with independent dropout, and the loss adds "
         "alpha/4 times the two passes' KL divergences, both ways, per target token "
-        "(aiayn/objective.py, rdrop_loss); a step costs about twice as much; 0: off")
+        "(aiayn/training/objective.py, rdrop_loss); a step costs about twice as much; 0: off")
 
     @model_validator(mode="after")
     def _average(self) -> TrainConfig:
@@ -458,7 +458,7 @@ VALIDATION_BLEU = Affects(("train", "average"))  # training's curve, the average
 # section, as dvc.yaml's `params:` lists name them: each stage there lists exactly the keys
 # declared for it here (tests/test_config.py checks, also that every setting is covered),
 # and a training run's identity is the values of the keys that shape training
-# (aiayn.run_store.run_identity).
+# (aiayn.training.run_store.run_identity).
 PARAM_EFFECTS: dict[str, Affects] = {
     "seed": TRAINS,
     "data.source": Affects(("download",)),

@@ -123,7 +123,6 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import Tensor
 
-from aiayn.checkpoint import CONFIG_FILE, load_model_files
 from aiayn.data.tokenizer import (
     BOS,
     BOS_ID,
@@ -139,6 +138,7 @@ from aiayn.decoding.translation import model_tokenizer, source_batch
 from aiayn.errors import DataError, MissingPackageError
 from aiayn.io import atomic_path, read_json, write_json, write_text
 from aiayn.model import Transformer, TransformerConfig
+from aiayn.training.checkpoint import CONFIG_FILE, load_model_files
 
 log = logging.getLogger("aiayn")
 

@@ -47,7 +47,7 @@ import yaml
 from aiayn.config import Params, flatten, parse_params
 from aiayn.errors import ParamsError
 from aiayn.experiments import Experiment
-from aiayn.schedule import deep_post_ln_warning
+from aiayn.training.schedule import deep_post_ln_warning
 
 PREFIX = "table3-"
 
@@ -262,8 +262,9 @@ class PlannedRow:
     overrides: dict[str, Any]
     error: str | None = None
     same_as_base: bool = False
-    # What the trainer will warn about this row (:func:`aiayn.schedule.deep_post_ln_warning`:
-    # on multi30k, C-N8's 8 + 8 post-LN layers at the preset's rate), said when it is queued.
+    # What the trainer will warn about this row
+    # (:func:`aiayn.training.schedule.deep_post_ln_warning`: on multi30k, C-N8's 8 + 8 post-LN
+    # layers at the preset's rate), said when it is queued.
     warning: str | None = None
 
 

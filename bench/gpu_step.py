@@ -58,8 +58,8 @@ from aiayn.data.batching import plan_step
 from aiayn.data.sampler import Batch
 from aiayn.data.shards import cut_batches
 from aiayn.model import Transformer, TransformerConfig
-from aiayn.objective import make_criterion, make_optimizer
 from aiayn.precision import autocast_dtype, no_autocast, precision_name, step_casts
+from aiayn.training.objective import make_criterion, make_optimizer
 from bench import harness
 from bench.flops import train_flops
 

@@ -1,4 +1,4 @@
-"""Resident memory of CPU training with and without ``aiayn.memory.HeapTrimmer``.
+"""Resident memory of CPU training with and without ``aiayn.training.memory.HeapTrimmer``.
 
 Usage (from the repository root)::
 
@@ -13,7 +13,7 @@ Token-bucket batches have a different shape at almost every step, so each step a
 activations of new sizes. On glibc the freed blocks stay in malloc's heap, fragmented, and
 the resident set size (RSS) of a training process creeps up for as long as it runs.
 ``aiayn.training.loop.Trainer`` on CPU calls ``malloc_trim(0)`` every
-``aiayn.memory.TRIM_EVERY_STEPS`` steps through ``HeapTrimmer``. This script trains the
+``aiayn.training.memory.TRIM_EVERY_STEPS`` steps through ``HeapTrimmer``. This script trains the
 same model on the same batches with the trimmer (``trim``) and without it (``notrim``) and
 prints RSS along the way and seconds per step.
 
@@ -47,7 +47,7 @@ import time
 from itertools import pairwise
 from pathlib import Path
 
-from aiayn.memory import ALLOCATORS, allocator_env, allocator_library, install_hint
+from aiayn.training.memory import ALLOCATORS, allocator_env, allocator_library, install_hint
 from bench import harness
 
 MODES = ("notrim", "trim", "jemalloc", "tcmalloc")
@@ -58,7 +58,7 @@ def worker(mode: str, spec: dict, steps: int) -> dict:
     """Train ``steps`` steps of the trainer ``spec`` describes (``bench.train_throughput``'s
     worker spec) in this process; RSS and wall time of every step."""
 
-    from aiayn.memory import TRIM_EVERY_STEPS, HeapTrimmer, loaded_allocator
+    from aiayn.training.memory import TRIM_EVERY_STEPS, HeapTrimmer, loaded_allocator
     from bench.train_throughput import TrainerWorker
 
     runner = TrainerWorker(spec)
@@ -182,7 +182,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="where the data stages write (shared with bench.train_throughput)")
     ap.add_argument("--trim-every", type=int, default=None, metavar="N",
                     help="the trim mode trims every N steps (default: the trainer's, "
-                         "aiayn.memory.TRIM_EVERY_STEPS)")
+                         "aiayn.training.memory.TRIM_EVERY_STEPS)")
     ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path, default=None, help="write all results here")
     ap.add_argument("--report", type=Path, default=None,

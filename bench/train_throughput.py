@@ -56,7 +56,7 @@ is never timed.
   shards' batches instead (the preset's ``shard.max_tokens``);
 * ``NAME/ALLOC`` - any contender above (``main``, ``fast@2048`` included) in a worker on C
   heap ``ALLOC``: ``glibc``, ``tcmalloc`` or ``jemalloc``, preloaded as ``aiayn train``
-  re-launches itself (``aiayn.memory.allocator_env``; e.g. ``fast/tcmalloc,main/glibc``:
+  re-launches itself (``aiayn.training.memory.allocator_env``; e.g. ``fast/tcmalloc,main/glibc``:
   today's trainer as ``train.allocator: auto`` runs it where tcmalloc is installed, against
   a baseline commit on glibc). The worker's heap is read back from its memory map and the
   run stops if the library did not load. Without a suffix a worker keeps this process's
@@ -169,9 +169,15 @@ class TrainerWorker:
         import torch
         import yaml
 
-        from aiayn.checkpoint import file_sha256
         from aiayn.config import Params, parse_params
-        from aiayn.distributed import World
+        try:
+            from aiayn.training.checkpoint import file_sha256
+        except ImportError:  # a baseline tree from before these modules were in aiayn.training
+            from aiayn.checkpoint import file_sha256
+        try:
+            from aiayn.training.distributed import World
+        except ImportError:  # as above: the flat layout
+            from aiayn.distributed import World
         try:
             from aiayn.data.tokenizer import load_tokenizer
         except ImportError:  # a baseline tree from before aiayn.data: the flat layout
@@ -535,7 +541,7 @@ class Worker:
     from this checkout."""
 
     def __init__(self, spec: dict, tree: Path | None = None, heap: str | None = None):
-        from aiayn.memory import allocator_env, loaded_allocator
+        from aiayn.training.memory import allocator_env, loaded_allocator
 
         self.name = spec["name"]
         env = harness.child_env(*[tree] if tree else [])
@@ -601,9 +607,9 @@ def check_arms(raw: dict, arms: dict[str, dict]) -> dict:
 
 def split_allocator(name: str) -> tuple[str, str | None]:
     """``fast/tcmalloc`` -> ("fast", "tcmalloc"); ``fast`` -> ("fast", None). The heaps are
-    glibc and this checkout's aiayn.memory.ALLOCATORS (imported here, not at the top: the
+    glibc and this checkout's aiayn.training.memory.ALLOCATORS (imported here, not at the top: the
     module also runs under baseline trees, whose aiayn may have none)."""
-    from aiayn.memory import ALLOCATORS
+    from aiayn.training.memory import ALLOCATORS
 
     heaps = ("glibc", *ALLOCATORS)
     core, slash, heap = name.partition("/")
@@ -835,7 +841,7 @@ def choose_contenders(args) -> Contenders:
     if bad := [n for n in validating if n not in names or core[n] in OTHERS]:
         raise SystemExit(f"error: --validate {bad[0]}: name trainer contenders of --contenders "
                          f"({','.join(n for n in names if core[n] not in OTHERS)})")
-    from aiayn.memory import allocator_library, install_hint
+    from aiayn.training.memory import allocator_library, install_hint
     for n in names:
         if heap[n] not in (None, "glibc") and allocator_library(heap[n]) is None:
             raise SystemExit(f"error: contender {n}: no {heap[n]} library here (e.g. "

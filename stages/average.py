@@ -8,17 +8,17 @@ from typing import Annotated, Literal
 
 import typer
 
-from aiayn.checkpoint import (
+from aiayn.errors import DataError
+from aiayn.io import check_output_path, file_sha256, write_json
+from aiayn.model import Transformer, TransformerConfig
+from aiayn.tracking import RUN_FILE, load_run_id
+from aiayn.training.checkpoint import (
     average_checkpoints,
     checkpoint_step,
     export_model,
     list_checkpoints,
     load_checkpoint,
 )
-from aiayn.errors import DataError
-from aiayn.io import check_output_path, file_sha256, write_json
-from aiayn.model import Transformer, TransformerConfig
-from aiayn.tracking import RUN_FILE, load_run_id
 from stages.common import ParamsPath, log, read_params, single_command_app, stage
 
 META_KEYS = ("model_config", "vocab_size", "tokenizer_sha256")

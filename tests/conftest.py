@@ -98,8 +98,8 @@ def usage_error(call, capsys) -> str:
 def save_model_folder(model, tokenizer: Path, out: Path, **config) -> Path:
     """``model`` as `aiayn average` writes its folder: weights, config.json (plus ``config``)
     and the tokenizer beside them."""
-    from aiayn.checkpoint import export_model
     from aiayn.io import file_sha256
+    from aiayn.training.checkpoint import export_model
 
     export_model(out, model.state_dict(),
                  {"model": model.cfg.to_dict(), "vocab_size": model.cfg.vocab_size,

@@ -71,7 +71,7 @@ def contenders(names: str, validate: str = "", arm: tuple = ()) -> throughput.Co
 
 
 def test_a_heap_suffix_runs_any_contender_on_that_allocator(monkeypatch):
-    monkeypatch.setattr("aiayn.memory.allocator_library", lambda name: f"lib{name}.so")
+    monkeypatch.setattr("aiayn.training.memory.allocator_library", lambda name: f"lib{name}.so")
     c = contenders("fast/tcmalloc,fast@2048/jemalloc,main/glibc,fast,matmul")
     assert c.heap == {"fast/tcmalloc": "tcmalloc", "fast@2048/jemalloc": "jemalloc",
                       "main/glibc": "glibc", "fast": None, "matmul": None}
@@ -87,14 +87,14 @@ def test_a_heap_suffix_runs_any_contender_on_that_allocator(monkeypatch):
     ("fast/jemalloc", "no jemalloc library here .*apt install libjemalloc2"),
 ])
 def test_a_heap_that_cannot_run_stops_before_any_worker(monkeypatch, names, message):
-    monkeypatch.setattr("aiayn.memory.allocator_library",
+    monkeypatch.setattr("aiayn.training.memory.allocator_library",
                         lambda name: "libtcmalloc.so" if name == "tcmalloc" else None)
     with pytest.raises(SystemExit, match=message):
         contenders(names)
 
 
 def test_ratios_pair_contenders_whatever_their_heap_and_each_heap_with_the_others(monkeypatch):
-    monkeypatch.setattr("aiayn.memory.allocator_library", lambda name: f"lib{name}.so")
+    monkeypatch.setattr("aiayn.training.memory.allocator_library", lambda name: f"lib{name}.so")
     names = ["fast/tcmalloc", "fast/glibc", "main/glibc", "plain", "fast@2048"]
     c = contenders(",".join(names))
     pairs = throughput.ratio_pairs(c, names)

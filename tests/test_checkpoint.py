@@ -12,8 +12,11 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from aiayn import checkpoint as ckpt
-from aiayn.checkpoint import (
+from aiayn.data.tokenizer import save_tokenizer, train_bpe
+from aiayn.errors import DataError
+from aiayn.model import Transformer, TransformerConfig
+from aiayn.training import checkpoint as ckpt
+from aiayn.training.checkpoint import (
     average_checkpoints,
     checkpoint_path,
     export_model,
@@ -24,9 +27,6 @@ from aiayn.checkpoint import (
     load_model_files,
     save_checkpoint,
 )
-from aiayn.data.tokenizer import save_tokenizer, train_bpe
-from aiayn.errors import DataError
-from aiayn.model import Transformer, TransformerConfig
 from tests.conftest import REPO, SENTENCES_DE, SENTENCES_EN
 
 

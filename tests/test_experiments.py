@@ -279,7 +279,7 @@ def test_a_training_that_failed_before_dvc_committed_it_resumes_when_run_again(t
     # of a training that stopped before DVC committed them. Here the stage fails after
     # training (as when DVC cannot cache the checkpoints on a full disk); the same command
     # again must resume from that training's checkpoints, not start over.
-    from aiayn.checkpoint import load_checkpoint
+    from aiayn.training.checkpoint import load_checkpoint
 
     env = {**cli_env, **GIT_IDENTITY}
     root = copy_project(tmp_path / "repo", env, TINY)

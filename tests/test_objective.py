@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aiayn.objective import label_smoothed_loss, make_optimizer, rdrop_loss
-from aiayn.schedule import cooldown_factor, noam_lr
+from aiayn.training.objective import label_smoothed_loss, make_optimizer, rdrop_loss
+from aiayn.training.schedule import cooldown_factor, noam_lr
 
 
 @pytest.mark.parametrize("step", [1, 10, 3999, 4000, 4001, 100_000])
@@ -141,7 +141,7 @@ def test_the_criteria_compute_one_loss_four_ways(toy_workspace, output_vocab):
     from aiayn import fast
     from aiayn.data.sampler import ShardDataset
     from aiayn.model import OutputVocab, Transformer, TransformerConfig
-    from aiayn.objective import (
+    from aiayn.training.objective import (
         FusedLabelSmoothedCrossEntropy,
         FusedRDrop,
         LabelSmoothedCrossEntropy,

@@ -18,22 +18,22 @@ import pytest
 import torch
 import yaml
 
-from aiayn.checkpoint import checkpoint_step, list_checkpoints, load_checkpoint
 from aiayn.config import load_params, parse_params
 from aiayn.data.subword import merge_parents
 from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, decode, load_tokenizer
 from aiayn.data.toy import generate_pairs
-from aiayn.distributed import World
 from aiayn.errors import DataError
 from aiayn.fast import extension
 from aiayn.io import file_sha256, human_bytes
 from aiayn.model import Transformer, TransformerConfig
-from aiayn.objective import label_smoothed_loss
 from aiayn.precision import cpu_has_native_bf16, cpu_model
 from aiayn.precision import hardware as precision_hardware
-from aiayn.schedule import cooldown_factor, noam_lr
 from aiayn.training.build import build_trainer
+from aiayn.training.checkpoint import checkpoint_step, list_checkpoints, load_checkpoint
+from aiayn.training.distributed import World
 from aiayn.training.loop import Trainer, TrainingDiverged, TrainPaths
+from aiayn.training.objective import label_smoothed_loss
+from aiayn.training.schedule import cooldown_factor, noam_lr
 from bench import harness
 from tests.conftest import REPO, build_toy_workspace, merge, write_params
 
@@ -1320,7 +1320,7 @@ def train_with_scripted_bleu(ws: Path, run: Path, scores: dict[int, float],
 
 def test_average_best_takes_the_best_bleu_checkpoints_and_training_keeps_them(
         toy_workspace, tmp_path):
-    from aiayn.checkpoint import load_model_files
+    from aiayn.training.checkpoint import load_model_files
 
     kept = train_with_scripted_bleu(
         toy_workspace, tmp_path, {3: 10.0, 6: 30.0, 9: 20.0, 12: 5.0},
@@ -1371,7 +1371,7 @@ def test_average_best_needs_scored_checkpoints(toy_workspace, tmp_path):
 def test_average_best_chooses_among_scored_checkpoints_only(toy_workspace, tmp_path):
     """BLEU every 6 steps, checkpoints every 3 (the multi30k preset's shape: 200 and 100):
     the unscored checkpoints 3 and 9 are never chosen, however recent."""
-    from aiayn.checkpoint import load_model_files
+    from aiayn.training.checkpoint import load_model_files
 
     kept = train_with_scripted_bleu(toy_workspace, tmp_path, {6: 30.0, 12: 20.0},
                                     {"valid_bleu_every": 6, "average_last": 2,
@@ -1409,11 +1409,11 @@ def test_average_candidates_are_scored_as_a_plain_decode_of_each_average(toy_wor
     with that average; the export is the average of the best (of equals, the larger)."""
     import sacrebleu
 
-    from aiayn.checkpoint import average_checkpoints, load_model_files
     from aiayn.data.corpus import iter_raw
     from aiayn.decoding.beam import BeamConfig
     from aiayn.decoding.translation import Translator
     from aiayn.io import read_json
+    from aiayn.training.checkpoint import average_checkpoints, load_model_files
 
     result = average_with_candidates(toy_workspace, tmp_path, [2, 1, 4, 5])
     assert result.exit_code == 0, result.output
@@ -1456,9 +1456,9 @@ def test_average_candidates_keep_the_best_score(toy_workspace, tmp_path, monkeyp
                                                 scripted, chosen):
     from mlflow.tracking import MlflowClient
 
-    from aiayn.checkpoint import load_model_files
     from aiayn.decoding.translation import ValidationBleu
     from aiayn.tracking import Tracker, save_run_id
+    from aiayn.training.checkpoint import load_model_files
 
     make_trainer(toy_workspace, tmp_path, {"train": {"keep_checkpoints": 5}}).fit()
     uri = f"sqlite:///{tmp_path}/mlflow.db"

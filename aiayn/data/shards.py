@@ -58,7 +58,7 @@ SRC_EXTRA = 1  # stored source = ids + [EOS]
 TGT_EXTRA = 2  # stored target = [BOS] + ids + [EOS]; decoder sees len + 1 on each of in/out
 # Beside the splits: the tokenizer the shards' ids come from (its sha256), so that training
 # refuses shards of another tokenizer of the same size. Outside the splits' files on purpose:
-# a run's identity hashes those (aiayn.run_store.run_identity), and a new file there would
+# a run's identity hashes those (aiayn.training.run_store.run_identity), and a new file there would
 # set aside every run made before it.
 SOURCE_FILE = "source.json"
 # Pairs gathered per step: a few MB of ids and index arrays (build_shards' fill_chunk).

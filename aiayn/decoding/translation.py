@@ -19,7 +19,6 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor
 
-from aiayn.checkpoint import load_model_files
 from aiayn.data.corpus import iter_raw
 from aiayn.data.tokenizer import EOS_ID, PAD_ID, decode, encode_ids, load_tokenizer
 from aiayn.decoding.beam import BeamConfig, beam_search
@@ -29,6 +28,7 @@ from aiayn.fast import avoid_cudnn_attention
 from aiayn.io import file_sha256
 from aiayn.model import Transformer, TransformerConfig
 from aiayn.precision import autocast_dtype, slow_bf16_warning
+from aiayn.training.checkpoint import load_model_files
 
 log = logging.getLogger("aiayn")
 

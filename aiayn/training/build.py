@@ -14,25 +14,25 @@ import numpy as np
 import torch
 from torch import nn
 
-from aiayn import distributed
 from aiayn.config import Params
 from aiayn.data.batching import StepPlan, plan_step
 from aiayn.data.sampler import BatchLoader, PrefetchLoader, ShardDataset, TokenBudgetSampler
 from aiayn.data.shards import check_tokenizer
 from aiayn.data.subword import SubwordSplitter, split_closure
-from aiayn.distributed import World
 from aiayn.errors import AiaynError, DataError, ParamsError
 from aiayn.fast import KernelConfig, avoid_cudnn_attention
 from aiayn.fast import apply as apply_kernels
-from aiayn.memory import HeapTrimmer, loaded_allocator
 from aiayn.model import Transformer, TransformerConfig
-from aiayn.objective import make_criterion, make_optimizer
 from aiayn.precision import autocast_dtype, slow_bf16_warning
-from aiayn.run_log import RunLog
-from aiayn.run_store import RunStore, run_identity
-from aiayn.schedule import deep_post_ln_warning
+from aiayn.training import distributed
+from aiayn.training.distributed import World
 from aiayn.training.loop import RunState, Trainer, TrainingListener, TrainPaths, lr_multiplier
+from aiayn.training.memory import HeapTrimmer, loaded_allocator
+from aiayn.training.objective import make_criterion, make_optimizer
 from aiayn.training.resume import restore
+from aiayn.training.run_log import RunLog
+from aiayn.training.run_store import RunStore, run_identity
+from aiayn.training.schedule import deep_post_ln_warning
 
 log = logging.getLogger("aiayn")
 
@@ -133,7 +133,7 @@ def build_trainer(p: Params, vocab_size: int, tokenizer_sha256: str, paths: Trai
                   listeners: list[TrainingListener] | None = None,
                   run_files: tuple[str, ...] = ()) -> Trainer:
     """The run of ``p`` in ``paths.checkpoints``, resumed from its last checkpoint if it has
-    one (aiayn.run_store decides which run goes on). ``valid_bleu(model, device, amp_dtype)
+    one (aiayn.training.run_store decides which run goes on). ``valid_bleu(model, device, amp_dtype)
     -> score``: rank 0's validation BLEU (aiayn.decoding.translation.ValidationBleu); ``merges``
     (aiayn.data.subword.merge_parents) is needed by train.subword_split; ``listeners`` hear the
     loop's log rows and checkpoints; ``run_files``: files beside the checkpoints that belong

@@ -13,8 +13,8 @@ import torch
 
 from aiayn.data.batching import StepPlan
 from aiayn.data.sampler import ShardDataset
-from aiayn.distributed import World
-from aiayn.run_log import RunLog
+from aiayn.training.distributed import World
+from aiayn.training.run_log import RunLog
 
 log = logging.getLogger("aiayn")
 
