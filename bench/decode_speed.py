@@ -13,8 +13,8 @@ Usage (from the repository root)::
                                                               # with BLEU of every engine
     .venv/bin/python -m bench.decode_speed --help
 
-The exports come from the library (``aiayn.export``: ``save_ctranslate2``, ``to_marian``)
-and decode through its engines (``aiayn.engines``), as ``aiayn export`` and ``aiayn
+The exports come from the library (``aiayn.export.convert``: ``save_ctranslate2``, ``to_marian``)
+and decode through its engines (``aiayn.export.engines``), as ``aiayn export`` and ``aiayn
 translate --engine`` do. ``ctranslate2`` and ``transformers`` (``pip install
 'aiayn[export]'``) are needed for their rows only (``--no-ct2``, ``--no-int8``, ``--no-hf``
 skip them).
@@ -82,13 +82,13 @@ Methods (all on the same batches, beam 4, alpha 0.6, max length = source length 
                  inter_threads=1, intra_threads=threads).translate_batch(beam_size=4,
                  length_penalty=0.6, max_decoding_length=max over the batch of
                  (source length + 50))`` on the same weights (see "CTranslate2 model"),
-                 through ``aiayn.engines.CTranslate2Translator`` (patience 1, its default);
+                 through ``aiayn.export.engines.CTranslate2Translator`` (patience 1, its default);
 * ``ct2_int8``   the same on an export quantized to int8 (``aiayn export --quantization
                  int8``), ``compute_type="int8"``;
 * ``hf``         ``MarianMTModel.generate(num_beams=4, length_penalty=0.6,
                  early_stopping="never", max_new_tokens=max over the batch)`` on the same
-                 weights (``aiayn.export.to_marian``), through
-                 ``aiayn.engines.TransformersTranslator``; torch threads as ours.
+                 weights (``aiayn.export.convert.to_marian``), through
+                 ``aiayn.export.engines.TransformersTranslator``; torch threads as ours.
 
 ``torch.set_num_threads(t)`` and CTranslate2's ``intra_threads`` take the same value ``t``,
 for each ``t`` of ``--threads`` (default 2). Each method decodes every batch once for warm-up;
@@ -109,7 +109,7 @@ tokens/s counts the returned one only.
 
 CTranslate2 and transformers models
 -----------------------------------
-Converted by ``aiayn.export`` (its module docstring has the mapping, weight by weight):
+Converted by ``aiayn.export.convert`` (its module docstring has the mapping, weight by weight):
 ``save_ctranslate2(model, vocab, dir, quantization)`` for CTranslate2 (fp32 and int8) and
 ``to_marian(model)`` for transformers (``MarianMTModel``, hidden dimensions permuted so that
 Marian's [sin | cos] sinusoid equals our interleaved one). One vocabulary for both sides,
@@ -370,11 +370,11 @@ def build_model(args) -> tuple[Transformer, dict]:
 # -- CTranslate2 -------------------------------------------------------------------------
 
 def ct2_engine(path: Path, vocab: list[str], limit: int, compute_type: str, threads: int):
-    """An export folder written by ``aiayn.export.save_ctranslate2``, as the engine that
+    """An export folder written by ``aiayn.export.convert.save_ctranslate2``, as the engine that
     ``aiayn translate --engine ctranslate2`` uses."""
     import ctranslate2
 
-    from aiayn.engines import CTranslate2Translator
+    from aiayn.export.engines import CTranslate2Translator
 
     return CTranslate2Translator(ctranslate2.Translator(
         str(path), device="cpu", compute_type=compute_type, inter_threads=1,
@@ -615,7 +615,7 @@ def describe(args, threads: list[int], cfg: BeamConfig, argv: list[str] | None) 
         info["ctranslate2"] = ctranslate2.__version__
         info["ct2_compute_types_cpu"] = sorted(ctranslate2.get_supported_compute_types("cpu"))
     if not args.no_hf:
-        from aiayn.export import quiet_transformers
+        from aiayn.export.convert import quiet_transformers
 
         info["transformers"] = quiet_transformers().__version__
     print(harness.machine_line(facts))
@@ -674,7 +674,7 @@ class Engines:
 
 
 def make_engines(args, model, vocab: list[str], cfg: BeamConfig, threads: list[int]) -> Engines:
-    from aiayn.export import save_ctranslate2, to_marian
+    from aiayn.export.convert import save_ctranslate2, to_marian
 
     limit = model.cfg.max_positions
     engines = Engines()
@@ -686,7 +686,7 @@ def make_engines(args, model, vocab: list[str], cfg: BeamConfig, threads: list[i
             path8 = save_ctranslate2(model, vocab, Path(engines.folder.name) / "int8", "int8")
             engines.ct2_int8 = {t: ct2_engine(path8, vocab, limit, "int8", t) for t in threads}
     if not args.no_hf:
-        from aiayn.engines import TransformersTranslator
+        from aiayn.export.engines import TransformersTranslator
 
         engines.hf = TransformersTranslator(to_marian(model, cfg.beam, cfg.alpha))
     return engines

@@ -6,10 +6,10 @@ Usage (from the repository root; ``pip install 'aiayn[export]'``)::
     .venv/bin/python -m bench.export_agreement --model data/model \\
         --inputs ../shared/data/multi30k/test2016.en --lines 1000
 
-The `aiayn average` folder ``--model`` is exported with the library (``aiayn.export``) to
+The `aiayn average` folder ``--model`` is exported with the library (``aiayn.export.convert``) to
 CTranslate2 (float32) and to transformers (MarianMT) in a temporary folder, and the first
 ``--lines`` non-empty lines of ``--inputs`` are decoded by each engine through
-``aiayn.engines`` (batches of ``--batch-size`` sorted by length, as ``aiayn translate``).
+``aiayn.export.engines`` (batches of ``--batch-size`` sorted by length, as ``aiayn translate``).
 Every engine gets one maximum output length per batch (the engines take only one): the
 largest source + EOS + ``--max-len-b`` of the batch. Reported, sentence for sentence:
 
@@ -42,8 +42,8 @@ import torch.nn.functional as F
 from aiayn.data.tokenizer import BOS_ID, EOS, EOS_ID, PAD_ID, encode_ids
 from aiayn.decoding.beam import BeamConfig, max_lengths
 from aiayn.decoding.translation import Translator, source_batch
-from aiayn.engines import CTranslate2Translator, TransformersTranslator
-from aiayn.export import export, load_model_folder
+from aiayn.export.convert import export, load_model_folder
+from aiayn.export.engines import CTranslate2Translator, TransformersTranslator
 from bench import harness
 
 

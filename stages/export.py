@@ -37,10 +37,10 @@ def export(
     tokenizer_config.json; both: README.md (model card: data, parameters, BLEU with its
     sacreBLEU signature) and aiayn.json (the model's configuration and the export's check).
     """
-    from aiayn.export import check_request, load_model_folder
-    from aiayn.export import export as export_folder
+    from aiayn.export.convert import check_request, load_model_folder
+    from aiayn.export.convert import export as export_folder
+    from aiayn.export.model_card import model_card
     from aiayn.model import count_parameters
-    from aiayn.model_card import model_card
 
     p = read_params(params)
     check_request(fmt, quantization)  # a missing package or a bad pair of options: no work

@@ -51,7 +51,7 @@ def translate(
     Reads: params `decode.*` (options override them) and `data.src_lang`/`tgt_lang` (for
     --split); MODEL. Writes: OUT (atomically), or standard output.
     """
-    from aiayn.engines import default_model_dir, load_engine
+    from aiayn.export.engines import default_model_dir, load_engine
 
     p = read_params(params)
     d = p.decode

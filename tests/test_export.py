@@ -25,7 +25,7 @@ from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, encode_ids, load_tokeni
 from aiayn.decoding.beam import BeamConfig
 from aiayn.decoding.translation import source_batch
 from aiayn.errors import DataError, MissingPackageError
-from aiayn.export import (
+from aiayn.export.convert import (
     check_exportable,
     export,
     hidden_permutation,
@@ -34,8 +34,8 @@ from aiayn.export import (
     require,
     token_strings,
 )
+from aiayn.export.model_card import model_card
 from aiayn.model import Transformer, TransformerConfig
-from aiayn.model_card import model_card
 from stages.cli import app
 from tests.conftest import save_model_folder as conftest_save_model_folder
 
@@ -122,7 +122,7 @@ def sources(toy_workspace, model_dir) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def engines(model_dir, exports):
     from aiayn.decoding.translation import load_translator
-    from aiayn.engines import CTranslate2Translator, TransformersTranslator
+    from aiayn.export.engines import CTranslate2Translator, TransformersTranslator
 
     return {"aiayn": load_translator(model_dir, device="cpu"),
             "ctranslate2": CTranslate2Translator.from_folder(exports["ctranslate2"], threads=1),
@@ -177,7 +177,7 @@ def test_the_permutation_turns_our_sinusoid_into_marians(d_model):
 
 
 def test_marian_computes_our_log_probs_with_padding(model_dir):
-    from aiayn.export import to_marian
+    from aiayn.export.convert import to_marian
 
     folder = load_model_folder(model_dir)
     marian = to_marian(folder.model)
@@ -238,7 +238,7 @@ def test_the_ctranslate2_folder_has_our_vocabulary_and_tokenizer(exports, model_
 
 def test_quantized_ctranslate2_exports_are_smaller_and_decode(model_dir, exports, tmp_path,
                                                                sources):
-    from aiayn.engines import CTranslate2Translator
+    from aiayn.export.engines import CTranslate2Translator
 
     out = export(model_dir, tmp_path / "int8", "ctranslate2", quantization="int8")
     full = (exports["ctranslate2"] / "model.bin").stat().st_size
@@ -459,7 +459,7 @@ def test_pre_ln_cannot_become_marian_but_can_become_ctranslate2(toy_workspace, t
 
 
 def test_a_failed_export_leaves_the_old_folder_as_it_was(model_dir, tmp_path, monkeypatch):
-    import aiayn.export as export_module
+    import aiayn.export.convert as export_module
 
     out = tmp_path / "ct2"
     out.mkdir()
@@ -500,7 +500,7 @@ def test_a_target_side_output_vocabulary_is_exported_as_the_output_bias(toy_work
     """model.output_vocab: target: both engines decode as we do, inside the vocabulary."""
     from aiayn.data.sampler import ShardDataset
     from aiayn.decoding.translation import load_translator
-    from aiayn.engines import CTranslate2Translator, TransformersTranslator
+    from aiayn.export.engines import CTranslate2Translator, TransformersTranslator
     from aiayn.training.build import target_vocabulary
 
     torch.manual_seed(2)
@@ -557,7 +557,7 @@ def shaped_folder(toy_workspace, tmp_path, settings: dict) -> Path:
 @pytest.mark.parametrize("name", list(TABLE3_SHAPES))
 def test_table3_shapes_export_exactly_or_say_why_not(name, toy_workspace, tmp_path, sources):
     from aiayn.decoding.translation import load_translator
-    from aiayn.engines import CTranslate2Translator, TransformersTranslator
+    from aiayn.export.engines import CTranslate2Translator, TransformersTranslator
 
     settings, marian = TABLE3_SHAPES[name]
     folder = shaped_folder(toy_workspace, tmp_path, settings)

@@ -35,7 +35,7 @@ log = logging.getLogger("aiayn")
 
 class BatchTranslator:
     """Text in, text out, for any decoder of token ids: ours, or an exported model's engine
-    (aiayn/engines.py). Subclasses set ``tokenizer`` and ``max_source_tokens`` and implement
+    (aiayn/export/engines.py). Subclasses set ``tokenizer`` and ``max_source_tokens`` and implement
     ``decode_batch``; the line handling (stripping, limits, length-sorted batches, empty
     lines, original order) is this one ``translate`` for all of them.
     """

@@ -637,7 +637,7 @@ def check_export(fmt: str, directory: Path, folder: ModelFolder, quantized: bool
         raise DataError(
             f"the {fmt} export of {folder.path} does not compute our model: per-token "
             f"log-probabilities of a probe differ by up to {diff:.3g} (more than "
-            f"{CHECK_TOLERANCE}); nothing was written. This is a bug in aiayn/export.py or "
+            f"{CHECK_TOLERANCE}); nothing was written. This is a bug in aiayn/export/convert.py or "
             f"an engine version it does not know; please report it")
     return diff
 

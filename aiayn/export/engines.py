@@ -2,7 +2,7 @@
 
 Each engine is a :class:`aiayn.decoding.translation.BatchTranslator`, so text is prepared, batched
 and put back in order exactly as for our own beam search; only ``decode_batch`` differs.
-The folders are those `aiayn export` writes (aiayn/export.py).
+The folders are those `aiayn export` writes (aiayn/export/convert.py).
 
 Two settings cannot be given per sentence to these engines, and are per batch instead:
 
@@ -31,7 +31,7 @@ from aiayn.data.tokenizer import EOS, EOS_ID, PAD_ID, load_tokenizer
 from aiayn.decoding.beam import BeamConfig, max_lengths
 from aiayn.decoding.translation import BatchTranslator, load_translator, source_batch
 from aiayn.errors import DataError
-from aiayn.export import METADATA_FILE, quiet_transformers, require, token_strings
+from aiayn.export.convert import METADATA_FILE, quiet_transformers, require, token_strings
 from aiayn.io import read_json
 
 ENGINES = ("aiayn", "ctranslate2", "transformers")
