@@ -34,7 +34,7 @@
 #   7. fp16 (issue 44, goal 3): gpu_step base and big, 1 x 25,000, bf16 against fp16 with
 #      dynamic loss scaling, ABAB; then big compiled (did not fit part 5's deadline).
 #   8. Table 3 (issue 46) on multi30k: the paper's 20 rows built on the preset by
-#      aiayn.table3, side by side for TABLE3_MINUTES each (the cooldown by the clock), no
+#      aiayn.experiments.table3, side by side for TABLE3_MINUTES each (the cooldown by the clock), no
 #      averaging, then translate and score valid; $RES/table3.md in the paper's layout.
 #  10. repeated batch shapes (issue 44): on new shapes every matrix product pays ~120-250 us
 #      of host time (cuBLAS's choice for a shape it has not met; ~12-27 us on shapes met
@@ -189,7 +189,7 @@ if [ "${1:-}" = prepare ]; then
         done
     done
     ls .gpu/conv
-    # part 8: Table 3's rows built on the multi30k preset (aiayn.table3: the paper's changes
+    # part 8: Table 3's rows built on the multi30k preset (aiayn.experiments.table3: the paper's changes
     # to its base, made to this base), each for TABLE3_MINUTES, no averaging (the paper's
     # Table 3: beam search, no checkpoint averaging), validation BLEU only at the end
     rm -rf .gpu/table3 && mkdir -p .gpu/table3
@@ -199,7 +199,7 @@ from pathlib import Path
 
 import yaml
 
-from aiayn import table3 as t3
+from aiayn.experiments import table3 as t3
 
 raw = yaml.safe_load(Path(".gpu/m30k/params.yaml").read_text())
 common = {**t3.budget(minutes=float(os.environ["TABLE3_MINUTES"])), "train.steps": 100000,

@@ -339,8 +339,8 @@ def test_table3_queues_every_row_once_and_a_tiny_row_runs_into_the_table(tmp_pat
     `aiayn results --table3` and skipped by a later --queue."""
     from mlflow import MlflowClient
 
-    from aiayn import table3 as t3
     from aiayn.config import flatten
+    from aiayn.experiments import table3 as t3
 
     env = {**cli_env, **GIT_IDENTITY}
     root = copy_project(tmp_path / "repo", env, TINY)
