@@ -8,7 +8,8 @@ every seed, the mean, and the mean difference to the baseline arm over the seeds
 (paired by seed: one seed is one initialisation, data order and dropout stream) with its
 standard error (the standard deviation of the paired differences / sqrt(pairs)).
 
-    python -m bench.screen_table docs/results/gpu-h200/2026-11-27-recipe-screen/call*.log --baseline preset
+    python -m bench.screen_table --baseline preset \
+        docs/results/gpu-h200/2026-11-27-recipe-screen/call*.log
     python -m bench.screen_table --runs .gpu/screen/*/    # the summary lines (gpu_session.sh)
 """
 

@@ -20,7 +20,8 @@ BLEU, and writes one picture: BLEU above, lr below.
 
     python -m bench.valid_bleu_curves --x tokens --mark "64=published 41.02 (8k x 8,000)" \
         --run cpu-hour=docs/results/multi30k/fp32-avx2-target \
-        --run gpu-d0.3=docs/results/gpu-h200/2026-11-28-micro-batch-dropout/conv/d0.3-s1 --out curve.png
+        --run gpu-d0.3=docs/results/gpu-h200/2026-11-28-micro-batch-dropout/conv/d0.3-s1 \
+        --out curve.png
 """
 
 from __future__ import annotations
