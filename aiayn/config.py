@@ -72,7 +72,7 @@ class SplitNames(Strict):
 
 
 class ToySource(Strict):
-    """The built-in synthetic English→German-like task (see ``aiayn.toy``)."""
+    """The built-in synthetic English→German-like task (see ``aiayn.data.toy``)."""
 
     train_pairs: int = Field(20_000, gt=0)
     valid_pairs: int = Field(500, gt=0)
@@ -279,7 +279,7 @@ class TrainConfig(Strict):
     tokens_per_step: int = Field(
         25_000, gt=0, description="target tokens per optimizer step across all processes and "
         "machines, whatever their number: each process's micro-batches are planned for it "
-        "when training starts (aiayn/batching.py)")
+        "when training starts (aiayn/data/batching.py)")
     max_tokens: int = Field(
         0, ge=0, description="the most tokens one process's micro-batch may hold per side, "
         "padding included (a GPU's memory); 0: one micro-batch per process a step, of "
@@ -310,9 +310,9 @@ class TrainConfig(Strict):
         "training stops at a checkpoint (0: no budget, train.steps decides)")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     allocator: Literal["auto", "glibc", "tcmalloc", "jemalloc"] = Field(
-        "auto", description="the C heap of CPU training (aiayn/memory.py): auto: tcmalloc, "
-        "else jemalloc, where installed (`aiayn train` re-launches itself with it preloaded), "
-        "else glibc's malloc trimmed every few steps; on a GPU auto keeps glibc")
+        "auto", description="the C heap of CPU training (aiayn/training/memory.py): auto: "
+        "tcmalloc, else jemalloc, where installed (`aiayn train` re-launches itself with it "
+        "preloaded), else glibc's malloc trimmed every few steps; on a GPU auto keeps glibc")
     nproc_per_node: int = Field(1, gt=0, description="processes per machine under torchrun")
     max_restarts: int = Field(
         0, ge=0, description="with nproc_per_node > 1: how often torchrun restarts the group "
@@ -350,13 +350,13 @@ class TrainConfig(Strict):
     subword_split: float = Field(
         0.0, ge=0.0, lt=1.0, description="probability that a merged BPE token of a training "
         "batch is replaced by the two tokens it was merged from (again for each part), a new "
-        "segmentation each epoch; a subword regulariser after BPE-dropout (aiayn/subword.py). "
+        "segmentation each epoch; a subword regulariser after BPE-dropout (aiayn/data/subword.py). "
         "Validation and decoding keep the plain segmentation; 0: off")
     rdrop: float = Field(
         0.0, ge=0.0, description="R-Drop's weight alpha (Liang et al. 2021): each training "
         "batch goes through the model twice with independent dropout, and the loss adds "
         "alpha/4 times the two passes' KL divergences, both ways, per target token "
-        "(aiayn/objective.py, rdrop_loss); a step costs about twice as much; 0: off")
+        "(aiayn/training/objective.py, rdrop_loss); a step costs about twice as much; 0: off")
 
     @model_validator(mode="after")
     def _average(self) -> TrainConfig:
@@ -458,7 +458,7 @@ VALIDATION_BLEU = Affects(("train", "average"))  # training's curve, the average
 # section, as dvc.yaml's `params:` lists name them: each stage there lists exactly the keys
 # declared for it here (tests/test_config.py checks, also that every setting is covered),
 # and a training run's identity is the values of the keys that shape training
-# (aiayn.run_store.run_identity).
+# (aiayn.training.run_store.run_identity).
 PARAM_EFFECTS: dict[str, Affects] = {
     "seed": TRAINS,
     "data.source": Affects(("download",)),

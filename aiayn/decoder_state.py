@@ -2,7 +2,7 @@
 ``decode_step``): the encoder's output and mask, and each decoder layer's cache (its
 self-attention's keys and values, "k" and "v", grown by a position per step; its
 cross-attention's, "cross", computed once). Beam search reorders it as hypotheses survive
-(:mod:`aiayn.beam`)."""
+(:mod:`aiayn.decoding.beam`)."""
 
 from __future__ import annotations
 

@@ -127,8 +127,8 @@ def axis_cap(values: list[float], spread: float = 20.0) -> float | None:
 
 
 def plot_table3_changes(changes: list, base: str, path: Path) -> None:
-    """Table 3 as a picture (``aiayn.table3.changes_from_base``): for each row, the change
-    from the base in dev BLEU (points) and in dev perplexity (%), ours beside the paper's,
+    """Table 3 as a picture (``aiayn.experiments.table3.changes_from_base``): for each row, the
+    change from the base in dev BLEU (points) and in dev perplexity (%), ours beside the paper's,
     one bar pair per row in the paper's order; a row not run has the paper's bar alone, one
     that is the base on our params (``same_as_base``) says so beside its zero; an outlier
     (:func:`axis_cap`) is cut at the axis's end and labelled with its value.

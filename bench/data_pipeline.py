@@ -470,8 +470,8 @@ def generate_corpus(raw: Path, pairs: int, seed: int) -> dict:
 
 
 def row_counts(raw: Path) -> dict[str, int]:
-    """Rows of each split's parquet file (its footer only: ``aiayn.corpus.raw_rows``)."""
-    from aiayn.corpus import raw_rows
+    """Rows of each split's parquet file (its footer only: ``aiayn.data.corpus.raw_rows``)."""
+    from aiayn.data.corpus import raw_rows
 
     return {s: raw_rows(raw, s) for s in ("train", "valid", "test")}
 

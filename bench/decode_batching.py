@@ -5,7 +5,7 @@ translate` (the preset's beam) make over a file, timed side by side. A contender
 commit's decoder (this checkout, or a `--baseline REF`) at one batch size (sentences decoded
 together, `decode.batch_size`); for each beam size in `--beams` the contenders take turns
 round by round (harness.rounds), each turn a child process that loads the model folder with
-`aiayn.translation.load_translator` (not timed), then translates every line once as `aiayn
+`aiayn.decoding.translation.load_translator` (not timed), then translates every line once as `aiayn
 translate` does (length-sorted batches) and reports the seconds and its outputs.
 
 Printed per beam: sentences/s per contender, its speed against the first contender (median
@@ -82,8 +82,13 @@ def worker(spec: dict) -> None:
     import torch
 
     import aiayn
-    from aiayn.beam import BeamConfig
-    from aiayn.translation import load_translator
+
+    try:
+        from aiayn.decoding.beam import BeamConfig
+        from aiayn.decoding.translation import load_translator
+    except ImportError:  # a baseline tree from before aiayn.decoding: the flat layout
+        from aiayn.beam import BeamConfig
+        from aiayn.translation import load_translator
 
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])

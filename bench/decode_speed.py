@@ -13,9 +13,9 @@ Usage (from the repository root)::
                                                               # with BLEU of every engine
     .venv/bin/python -m bench.decode_speed --help
 
-The exports come from the library (``aiayn.export``) and decode through its engines
-(``aiayn.engines``), as ``aiayn export`` and ``aiayn translate --engine`` do; ``ctranslate2``
-and ``transformers`` (``pip install 'aiayn[export]'``) are needed for their rows only
+The exports come from the library (``aiayn.export.convert``) and decode through its engines
+(``aiayn.export.engines``), as ``aiayn export`` and ``aiayn translate --engine`` do; ``ctranslate2``
+and ``transformers`` (``pip install -e '.[export]'``) are needed for their rows only
 (``--no-ct2``, ``--no-int8``, ``--no-hf`` skip them). Whether the engines decode as ours
 does, untimed: ``bench.export_agreement``.
 
@@ -63,11 +63,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from aiayn.beam import BeamConfig, beam_search, max_lengths
+from aiayn.data.tokenizer import BOS_ID, PAD_ID, decode, encode_ids
+from aiayn.decoding.beam import BeamConfig, beam_search, max_lengths
+from aiayn.decoding.translation import source_batch
 from aiayn.model import Transformer, TransformerConfig
 from aiayn.precision import cpu_has_native_bf16
-from aiayn.tokenizer import BOS_ID, PAD_ID, decode, encode_ids
-from aiayn.translation import source_batch
 from bench import harness
 
 VOCAB = 8000
@@ -119,7 +119,7 @@ class Batch:
 def cut_batches(pool: list[list[int]], batch_size: int, cfg: BeamConfig, limit: int,
                 texts: list[str] | None = None, refs: list[str] | None = None) -> list[Batch]:
     """``pool`` (sorted by length) in consecutive batches, each source + EOS, PAD-padded
-    (``aiayn.translation.source_batch``)."""
+    (``aiayn.decoding.translation.source_batch``)."""
     batches = []
     for start in range(0, len(pool), batch_size):
         words = pool[start:start + batch_size]
@@ -139,14 +139,14 @@ def make_batches(n_batches: int, batch_size: int, lo: int, hi: int, seed: int,
 
 def read_inputs(path: Path, tokenizer, n: int, select: str, limit: int
                 ) -> tuple[list[list[int]], list[str], dict, list[int]]:
-    """Source lines of ``path`` as ``aiayn.translation`` encodes and orders them.
+    """Source lines of ``path`` as ``aiayn.decoding.translation`` encodes and orders them.
 
     Lines are stripped and encoded with the model's tokenizer (no special tokens; EOS is
     appended when batching); lines that encode to nothing are dropped; a line longer than
     ``limit - 1`` tokens is cut there (what ``aiayn translate --truncate`` does). ``select``
     "head" keeps the first ``n`` remaining lines in file order, "shortest" the ``n`` shortest
     of the whole file; either way the kept ones are returned sorted by token count (stable,
-    as ``aiayn.translation`` sorts), ready to be cut into batches, with their line indices.
+    as ``aiayn.decoding.translation`` sorts), ready to be cut into batches, with their line indices.
     """
     if not path.is_file():
         raise SystemExit(f"--inputs {path}: no such file")
@@ -198,8 +198,8 @@ def train_copy(model: Transformer, steps: int, seed: int, batch_size: int = 32) 
 
 def load_real_model(model_dir: Path) -> tuple[Transformer, dict, list[str], object]:
     """An ``aiayn average`` folder through the project's loader; vocabulary by token id."""
+    from aiayn.decoding.translation import load_translator
     from aiayn.io import read_json
-    from aiayn.translation import load_translator
 
     tr = load_translator(model_dir, device="cpu", precision="fp32")
     vocab_map = tr.tokenizer.get_vocab(with_added_tokens=True)
@@ -256,11 +256,11 @@ def build_model(args) -> tuple[Transformer, dict]:
 # -- CTranslate2 -------------------------------------------------------------------------
 
 def ct2_engine(path: Path, vocab: list[str], limit: int, compute_type: str, threads: int):
-    """An export folder written by ``aiayn.export.save_ctranslate2``, as the engine that
+    """An export folder written by ``aiayn.export.convert.save_ctranslate2``, as the engine that
     ``aiayn translate --engine ctranslate2`` uses."""
     import ctranslate2
 
-    from aiayn.engines import CTranslate2Translator
+    from aiayn.export.engines import CTranslate2Translator
 
     return CTranslate2Translator(ctranslate2.Translator(
         str(path), device="cpu", compute_type=compute_type, inter_threads=1,
@@ -346,7 +346,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[int]]:
     ap.add_argument("--select", choices=("head", "shortest"), default="head",
                     help="with --inputs: decode the first --batches x --batch-size non-empty "
                          "lines in file order (head, default) or the shortest that many of the "
-                         "file (shortest); sorted by length and batched as aiayn.translation")
+                         "file (shortest); sorted by length and batched as "
+                         "aiayn.decoding.translation")
     ap.add_argument("--examples", type=int, default=3,
                     help="with --model: detokenized outputs of ours and CTranslate2 shown (3)")
     ap.add_argument("--batches", type=int, default=4, help="batches of --batch-size (4)")
@@ -413,7 +414,7 @@ def describe(args, threads: list[int], cfg: BeamConfig, argv: list[str] | None) 
         info["ctranslate2"] = ctranslate2.__version__
         info["ct2_compute_types_cpu"] = sorted(ctranslate2.get_supported_compute_types("cpu"))
     if not args.no_hf:
-        from aiayn.export import quiet_transformers
+        from aiayn.export.convert import quiet_transformers
 
         info["transformers"] = quiet_transformers().__version__
     print(harness.machine_line(facts))
@@ -472,7 +473,7 @@ class Engines:
 
 
 def make_engines(args, model, vocab: list[str], cfg: BeamConfig, threads: list[int]) -> Engines:
-    from aiayn.export import save_ctranslate2, to_marian
+    from aiayn.export.convert import save_ctranslate2, to_marian
 
     limit = model.cfg.max_positions
     engines = Engines()
@@ -484,7 +485,7 @@ def make_engines(args, model, vocab: list[str], cfg: BeamConfig, threads: list[i
             path8 = save_ctranslate2(model, vocab, Path(engines.folder.name) / "int8", "int8")
             engines.ct2_int8 = {t: ct2_engine(path8, vocab, limit, "int8", t) for t in threads}
     if not args.no_hf:
-        from aiayn.engines import TransformersTranslator
+        from aiayn.export.engines import TransformersTranslator
 
         engines.hf = TransformersTranslator(to_marian(model, cfg.beam, cfg.alpha))
     return engines

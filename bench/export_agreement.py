@@ -1,15 +1,15 @@
 """Do the exported models decode as ours does? Agreement on a trained model and real text.
 
-Usage (from the repository root; ``pip install 'aiayn[export]'``)::
+Usage (from the repository root; ``pip install -e '.[export]'``)::
 
     .venv/bin/python -m bench.export_agreement --model data/model --inputs data/test.en
     .venv/bin/python -m bench.export_agreement --model data/model \\
         --inputs ../shared/data/multi30k/test2016.en --lines 1000
 
-The `aiayn average` folder ``--model`` is exported with the library (``aiayn.export``) to
+The `aiayn average` folder ``--model`` is exported with the library (``aiayn.export.convert``) to
 CTranslate2 (float32) and to transformers (MarianMT) in a temporary folder, and the first
 ``--lines`` non-empty lines of ``--inputs`` are decoded by each engine through
-``aiayn.engines`` (batches of ``--batch-size`` sorted by length, as ``aiayn translate``).
+``aiayn.export.engines`` (batches of ``--batch-size`` sorted by length, as ``aiayn translate``).
 Every engine gets one maximum output length per batch (the engines take only one): the
 largest source + EOS + ``--max-len-b`` of the batch. Reported, sentence for sentence:
 
@@ -39,11 +39,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from aiayn.beam import BeamConfig, max_lengths
-from aiayn.engines import CTranslate2Translator, TransformersTranslator
-from aiayn.export import export, load_model_folder
-from aiayn.tokenizer import BOS_ID, EOS, EOS_ID, PAD_ID, encode_ids
-from aiayn.translation import Translator, source_batch
+from aiayn.data.tokenizer import BOS_ID, EOS, EOS_ID, PAD_ID, encode_ids
+from aiayn.decoding.beam import BeamConfig, max_lengths
+from aiayn.decoding.translation import Translator, source_batch
+from aiayn.export.convert import export, load_model_folder
+from aiayn.export.engines import CTranslate2Translator, TransformersTranslator
 from bench import harness
 
 

@@ -16,7 +16,7 @@
 #   6.  towards convergence: CONV's arms x CONV_SEEDS, 8k-token steps, CONV_MINUTES each;
 #       the best arm on valid then translates and scores test2016
 #   7.  bench.gpu_step: fp16 (dynamic loss scaling) against bf16, 1 x 25,000 tokens, ABAB
-#   8.  Table 3's rows built on the multi30k preset (aiayn.table3), TABLE3_MINUTES each
+#   8.  Table 3's rows built on the multi30k preset (aiayn.experiments.table3), TABLE3_MINUTES each
 #   9.  bench.decode_batching on the GPU: greedy and beam 8 by batch size, against baselines
 #   10. bench.gpu_step: batch widths padded to multiples of 8, the decoder unpacked, shapes
 #       met before, against the step as it is (ABAB); then compiled, with CUDA graphs
@@ -124,7 +124,7 @@ if [ "${1:-}" = prepare ]; then
         done
     done
     ls .gpu/conv
-    # part 8: Table 3's rows built on the multi30k preset (aiayn.table3: the paper's changes
+    # part 8: Table 3's rows built on the multi30k preset (aiayn.experiments.table3: the paper's changes
     # to its base, made to this base), each for TABLE3_MINUTES, no averaging (the paper's
     # Table 3: beam search, no checkpoint averaging), validation BLEU only at the end
     rm -rf .gpu/table3 && mkdir -p .gpu/table3
@@ -134,7 +134,7 @@ from pathlib import Path
 
 import yaml
 
-from aiayn import table3 as t3
+from aiayn.experiments import table3 as t3
 
 raw = yaml.safe_load(Path(".gpu/m30k/params.yaml").read_text())
 common = {**t3.budget(minutes=float(os.environ["TABLE3_MINUTES"])), "train.steps": 100000,

@@ -41,12 +41,12 @@ import torch
 import torch.distributed as dist
 
 from aiayn import fast
-from aiayn.batching import plan_step
+from aiayn.data.batching import plan_step
+from aiayn.data.sampler import Batch
+from aiayn.data.shards import cut_batches
 from aiayn.model import Transformer, TransformerConfig
-from aiayn.objective import make_criterion, make_optimizer
 from aiayn.precision import autocast_dtype, no_autocast, precision_name, step_casts
-from aiayn.sampler import Batch
-from aiayn.shards import cut_batches
+from aiayn.training.objective import make_criterion, make_optimizer
 from bench import harness
 from bench.flops import train_flops
 

@@ -6,8 +6,8 @@ Usage (in the repository that ran the sweep)::
     python -m bench.sweep_table --chosen tiny-d128 --out docs/results/multi30k/sweep.md
 
 Reads the experiments of HEAD (``-A``: of every commit) through DVC's Python API
-(``aiayn.experiments``: each finished one's files from its commit), and prints one row per
-commit and per finished experiment that has scores: its name, the params that differ from
+(``aiayn.experiments.dvc_exps``: each finished one's files from its commit), and prints one
+row per commit and per finished experiment that has scores: its name, the params that differ from
 the baseline row, the valid scores that recipes are chosen by (``metrics/bleu_valid.json``:
 sacreBLEU and lowercased tokenized BLEU when present), the best greedy validation BLEU during
 training and its step, the training minutes, the steps reached and why training stopped.
@@ -26,9 +26,9 @@ import json
 import sys
 from pathlib import Path
 
-from aiayn import experiments
 from aiayn.config import flatten
 from aiayn.errors import AiaynError
+from aiayn.experiments import dvc_exps
 from aiayn.io import write_text
 from bench import harness
 
@@ -36,27 +36,27 @@ PARAMS, METRICS = "params.yaml", ("metrics/bleu_valid.json", "metrics/bleu.json"
                                   "metrics/train.json")
 
 
-def rows_of(exps: list[experiments.Experiment]) -> list[dict]:
+def rows_of(exps: list[dvc_exps.Experiment]) -> list[dict]:
     """(name, params, metrics) of each baseline and each experiment, in DVC's order."""
     rows = []
     for exp in exps:
         name = exp.name if not exp.baseline else (
-            "workspace" if exp.rev == experiments.WORKSPACE else f"baseline {exp.rev}")
+            "workspace" if exp.rev == dvc_exps.WORKSPACE else f"baseline {exp.rev}")
         rows.append({"name": name, "params": flatten(exp.files.get(PARAMS)),
                      "metrics": {path: exp.files[path] for path in METRICS if path in exp.files}})
     return rows
 
 
-def load(path: Path) -> list[experiments.Experiment]:
+def load(path: Path) -> list[dvc_exps.Experiment]:
     """The experiments --save-json wrote to ``path``."""
     saved = json.loads(path.read_text())
-    fields = {f.name for f in dataclasses.fields(experiments.Experiment)}
+    fields = {f.name for f in dataclasses.fields(dvc_exps.Experiment)}
     if not (isinstance(saved, list) and all(isinstance(e, dict) and set(e) == fields
                                             for e in saved)):
         sys.exit(f"error: --json {path}: not the experiments --save-json writes (a `dvc exp "
                  "show --json`? run this in the repository instead, or save them there with "
                  "--save-json)")
-    return [experiments.Experiment(**e) for e in saved]
+    return [dvc_exps.Experiment(**e) for e in saved]
 
 
 def score(metrics: dict, path: str, key: str) -> float | None:
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> str:
         exps = load(args.json)
     else:
         try:
-            exps = experiments.read((PARAMS, *METRICS), all_commits=args.all_commits)
+            exps = dvc_exps.read((PARAMS, *METRICS), all_commits=args.all_commits)
         except AiaynError as exc:
             sys.exit(f"error: {exc}; or give --json experiments saved by --save-json")
     if args.save_json:

@@ -1,5 +1,5 @@
 """Resident memory and step time of CPU training on each C heap: glibc with and without the
-trainer's ``malloc_trim`` (``aiayn.memory.HeapTrimmer``), tcmalloc, jemalloc.
+trainer's ``malloc_trim`` (``aiayn.training.memory.HeapTrimmer``), tcmalloc, jemalloc.
 
 Usage (from the repository root)::
 
@@ -10,7 +10,7 @@ Usage (from the repository root)::
 
 Token-bucket batches change shape at almost every step; on glibc the freed blocks stay in
 the heap, fragmented, and a long run's RSS creeps up. Each mode trains the real
-``aiayn.training.Trainer`` (``bench.train_throughput``'s worker, on the ``--preset``'s data)
+``aiayn.training.loop.Trainer`` (``bench.train_throughput``'s worker, on the ``--preset``'s data)
 on the same batches in a fresh process of its own (a heap is per process), one after the
 other, ``--repeats`` times: ``notrim`` and ``trim`` on glibc, ``tcmalloc`` and ``jemalloc``
 preloaded as ``aiayn train`` preloads them. Printed per mode: the peak RSS of the warm-up
@@ -31,7 +31,7 @@ import time
 from itertools import pairwise
 from pathlib import Path
 
-from aiayn.memory import ALLOCATORS, allocator_env, allocator_library, install_hint
+from aiayn.training.memory import ALLOCATORS, allocator_env, allocator_library, install_hint
 from bench import harness
 
 MODES = ("notrim", "trim", "jemalloc", "tcmalloc")
@@ -42,7 +42,7 @@ def worker(mode: str, spec: dict, steps: int) -> dict:
     """Train ``steps`` steps of the trainer ``spec`` describes (``bench.train_throughput``'s
     worker spec) in this process; RSS and wall time of every step."""
 
-    from aiayn.memory import TRIM_EVERY_STEPS, HeapTrimmer, loaded_allocator
+    from aiayn.training.memory import TRIM_EVERY_STEPS, HeapTrimmer, loaded_allocator
     from bench.train_throughput import TrainerWorker
 
     runner = TrainerWorker(spec)
@@ -166,7 +166,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="where the data stages write (shared with bench.train_throughput)")
     ap.add_argument("--trim-every", type=int, default=None, metavar="N",
                     help="the trim mode trims every N steps (default: the trainer's, "
-                         "aiayn.memory.TRIM_EVERY_STEPS)")
+                         "aiayn.training.memory.TRIM_EVERY_STEPS)")
     ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path, default=None, help="write all results here")
     ap.add_argument("--report", type=Path, default=None,

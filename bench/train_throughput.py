@@ -30,7 +30,7 @@ the read-back of the loss sums at logging steps. No checkpoints, logs or validat
   ``shared:model.output_vocab=shared``;
 * ``NAME/ALLOC`` - any contender above in a worker on C heap ``ALLOC`` (``glibc``,
   ``tcmalloc`` or ``jemalloc``), preloaded as ``aiayn train`` re-launches itself
-  (``aiayn.memory.allocator_env``); the run stops if the library did not load. Without a
+  (``aiayn.training.memory.allocator_env``); the run stops if the library did not load. Without a
   suffix a worker keeps this process's heap. A fragmenting heap slows over the first few
   hundred steps: take long turns (``--steps 6 --rounds 40``) to see it;
 * ``matmul`` - the machine's matmul rate in the same run, in the trainers' precision (fp32,
@@ -109,13 +109,22 @@ class TrainerWorker:
         import torch
         import yaml
 
-        from aiayn.checkpoint import file_sha256
         from aiayn.config import Params, parse_params
-        from aiayn.distributed import World
-        from aiayn.tokenizer import load_tokenizer
         try:
-            from aiayn.training import TrainPaths
-            from aiayn.training import build_trainer as make_trainer
+            from aiayn.training.checkpoint import file_sha256
+        except ImportError:  # a baseline tree from before these modules were in aiayn.training
+            from aiayn.checkpoint import file_sha256
+        try:
+            from aiayn.training.distributed import World
+        except ImportError:  # as above: the flat layout
+            from aiayn.distributed import World
+        try:
+            from aiayn.data.tokenizer import load_tokenizer
+        except ImportError:  # a baseline tree from before aiayn.data: the flat layout
+            from aiayn.tokenizer import load_tokenizer
+        try:
+            from aiayn.training.build import build_trainer as make_trainer
+            from aiayn.training.loop import TrainPaths
         except ImportError:  # a baseline tree from before aiayn.training
             from aiayn.trainer import Trainer as make_trainer
             from aiayn.trainer import TrainPaths
@@ -258,7 +267,7 @@ class Worker:
     from this checkout."""
 
     def __init__(self, spec: dict, tree: Path | None = None, heap: str | None = None):
-        from aiayn.memory import allocator_env, loaded_allocator
+        from aiayn.training.memory import allocator_env, loaded_allocator
 
         self.name = spec["name"]
         env = harness.child_env(*[tree] if tree else [])
@@ -324,9 +333,9 @@ def check_arms(raw: dict, arms: dict[str, dict]) -> dict:
 
 def split_allocator(name: str) -> tuple[str, str | None]:
     """``fast/tcmalloc`` -> ("fast", "tcmalloc"); ``fast`` -> ("fast", None). The heaps are
-    glibc and this checkout's aiayn.memory.ALLOCATORS (imported here, not at the top: the
+    glibc and this checkout's aiayn.training.memory.ALLOCATORS (imported here, not at the top: the
     module also runs under baseline trees, whose aiayn may have none)."""
-    from aiayn.memory import ALLOCATORS
+    from aiayn.training.memory import ALLOCATORS
 
     heaps = ("glibc", *ALLOCATORS)
     core, slash, heap = name.partition("/")
@@ -417,9 +426,9 @@ def round_batches(params: Path, shards: Path, steps: int, skip: int) -> list[tup
     import numpy as np
     import yaml
 
-    from aiayn.batching import plan_step
     from aiayn.config import parse_params
-    from aiayn.sampler import ShardDataset, TokenBudgetSampler
+    from aiayn.data.batching import plan_step
+    from aiayn.data.sampler import ShardDataset, TokenBudgetSampler
 
     p = parse_params(yaml.safe_load(params.read_text()))
     plan = plan_step(p.train.tokens_per_step, 1, p.train.max_tokens)  # as the trainer's
@@ -503,7 +512,7 @@ def choose_contenders(args) -> Contenders:
     """--contenders, --arm and --profile read and checked, before any data is made."""
     import yaml
 
-    from aiayn.memory import allocator_library, install_hint
+    from aiayn.training.memory import allocator_library, install_hint
     from stages.params import compose
 
     names = (args.contenders or DEFAULT + (",main" if args.baseline else "")).split(",")
@@ -711,9 +720,9 @@ def main(argv: list[str] | None = None) -> dict:
     import yaml
 
     from aiayn.config import parse_params
+    from aiayn.data.tokenizer import load_tokenizer
     from aiayn.precision import autocast_dtype
-    from aiayn.tokenizer import load_tokenizer
-    from aiayn.training import model_config
+    from aiayn.training.build import model_config
 
     c = choose_contenders(args)
     threads = args.threads or torch.get_num_threads()

@@ -25,10 +25,10 @@ def attention(
     """
     import torch
 
-    from aiayn.beam import greedy_search
+    from aiayn.data.tokenizer import BOS_ID, EOS_ID, decode
+    from aiayn.decoding.beam import greedy_search
+    from aiayn.decoding.translation import load_translator
     from aiayn.plots import plot_attention_maps
-    from aiayn.tokenizer import BOS_ID, EOS_ID, decode
-    from aiayn.translation import load_translator
 
     tr = load_translator(model, device="cpu")
     tok = tr.tokenizer

@@ -8,17 +8,17 @@ from typing import Annotated, Literal
 
 import typer
 
-from aiayn.checkpoint import (
+from aiayn.errors import DataError
+from aiayn.io import check_output_path, file_sha256, write_json
+from aiayn.model import Transformer, TransformerConfig
+from aiayn.tracking import RUN_FILE, load_run_id
+from aiayn.training.checkpoint import (
     average_checkpoints,
     checkpoint_step,
     export_model,
     list_checkpoints,
     load_checkpoint,
 )
-from aiayn.errors import DataError
-from aiayn.io import check_output_path, file_sha256, write_json
-from aiayn.model import Transformer, TransformerConfig
-from aiayn.tracking import RUN_FILE, load_run_id
 from stages.common import ParamsPath, log, read_params, single_command_app, stage
 
 META_KEYS = ("model_config", "vocab_size", "tokenizer_sha256")
@@ -136,9 +136,9 @@ def average(
 def _pick(p, candidates: list[int], found: list[Path], how: str, folder: Path, raw: Path,
           tokenizer: Path, model: Transformer, device: str) -> tuple[int, dict[int, float]]:
     """The candidate count whose average decodes the valid split best, and every score."""
+    from aiayn.data.tokenizer import load_tokenizer
+    from aiayn.decoding.translation import ValidationBleu, decode_device
     from aiayn.precision import autocast_dtype
-    from aiayn.tokenizer import load_tokenizer
-    from aiayn.translation import ValidationBleu, decode_device
 
     scorer = ValidationBleu.from_params(p, raw, load_tokenizer(tokenizer))
     dev = decode_device(device)

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from tqdm import tqdm
 
-from aiayn.corpus import make_source, write_raw_splits
+from aiayn.data.corpus import make_source, write_raw_splits
 from aiayn.io import check_output_path, write_json
 from stages.common import ParamsPath, log, read_params, single_command_app, stage
 

@@ -22,7 +22,7 @@ def export(
     quantization: Annotated[Literal["none", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16"], typer.Option(help="ctranslate2 only: weight type, as CTranslate2 offers (none keeps float32).")] = "none",
     metrics: Annotated[Path, typer.Option(help="Folder of the pipeline's metrics (bleu.json, train.json, download.json, vocab.json) for the model card; missing files are reported as not measured.")] = Path("metrics"),
 ) -> None:
-    """Export the trained model for another inference engine (needs `pip install 'aiayn[export]'`).
+    """Export the trained model for another inference engine (needs `pip install -e '.[export]'`).
 
     The exported model computes what `aiayn translate` computes: before the folder is
     renamed into place, the export is loaded back by its engine and must give our per-token
@@ -37,10 +37,10 @@ def export(
     tokenizer_config.json; both: README.md (model card: data, parameters, BLEU with its
     sacreBLEU signature) and aiayn.json (the model's configuration and the export's check).
     """
-    from aiayn.export import check_request, load_model_folder
-    from aiayn.export import export as export_folder
+    from aiayn.export.convert import check_request, load_model_folder
+    from aiayn.export.convert import export as export_folder
+    from aiayn.export.model_card import model_card
     from aiayn.model import count_parameters
-    from aiayn.model_card import model_card
 
     p = read_params(params)
     check_request(fmt, quantization)  # a missing package or a bad pair of options: no work

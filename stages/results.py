@@ -141,7 +141,7 @@ def _stale(train: dict | None, average: dict | None) -> str | None:
 
 
 def _table3(out: Path, runs: list[Path] | None = None, save: Path | None = None) -> None:
-    from aiayn import table3 as t3
+    from aiayn.experiments import table3 as t3
 
     if runs:
         names = {row.name for row in t3.PAPER_ROWS}
@@ -157,19 +157,19 @@ def _table3(out: Path, runs: list[Path] | None = None, save: Path | None = None)
                             "left out", fg=typer.colors.YELLOW, err=True)
         _write_table3(out, t3.results_from_folders(runs))
         return
-    from aiayn import experiments
     from aiayn.errors import AiaynError
+    from aiayn.experiments import dvc_exps
 
     try:
-        root = experiments.dvc_root()
-        found = t3.results_from_experiments(experiments.read(t3.REQUIRED_RUN_FILES))
+        root = dvc_exps.dvc_root()
+        found = t3.results_from_experiments(dvc_exps.read(t3.REQUIRED_RUN_FILES))
     except AiaynError as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(code=2) from None
     if save is not None:
         try:
             saved = t3.save_runs(found, save,
-                                 lambda rev, path: experiments.git_file(rev, path, root))
+                                 lambda rev, path: dvc_exps.git_file(rev, path, root))
         except (t3.RunFolderError, AiaynError) as exc:
             typer.secho(f"error: --save-runs: {exc}", fg=typer.colors.RED, err=True)
             raise typer.Exit(code=2) from None
@@ -179,7 +179,7 @@ def _table3(out: Path, runs: list[Path] | None = None, save: Path | None = None)
 
 
 def _write_table3(out: Path, found: dict) -> None:
-    from aiayn import table3 as t3
+    from aiayn.experiments import table3 as t3
     from aiayn.io import write_text
 
     ran = sum(row.name in found for row in t3.PAPER_ROWS)

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from aiayn.config import SPLITS
-from aiayn.corpus import iter_raw, raw_path
+from aiayn.data.corpus import iter_raw, raw_path
 from aiayn.errors import AiaynError
 from aiayn.io import check_output_path, write_json
 from stages.common import ParamsPath, log, read_params, single_command_app, stage
@@ -59,7 +59,7 @@ def score(
     METRICS and HYPOTHESES into the training run's MLflow run (the id in RUN_FILE); skipped
     when there is none or with --no-mlflow.
     """
-    from aiayn.scoring import score_files
+    from aiayn.decoding.scoring import score_files
 
     p = read_params(params)
     check_output_path(metrics)

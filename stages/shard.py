@@ -8,8 +8,8 @@ from typing import Annotated
 import typer
 from tqdm import tqdm
 
+from aiayn.data.shards import build_shards, check_inputs
 from aiayn.io import check_output_path, write_json
-from aiayn.shards import build_shards, check_inputs
 from stages.common import ParamsPath, log, read_params, single_command_app, stage
 
 

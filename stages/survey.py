@@ -9,9 +9,9 @@ import typer
 from tqdm import tqdm
 
 from aiayn.config import SPLITS
-from aiayn.corpus import raw_rows
+from aiayn.data.corpus import raw_rows
+from aiayn.data.survey import build_survey, check_raw, histogram, plot_histogram, summarize
 from aiayn.io import atomic_path, check_output_path, write_json
-from aiayn.survey import build_survey, check_raw, histogram, plot_histogram, summarize
 from stages.common import ParamsPath, log, read_params, single_command_app, stage
 
 

@@ -74,10 +74,10 @@ def dvc(args: list[str]) -> subprocess.CompletedProcess:
 
 def existing() -> dict[str, str]:
     """HEAD's experiments by name and state (Queued, Running, Failed, Success), from DVC's
-    Python API (aiayn.experiments): `dvc queue status` lists the tasks of every commit, and
+    Python API (aiayn.experiments.dvc_exps): `dvc queue status` lists the tasks of every commit, and
     a row queued or run on an earlier commit is not in HEAD's table (`aiayn results
     --table3`)."""
-    from aiayn.experiments import read, states
+    from aiayn.experiments.dvc_exps import read, states
 
     return states(read())
 
@@ -119,8 +119,8 @@ def table3(
 
     Reads: PARAMS, CONF/. Writes: nothing but DVC's queue.
     """
-    from aiayn import table3 as t3
     from aiayn.config import load_params
+    from aiayn.experiments import table3 as t3
 
     load_params(params)  # a broken params file stops here, with its own message
     try:

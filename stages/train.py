@@ -11,15 +11,12 @@ from typing import Annotated
 
 import typer
 
-from aiayn import distributed
-from aiayn.distributed import world_from_env
+from aiayn.data.subword import merge_parents
+from aiayn.data.tokenizer import load_tokenizer
 from aiayn.errors import AiaynError
 from aiayn.io import check_output_path, file_sha256
 from aiayn.plots import plot_training_curves
 from aiayn.precision import hardware, precision_name
-from aiayn.run_log import TrainRow, ValidRow
-from aiayn.subword import merge_parents
-from aiayn.tokenizer import load_tokenizer
 from aiayn.tracking import (
     RUN_FILE,
     Tracker,
@@ -28,7 +25,11 @@ from aiayn.tracking import (
     load_run_id,
     save_run_id,
 )
-from aiayn.training import Trainer, TrainingListener, TrainPaths, build_trainer, device_kind
+from aiayn.training import distributed
+from aiayn.training.build import build_trainer, device_kind
+from aiayn.training.distributed import world_from_env
+from aiayn.training.loop import Trainer, TrainingListener, TrainPaths
+from aiayn.training.run_log import TrainRow, ValidRow
 from stages.common import ParamsPath, log, read_params, single_command_app, stage
 from stages.params import nearest_preset
 
@@ -82,9 +83,14 @@ def launched_as_command() -> bool:
 
 def relaunch_with_allocator(p) -> None:
     """Replace this process by the same command on the allocator ``train.allocator`` picks
-    (aiayn.memory.choose_allocator: on a CPU, tcmalloc or jemalloc where installed), when it
+    (aiayn.training.memory.choose_allocator: on a CPU, tcmalloc or jemalloc where installed), when it
     is not already the one loaded. A named allocator that is not installed is an error."""
-    from aiayn.memory import allocator_env, choose_allocator, install_hint, loaded_allocator
+    from aiayn.training.memory import (
+        allocator_env,
+        choose_allocator,
+        install_hint,
+        loaded_allocator,
+    )
 
     on_cpu = device_kind(p.train.device) == "cpu"
     try:
@@ -95,7 +101,7 @@ def relaunch_with_allocator(p) -> None:
     if wanted == "glibc" and loaded == "glibc" and on_cpu and p.train.allocator == "auto":
         log.info("train: on glibc's malloc; with tcmalloc, CPU training ran 1.1-1.6x as fast in "
                  "0.4-0.7x the memory (the preset's fp32 hour on an AVX2 CPU: 1.20x the steps; "
-                 "%s; aiayn/memory.py)", install_hint("tcmalloc"))
+                 "%s; aiayn/training/memory.py)", install_hint("tcmalloc"))
     if wanted == loaded or wanted == "glibc":  # glibc cannot be unloaded: it stays as it is
         return
     relaunched = os.environ.get(ALLOCATOR_RELAUNCHED)
@@ -254,7 +260,7 @@ def start_tracking(tracker: Tracker, trainer: Trainer, p, run_file: Path,
                    rows: TrackedRows) -> None:
     """Start (or resume) the run's MLflow run and record its id beside the checkpoints
     (RUN_FILE), so that a resumed training and the later stages log into the same run. A
-    run that goes on from before its cooldown (aiayn.run_store) starts a new MLflow run
+    run that goes on from before its cooldown (aiayn.training.run_store) starts a new MLflow run
     holding its curves up to there and naming the run it branched from."""
     world = trainer.world
     branched = trainer.store.branched_from
@@ -319,7 +325,7 @@ def log_results(tracker: Tracker, summary: dict, metric_files: list[Path], curve
 
 def validation_bleu(p, raw: Path, tok):
     """The hook that translates the valid split (or its first sentences) and scores it."""
-    from aiayn.translation import ValidationBleu
+    from aiayn.decoding.translation import ValidationBleu
 
     hook = ValidationBleu.from_params(p, raw, tok)
     log.info("train: validation BLEU every %d steps on %d valid sentences, beam %d",

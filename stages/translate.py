@@ -9,12 +9,12 @@ from typing import Annotated, Literal
 import typer
 from tqdm import tqdm
 
-from aiayn.beam import BeamConfig
 from aiayn.config import SPLITS
-from aiayn.corpus import iter_raw
+from aiayn.data.corpus import iter_raw
+from aiayn.decoding.beam import BeamConfig
+from aiayn.decoding.scoring import utf8_lines
 from aiayn.errors import DataError
 from aiayn.io import check_output_path, write_text
-from aiayn.scoring import utf8_lines
 from stages.common import ParamsPath, log, read_params, single_command_app, stage
 
 
@@ -26,7 +26,7 @@ def translate(
     split: Annotated[str | None, typer.Option(help="Translate the source side of a raw split (the DVC stage translates valid and test).")] = None,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Output file (default: standard output; with --split: data/translations/{split}.{tgt}).")] = None,
     model: Annotated[Path | None, typer.Option(help="Model folder: from `aiayn average` for --engine aiayn (default data/model), from `aiayn export` for the others (default data/export/ENGINE).")] = None,
-    engine: Annotated[Literal["aiayn", "ctranslate2", "transformers"], typer.Option(help="Decoder: aiayn (our beam search, the default), ctranslate2 or transformers (an exported model; `pip install 'aiayn[export]'`).")] = "aiayn",
+    engine: Annotated[Literal["aiayn", "ctranslate2", "transformers"], typer.Option(help="Decoder: aiayn (our beam search, the default), ctranslate2 or transformers (an exported model; `pip install -e '.[export]'`).")] = "aiayn",
     raw: Annotated[Path, typer.Option(help="Raw splits (for --split).")] = Path("data/raw"),
     beam: Annotated[int | None, typer.Option(min=1, help="Beam size (default: decode.beam; 1 is greedy).")] = None,
     alpha: Annotated[float | None, typer.Option(min=0.0, help="Length penalty alpha (default: decode.alpha); see --length-norm.")] = None,
@@ -51,7 +51,7 @@ def translate(
     Reads: params `decode.*` (options override them) and `data.src_lang`/`tgt_lang` (for
     --split); MODEL. Writes: OUT (atomically), or standard output.
     """
-    from aiayn.engines import default_model_dir, load_engine
+    from aiayn.export.engines import default_model_dir, load_engine
 
     p = read_params(params)
     d = p.decode

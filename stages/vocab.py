@@ -9,10 +9,10 @@ import numpy as np
 import typer
 from tqdm import tqdm
 
-from aiayn.corpus import iter_raw, open_raw, raw_languages, raw_rows
+from aiayn.data.corpus import iter_raw, open_raw, raw_languages, raw_rows
+from aiayn.data.tokenizer import UNK_ID, encode_ids, save_tokenizer, train_bpe
 from aiayn.errors import DataError
 from aiayn.io import check_output_path, write_json
-from aiayn.tokenizer import UNK_ID, encode_ids, save_tokenizer, train_bpe
 from stages.common import ParamsPath, log, read_params, single_command_app, stage
 
 

@@ -98,8 +98,8 @@ def usage_error(call, capsys) -> str:
 def save_model_folder(model, tokenizer: Path, out: Path, **config) -> Path:
     """``model`` as `aiayn average` writes its folder: weights, config.json (plus ``config``)
     and the tokenizer beside them."""
-    from aiayn.checkpoint import export_model
     from aiayn.io import file_sha256
+    from aiayn.training.checkpoint import export_model
 
     export_model(out, model.state_dict(),
                  {"model": model.cfg.to_dict(), "vocab_size": model.cfg.vocab_size,
@@ -152,10 +152,10 @@ def build_toy_workspace(root: Path, changes: dict | None = None) -> Path:
     """``root`` with params.yaml (TINY_PARAMS and ``changes``) and data/{raw,vocab,survey,
     shards} for its toy corpus, built through the library functions the stages call."""
     from aiayn.config import load_params
-    from aiayn.corpus import iter_raw, make_source, write_raw_splits
-    from aiayn.shards import build_shards
-    from aiayn.survey import build_survey
-    from aiayn.tokenizer import save_tokenizer, train_bpe
+    from aiayn.data.corpus import iter_raw, make_source, write_raw_splits
+    from aiayn.data.shards import build_shards
+    from aiayn.data.survey import build_survey
+    from aiayn.data.tokenizer import save_tokenizer, train_bpe
 
     root.mkdir(parents=True, exist_ok=True)
     p = load_params(write_params(root / "params.yaml", changes))

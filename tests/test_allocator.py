@@ -1,5 +1,5 @@
 """train.allocator: which C heap CPU training runs on, and `aiayn train` re-launching itself
-with it preloaded (aiayn.memory, stages.train)."""
+with it preloaded (aiayn.training.memory, stages.train)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from aiayn import memory
 from aiayn.errors import AiaynError
+from aiayn.training import memory
 from stages import train as train_stage
 from tests.conftest import REPO, write_params
 
@@ -111,7 +111,7 @@ def test_another_process_s_allocator_is_read_from_its_memory_map(monkeypatch):
 def test_a_child_started_with_the_environment_runs_on_that_allocator(name):
     if not INSTALLED[name]:
         pytest.skip(f"{name} is not installed here")
-    probe = "from aiayn.memory import loaded_allocator; print(loaded_allocator())"
+    probe = "from aiayn.training.memory import loaded_allocator; print(loaded_allocator())"
     env = memory.allocator_env(name, dict(os.environ, PYTHONPATH=str(REPO)))
     ran = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
                          text=True, check=True)

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from aiayn.checkpoint import list_checkpoints
+from aiayn.training.checkpoint import list_checkpoints
 from tests.conftest import REPO
 
 

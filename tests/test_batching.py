@@ -1,4 +1,4 @@
-"""aiayn.batching: a step's token budget split over processes, and micro-batches planned from
+"""aiayn.data.batching: a step's token budget split over processes, and micro-batches planned from
 the shards' sorted pairs when training starts."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import yaml
 
-from aiayn.batching import pair_costs, plan_step, plan_stored_batches
 from aiayn.config import ShardConfig, parse_params
+from aiayn.data.batching import pair_costs, plan_step, plan_stored_batches
+from aiayn.data.sampler import ShardDataset
+from aiayn.data.shards import build_shards
 from aiayn.errors import ParamsError
-from aiayn.sampler import ShardDataset
-from aiayn.shards import build_shards
 from tests.conftest import REPO, TINY_PARAMS, merge
 
 

@@ -1,6 +1,6 @@
 """Beam search against exhaustive search, greedy decoding, recomputation and its own limits.
 
-Conventions under test (see aiayn/beam.py): |Y| counts generated tokens with EOS; a
+Conventions under test (see aiayn/decoding/beam.py): |Y| counts generated tokens with EOS; a
 hypothesis cut at the maximum length L has |Y| = L; log P excludes PAD and BOS (renormalised).
 """
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aiayn.beam import BeamConfig, beam_search, greedy_search, length_penalty
+from aiayn.decoding.beam import BeamConfig, beam_search, greedy_search, length_penalty
 from aiayn.model import DecoderState, Transformer, TransformerConfig
 
 PAD, BOS, EOS = 0, 1, 2

@@ -11,9 +11,9 @@ import pytest
 import sacrebleu
 import torch
 
-from aiayn.beam import BeamConfig
+from aiayn.decoding.beam import BeamConfig
+from aiayn.decoding.translation import load_translator
 from aiayn.model import Transformer, TransformerConfig
-from aiayn.translation import load_translator
 from bench import decode_batching as db
 from bench.harness import REPO
 from tests.conftest import SENTENCES_DE, SENTENCES_EN, save_model_folder, usage_error
@@ -21,7 +21,7 @@ from tests.conftest import SENTENCES_DE, SENTENCES_EN, save_model_folder, usage_
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from aiayn.tokenizer import save_tokenizer, train_bpe
+    from aiayn.data.tokenizer import save_tokenizer, train_bpe
 
     root = tmp_path_factory.mktemp("decode_batching")
     tok = train_bpe(SENTENCES_EN + SENTENCES_DE, vocab_size=300, min_frequency=1)

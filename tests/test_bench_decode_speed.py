@@ -1,4 +1,4 @@
-"""bench/decode_speed.py: its batches against aiayn.translation's own batching, its summary
+"""bench/decode_speed.py: its batches against aiayn.decoding.translation's own batching, its summary
 and agreement counts against hand-computed ones, and two short runs, the copy task and a tiny
 exported model with references, whose results are checked field by field (sizes far below
 the benchmark's; no timing is asserted). Whether the engines decode as ours does is
@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from aiayn.beam import BeamConfig
+from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from aiayn.decoding.beam import BeamConfig
+from aiayn.decoding.translation import BatchTranslator, source_batch
 from aiayn.model import Transformer, TransformerConfig
-from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID
-from aiayn.translation import BatchTranslator, source_batch
 from bench import decode_speed as ds
 from tests.conftest import (
     SENTENCES_DE,
@@ -38,7 +38,7 @@ def keep_threads():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from aiayn.tokenizer import train_bpe
+    from aiayn.data.tokenizer import train_bpe
 
     return train_bpe(SENTENCES_EN + SENTENCES_DE, vocab_size=400, min_frequency=1)
 
@@ -53,7 +53,7 @@ def tiny_model(vocab: int, seed: int = 0, **changes) -> Transformer:
 @pytest.fixture(scope="module")
 def model_dir(tokenizer, tmp_path_factory):
     """A tiny untrained model exported as `aiayn average` exports one (as test_translate)."""
-    from aiayn.tokenizer import save_tokenizer
+    from aiayn.data.tokenizer import save_tokenizer
 
     root = tmp_path_factory.mktemp("decode_speed")
     tok_path = root / "tokenizer.json"
@@ -91,8 +91,8 @@ def test_copy_task_sentences_and_padding():
 def test_copy_task_batches_are_sorted_sources_with_eos_and_their_max_lengths():
     """make_batches against source_batch and min(limit, source + EOS + b)."""
     # make_batches: consecutive batches of a length-sorted pool; each source is the words + EOS,
-    # PAD-padded exactly as aiayn.translation.source_batch builds it; max length = source + EOS
-    # + b, capped by the model's limit.
+    # PAD-padded exactly as aiayn.decoding.translation.source_batch builds it; max length =
+    # source + EOS + b, capped by the model's limit.
     cfg = BeamConfig(beam=4, alpha=0.6, max_len_a=1.0, max_len_b=7)
     batches = ds.make_batches(3, 5, 2, 9, seed=4, cfg=cfg, limit=14)
     assert [len(b.words) for b in batches] == [5, 5, 5]
@@ -113,7 +113,7 @@ def test_copy_task_batches_are_sorted_sources_with_eos_and_their_max_lengths():
 
 
 class SpyTranslator(BatchTranslator):
-    """aiayn.translation's line handling (strip, drop empty, truncate, sort, batch) with a
+    """aiayn.decoding.translation's line handling (strip, drop empty, truncate, sort, batch) with a
     decoder that records the batches it is given."""
 
     def __init__(self, tokenizer, max_positions: int):
@@ -132,7 +132,8 @@ class SpyTranslator(BatchTranslator):
 
 @pytest.mark.parametrize("select", ["head", "shortest"])
 def test_inputs_are_the_batches_aiayn_translate_makes(tokenizer, tmp_path, select):
-    """read_inputs + cut_batches against the batches aiayn.translation makes for the same lines."""
+    """read_inputs + cut_batches against the batches aiayn.decoding.translation makes for the
+    same lines."""
     # --select head: the batches `aiayn translate --truncate` makes for the file's first batches x
     # batch-size non-empty lines; shortest: its first batches for the whole file. The texts are
     # those lines (stripped); the stats count lines, blanks and cut lines.
@@ -345,12 +346,12 @@ def test_exported_model_run_scores_each_engine_against_the_references(model_dir,
     """A tiny exported-model run: ours' BLEU equals sacreBLEU of aiayn's Translator on the lines."""
     # --model/--inputs/--references on a tiny exported model: the inputs' stats; BLEU of every
     # method but recompute on the selected lines, where ours equals sacreBLEU of what
-    # aiayn.translation's Translator outputs for the same lines against their references (line for
-    # line: a misaligned reference would change it); the examples show the sources with the
-    # Translator's outputs.
+    # aiayn.decoding.translation's Translator outputs for the same lines against their
+    # references (line for line: a misaligned reference would change it); the examples show the
+    # sources with the Translator's outputs.
     import sacrebleu
 
-    from aiayn.translation import load_translator
+    from aiayn.decoding.translation import load_translator
 
     inputs, refs = tmp_path / "in.txt", tmp_path / "refs.txt"
     inputs.write_text("\n".join(LINES) + "\n", encoding="utf-8")

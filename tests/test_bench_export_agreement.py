@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from aiayn.beam import BeamConfig, beam_search
-from aiayn.corpus import iter_raw
+from aiayn.data.corpus import iter_raw
+from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, encode_ids, load_tokenizer
+from aiayn.decoding.beam import BeamConfig, beam_search
+from aiayn.decoding.translation import source_batch
 from aiayn.model import Transformer, TransformerConfig
-from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, encode_ids, load_tokenizer
-from aiayn.translation import source_batch
 from bench import export_agreement as agreement
 from tests.conftest import save_model_folder
 

@@ -1,5 +1,5 @@
-"""bench/sweep_table.py: a sweep's experiments, read by aiayn.experiments, as one Markdown and
-CSV table.
+"""bench/sweep_table.py: a sweep's experiments, read by aiayn.experiments.dvc_exps, as one
+Markdown and CSV table.
 
 The rows here have the layout dvc.api.exp_show returns (the workspace, a baseline commit,
 its experiments; see tests/test_table3.py), each finished experiment's files those of its
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from aiayn import experiments
+from aiayn.experiments import dvc_exps
 from bench import sweep_table
 
 
@@ -53,7 +53,7 @@ def row(name: str | None, rev: str, state: str | None = None,
 @pytest.fixture
 def repo(tmp_path: Path, monkeypatch) -> dict:
     """The workspace (no scores yet), a baseline commit and six experiments of it, read
-    through aiayn.experiments; what exp_show was asked is recorded."""
+    through aiayn.experiments.dvc_exps; what exp_show was asked is recorded."""
     commits = {
         "9e4e687": files(params(), valid=40.21, test=38.0, minutes=55.0),
         "aaaaaaa": files(params(0.2), 40.91, test=39.92, minutes=62.1),
@@ -77,9 +77,9 @@ def repo(tmp_path: Path, monkeypatch) -> dict:
         asked.update(root=root, all_commits=all_commits)
         return [dict(r) for r in rows]
 
-    monkeypatch.setattr(experiments, "dvc_root", lambda: tmp_path)
-    monkeypatch.setattr(experiments, "exp_show", exp_show)
-    monkeypatch.setattr(experiments, "git_file",
+    monkeypatch.setattr(dvc_exps, "dvc_root", lambda: tmp_path)
+    monkeypatch.setattr(dvc_exps, "exp_show", exp_show)
+    monkeypatch.setattr(dvc_exps, "git_file",
                         lambda rev, path, root: commits[rev].get(path))
     return {"asked": asked, "root": tmp_path}
 
@@ -139,7 +139,7 @@ def test_markdown_and_csv_files_hold_the_printed_rows(repo, tmp_path):
 def test_saved_experiments_give_the_same_table_elsewhere(repo, tmp_path, monkeypatch):
     saved = tmp_path / "saved" / "experiments.json"
     text = sweep_table.main(["--chosen", "ls0.3", "--save-json", str(saved)])
-    monkeypatch.setattr(experiments, "exp_show", None)  # --json reads no repository
+    monkeypatch.setattr(dvc_exps, "exp_show", None)  # --json reads no repository
     assert sweep_table.main(["--json", str(saved), "--chosen", "ls0.3"]) == text
     legacy = tmp_path / "shown.json"  # a `dvc exp show --json`: said, not misread
     legacy.write_text(json.dumps([{"rev": "workspace", "name": None, "experiments": None}]))

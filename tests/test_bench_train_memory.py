@@ -219,7 +219,8 @@ def test_allocator_modes_run_preloaded_in_the_order_given_each_against_the_first
     """--modes trim,jemalloc,tcmalloc: each repeat runs them in that order; the allocator
     modes' workers start with their library first in LD_PRELOAD, the trim mode's without
     one; each later mode's ratios are the medians of its runs over the first mode's."""
-    monkeypatch.setattr("aiayn.memory.allocator_library", lambda name: f"lib{name}.so.test")
+    monkeypatch.setattr("aiayn.training.memory.allocator_library",
+                        lambda name: f"lib{name}.so.test")
     monkeypatch.setattr(memory, "allocator_library", lambda name: f"lib{name}.so.test")
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     result = memory.main(["--steps", "12", "--warmup", "2", "--repeats", "2",
@@ -251,7 +252,7 @@ def test_modes_that_cannot_run_are_argument_errors(workers, monkeypatch, capsys,
                                                    message):
     """Fewer than two modes, a repeated or unknown one, or an allocator that is not
     installed exit 2 before any worker starts."""
-    monkeypatch.setattr("aiayn.memory.allocator_library", lambda name: None)
+    monkeypatch.setattr("aiayn.training.memory.allocator_library", lambda name: None)
     monkeypatch.setattr(memory, "allocator_library", lambda name: None)
     err = usage_error(lambda: memory.main(["--steps", "10", "--warmup", "2", "--modes", modes]),
                       capsys)

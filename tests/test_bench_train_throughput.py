@@ -71,7 +71,7 @@ def contenders(names: str, arm: tuple = ()) -> throughput.Contenders:
 
 
 def test_a_heap_suffix_runs_any_contender_on_that_allocator(monkeypatch):
-    monkeypatch.setattr("aiayn.memory.allocator_library", lambda name: f"lib{name}.so")
+    monkeypatch.setattr("aiayn.training.memory.allocator_library", lambda name: f"lib{name}.so")
     c = contenders("fast/tcmalloc,ff512/jemalloc,main/glibc,fast,matmul",
                    arm=["ff512:model.d_ff=512"])
     assert c.heap == {"fast/tcmalloc": "tcmalloc", "ff512/jemalloc": "jemalloc",
@@ -88,14 +88,14 @@ def test_a_heap_suffix_runs_any_contender_on_that_allocator(monkeypatch):
     ("fast/jemalloc", "no jemalloc library here .*apt install libjemalloc2"),
 ])
 def test_a_heap_that_cannot_run_stops_before_any_worker(monkeypatch, names, message):
-    monkeypatch.setattr("aiayn.memory.allocator_library",
+    monkeypatch.setattr("aiayn.training.memory.allocator_library",
                         lambda name: "libtcmalloc.so" if name == "tcmalloc" else None)
     with pytest.raises(SystemExit, match=message):
         contenders(names)
 
 
 def test_ratios_pair_contenders_whatever_their_heap_and_each_heap_with_the_others(monkeypatch):
-    monkeypatch.setattr("aiayn.memory.allocator_library", lambda name: f"lib{name}.so")
+    monkeypatch.setattr("aiayn.training.memory.allocator_library", lambda name: f"lib{name}.so")
     names = ["fast/tcmalloc", "fast/glibc", "main/glibc", "plain"]
     c = contenders(",".join(names))
     pairs = throughput.ratio_pairs(c, names)

@@ -12,8 +12,11 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from aiayn import checkpoint as ckpt
-from aiayn.checkpoint import (
+from aiayn.data.tokenizer import save_tokenizer, train_bpe
+from aiayn.errors import DataError
+from aiayn.model import Transformer, TransformerConfig
+from aiayn.training import checkpoint as ckpt
+from aiayn.training.checkpoint import (
     average_checkpoints,
     checkpoint_path,
     export_model,
@@ -24,9 +27,6 @@ from aiayn.checkpoint import (
     load_model_files,
     save_checkpoint,
 )
-from aiayn.errors import DataError
-from aiayn.model import Transformer, TransformerConfig
-from aiayn.tokenizer import save_tokenizer, train_bpe
 from tests.conftest import REPO, SENTENCES_DE, SENTENCES_EN
 
 
@@ -493,7 +493,7 @@ def test_average_stage_averages_learned_positions_and_records_the_head_sizes(tra
 
 
 def test_checkpoints_and_folders_from_before_the_table3_settings_load_as_the_base(trained):
-    from aiayn.translation import load_translator
+    from aiayn.decoding.translation import load_translator
 
     # Written by a version without d_k, d_v and positions: they were the paper's base.
     rewrite_checkpoints(trained, tiny_config(trained["vocab"]),

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from aiayn.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from aiayn.errors import OutputError
 from aiayn.fast import EXTENSION_ENV
 from aiayn.io import atomic_path
+from aiayn.training.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from tests.conftest import REPO, free_port, write_params
 from tests.test_training import assert_bitwise_equal, env_for_subprocess, make_trainer, train_cmd
 
@@ -345,9 +345,9 @@ def test_a_checkpoint_is_refused_before_writing_when_it_cannot_fit(tmp_path, mon
 
 def test_training_refuses_to_start_where_no_checkpoint_fits(toy_workspace, tmp_path,
                                                             monkeypatch):
-    import aiayn.run_store
+    import aiayn.training.run_store
 
-    monkeypatch.setattr(aiayn.run_store, "free_bytes", lambda folder: 1000)
+    monkeypatch.setattr(aiayn.training.run_store, "free_bytes", lambda folder: 1000)
     with pytest.raises(OutputError, match=r"checkpoints: 1000 bytes free, but one checkpoint "
                                           r"of this model takes about [0-9.]+ KB"):
         make_trainer(toy_workspace, tmp_path)
@@ -366,7 +366,7 @@ def test_max_restarts_reaches_torchrun():
 def _broadcast_worker(rank: int, port: int, out: Path) -> None:
     import torch.distributed as dist
 
-    from aiayn.distributed import World, broadcast_values
+    from aiayn.training.distributed import World, broadcast_values
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
@@ -398,7 +398,7 @@ def test_every_rank_gets_rank_0s_decisions_and_clock(tmp_path):
     ({"LOCAL_RANK": "-1", "WORLD_SIZE": "2"}, "LOCAL_RANK=-1"),
 ])
 def test_torchruns_variables_are_checked_with_their_names(monkeypatch, env, message):
-    from aiayn.distributed import World, world_from_env
+    from aiayn.training.distributed import World, world_from_env
 
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)

@@ -12,7 +12,14 @@ import pytest
 import yaml
 
 from aiayn.config import Cleaning, HubSource, LocalSource, SplitNames
-from aiayn.corpus import HubPairs, LocalPairs, SplitStats, clean_batch, iter_raw, write_raw_splits
+from aiayn.data.corpus import (
+    HubPairs,
+    LocalPairs,
+    SplitStats,
+    clean_batch,
+    iter_raw,
+    write_raw_splits,
+)
 from aiayn.errors import DataError
 from tests.conftest import REPO, SENTENCES_DE, SENTENCES_EN, make_fake_hub, write_parallel
 

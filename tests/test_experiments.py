@@ -279,7 +279,7 @@ def test_a_training_that_failed_before_dvc_committed_it_resumes_when_run_again(t
     # of a training that stopped before DVC committed them. Here the stage fails after
     # training (as when DVC cannot cache the checkpoints on a full disk); the same command
     # again must resume from that training's checkpoints, not start over.
-    from aiayn.checkpoint import load_checkpoint
+    from aiayn.training.checkpoint import load_checkpoint
 
     env = {**cli_env, **GIT_IDENTITY}
     root = copy_project(tmp_path / "repo", env, TINY)
@@ -339,8 +339,8 @@ def test_table3_queues_every_row_once_and_a_tiny_row_runs_into_the_table(tmp_pat
     `aiayn results --table3` and skipped by a later --queue."""
     from mlflow import MlflowClient
 
-    from aiayn import table3 as t3
     from aiayn.config import flatten
+    from aiayn.experiments import table3 as t3
 
     env = {**cli_env, **GIT_IDENTITY}
     root = copy_project(tmp_path / "repo", env, TINY)

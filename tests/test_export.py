@@ -20,10 +20,12 @@ import torch
 import torch.nn.functional as F
 from typer.testing import CliRunner
 
-from aiayn.beam import BeamConfig
-from aiayn.corpus import iter_raw
+from aiayn.data.corpus import iter_raw
+from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, encode_ids, load_tokenizer
+from aiayn.decoding.beam import BeamConfig
+from aiayn.decoding.translation import source_batch
 from aiayn.errors import DataError, MissingPackageError
-from aiayn.export import (
+from aiayn.export.convert import (
     check_exportable,
     export,
     hidden_permutation,
@@ -32,10 +34,8 @@ from aiayn.export import (
     require,
     token_strings,
 )
+from aiayn.export.model_card import model_card
 from aiayn.model import Transformer, TransformerConfig
-from aiayn.model_card import model_card
-from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, encode_ids, load_tokenizer
-from aiayn.translation import source_batch
 from stages.cli import app
 from tests.conftest import save_model_folder as conftest_save_model_folder
 
@@ -121,8 +121,8 @@ def sources(toy_workspace, model_dir) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def engines(model_dir, exports):
-    from aiayn.engines import CTranslate2Translator, TransformersTranslator
-    from aiayn.translation import load_translator
+    from aiayn.decoding.translation import load_translator
+    from aiayn.export.engines import CTranslate2Translator, TransformersTranslator
 
     return {"aiayn": load_translator(model_dir, device="cpu"),
             "ctranslate2": CTranslate2Translator.from_folder(exports["ctranslate2"], threads=1),
@@ -177,7 +177,7 @@ def test_the_permutation_turns_our_sinusoid_into_marians(d_model):
 
 
 def test_marian_computes_our_log_probs_with_padding(model_dir):
-    from aiayn.export import to_marian
+    from aiayn.export.convert import to_marian
 
     folder = load_model_folder(model_dir)
     marian = to_marian(folder.model)
@@ -238,7 +238,7 @@ def test_the_ctranslate2_folder_has_our_vocabulary_and_tokenizer(exports, model_
 
 def test_quantized_ctranslate2_exports_are_smaller_and_decode(model_dir, exports, tmp_path,
                                                                sources):
-    from aiayn.engines import CTranslate2Translator
+    from aiayn.export.engines import CTranslate2Translator
 
     out = export(model_dir, tmp_path / "int8", "ctranslate2", quantization="int8")
     full = (exports["ctranslate2"] / "model.bin").stat().st_size
@@ -421,8 +421,9 @@ def test_bad_requests_stop_with_one_line_and_write_nothing(model_dir, toy_worksp
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [
         "error: the ctranslate2 format needs the Python package 'ctranslate2', which is not "
-        "installed; install the export extras: pip install 'aiayn[export]'"]
-    with pytest.raises(MissingPackageError, match="pip install 'aiayn\\[export\\]'"):
+        "installed; install the export extras: pip install -e '.[export]' (from the "
+        "repository's root)"]
+    with pytest.raises(MissingPackageError, match=r"pip install -e '\.\[export\]'"):
         require("ctranslate2", "x")
     assert not out.exists()
 
@@ -437,7 +438,7 @@ def test_translate_with_a_missing_export_or_package_says_what_to_do(toy_workspac
         assert f"not a folder of `aiayn export --format {engine}`" in result.output
     monkeypatch.setitem(sys.modules, "transformers", None)
     result = invoke("translate", "Hello", "--params", params, "--engine", "transformers")
-    assert result.exit_code == 2 and "pip install 'aiayn[export]'" in result.output
+    assert result.exit_code == 2 and "pip install -e '.[export]'" in result.output
     assert "Traceback" not in result.output
 
 
@@ -459,7 +460,7 @@ def test_pre_ln_cannot_become_marian_but_can_become_ctranslate2(toy_workspace, t
 
 
 def test_a_failed_export_leaves_the_old_folder_as_it_was(model_dir, tmp_path, monkeypatch):
-    import aiayn.export as export_module
+    import aiayn.export.convert as export_module
 
     out = tmp_path / "ct2"
     out.mkdir()
@@ -498,10 +499,10 @@ def test_the_model_card_says_what_the_softmax_spans():
 def test_a_target_side_output_vocabulary_is_exported_as_the_output_bias(toy_workspace,
                                                                        tmp_path, sources):
     """model.output_vocab: target: both engines decode as we do, inside the vocabulary."""
-    from aiayn.engines import CTranslate2Translator, TransformersTranslator
-    from aiayn.sampler import ShardDataset
-    from aiayn.training import target_vocabulary
-    from aiayn.translation import load_translator
+    from aiayn.data.sampler import ShardDataset
+    from aiayn.decoding.translation import load_translator
+    from aiayn.export.engines import CTranslate2Translator, TransformersTranslator
+    from aiayn.training.build import target_vocabulary
 
     torch.manual_seed(2)
     tok = load_tokenizer(toy_workspace / "data/vocab/tokenizer.json")
@@ -556,8 +557,8 @@ def shaped_folder(toy_workspace, tmp_path, settings: dict) -> Path:
 
 @pytest.mark.parametrize("name", list(TABLE3_SHAPES))
 def test_table3_shapes_export_exactly_or_say_why_not(name, toy_workspace, tmp_path, sources):
-    from aiayn.engines import CTranslate2Translator, TransformersTranslator
-    from aiayn.translation import load_translator
+    from aiayn.decoding.translation import load_translator
+    from aiayn.export.engines import CTranslate2Translator, TransformersTranslator
 
     settings, marian = TABLE3_SHAPES[name]
     folder = shaped_folder(toy_workspace, tmp_path, settings)
@@ -650,7 +651,7 @@ def test_an_engine_given_another_kind_of_folder_or_tokenizer_says_so(model_dir, 
     """One line, no traceback: an `aiayn average` folder given to the transformers engine, a
     CTranslate2 export without its vocabulary, a transformers export whose tokenizer is
     another's."""
-    from aiayn.tokenizer import save_tokenizer, train_bpe
+    from aiayn.data.tokenizer import save_tokenizer, train_bpe
 
     params = str(toy_workspace / "params.yaml")
     ct2_dir = tmp_path / "ct2"

@@ -32,7 +32,7 @@ from aiayn.fast.loss import (
 )
 from aiayn.fast.residual import residual_norm, residual_norm_applies
 from aiayn.model import Transformer, TransformerConfig
-from aiayn.objective import label_smoothed_loss, rdrop_loss
+from aiayn.training.objective import label_smoothed_loss, rdrop_loss
 
 PAD = 0
 DEFAULTS = KernelConfig()
@@ -348,7 +348,7 @@ def test_the_cpp_rdrop_pass_rejects_bad_input(built):
 @pytest.mark.parametrize("chunk_rows", [3, 1000])
 @pytest.mark.parametrize("vocab", [37, 48])
 def test_projected_rdrop_loss_equals_the_rdrop_loss_of_the_logits(softmax, chunk_rows, vocab):
-    """fp32: the fused loss against :func:`aiayn.objective.rdrop_loss` of the full logits,
+    """fp32: the fused loss against :func:`aiayn.training.objective.rdrop_loss` of the full logits,
     and its gradients with respect to the rows and the matrix against autograd's."""
     config = EAGER if softmax == "eager" else DEFAULTS
     torch.manual_seed(3)

@@ -1,4 +1,4 @@
-"""aiayn.memory: freed heap memory goes back to the operating system."""
+"""aiayn.training.memory: freed heap memory goes back to the operating system."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from aiayn.memory import HeapTrimmer, malloc_trim
+from aiayn.training.memory import HeapTrimmer, malloc_trim
 
 pytestmark = pytest.mark.skipif(malloc_trim() is None, reason="the C library has no malloc_trim")
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(malloc_trim() is None, reason="the C library has
 # allocated after them still sits at the heap's top, so free() alone cannot shrink it.
 FRAGMENT = r"""
 import sys
-from aiayn.memory import HeapTrimmer
+from aiayn.training.memory import HeapTrimmer
 def rss_mb():
     return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
 blocks = [bytearray(4000) for _ in range(100_000)]

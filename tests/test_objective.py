@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aiayn.objective import label_smoothed_loss, make_optimizer, rdrop_loss
-from aiayn.schedule import cooldown_factor, noam_lr
+from aiayn.training.objective import label_smoothed_loss, make_optimizer, rdrop_loss
+from aiayn.training.schedule import cooldown_factor, noam_lr
 
 
 @pytest.mark.parametrize("step", [1, 10, 3999, 4000, 4001, 100_000])
@@ -139,15 +139,15 @@ def test_the_criteria_compute_one_loss_four_ways(toy_workspace, output_vocab):
     equal passes is the plain loss (its KL terms are 0), and without gradients R-Drop is its
     base; each is what make_criterion returns for its settings."""
     from aiayn import fast
+    from aiayn.data.sampler import ShardDataset
     from aiayn.model import OutputVocab, Transformer, TransformerConfig
-    from aiayn.objective import (
+    from aiayn.training.objective import (
         FusedLabelSmoothedCrossEntropy,
         FusedRDrop,
         LabelSmoothedCrossEntropy,
         RDrop,
         make_criterion,
     )
-    from aiayn.sampler import ShardDataset
 
     data = ShardDataset(toy_workspace / "data/shards/train")
     batch = data.batch(0)

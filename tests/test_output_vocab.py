@@ -7,16 +7,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aiayn.beam import BeamConfig, beam_search, greedy_search
-from aiayn.checkpoint import average_checkpoints, list_checkpoints, load_checkpoint
+from aiayn.data.sampler import Batch, BatchLoader, ShardDataset, TokenBudgetSampler
+from aiayn.data.subword import NO_PARENT, SubwordSplitter, merge_parents, split_closure
+from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, load_tokenizer
+from aiayn.decoding.beam import BeamConfig, beam_search, greedy_search
+from aiayn.decoding.translation import source_batch
 from aiayn.fast import apply as apply_kernels
 from aiayn.model import OutputVocab, Transformer, TransformerConfig
-from aiayn.objective import make_criterion
-from aiayn.sampler import Batch, BatchLoader, ShardDataset, TokenBudgetSampler
-from aiayn.subword import NO_PARENT, SubwordSplitter, merge_parents, split_closure
-from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, load_tokenizer
-from aiayn.training import target_vocabulary
-from aiayn.translation import source_batch
+from aiayn.training.build import target_vocabulary
+from aiayn.training.checkpoint import average_checkpoints, list_checkpoints, load_checkpoint
+from aiayn.training.objective import make_criterion
 from tests.test_training import make_trainer
 
 V = 40

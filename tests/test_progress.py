@@ -3,7 +3,7 @@
 Before it runs a stage, `dvc exp run` checks every cached output out as last committed, so
 the checkpoints of a training that stopped before DVC committed them are replaced by the
 committed experiment's. The trainer keeps hard links to its checkpoints in
-`checkpoints.progress` and puts them back (aiayn.checkpoint.progress_folder). Here the
+`checkpoints.progress` and puts them back (aiayn.training.checkpoint.progress_folder). Here the
 checkout is simulated by replacing the folder with a copy of an earlier one, as DVC's copy
 link type does; tests/test_experiments.py runs the real `dvc exp run`.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from aiayn.checkpoint import (
+from aiayn.training.checkpoint import (
     list_checkpoints,
     load_checkpoint,
     mirror_checkpoints,
@@ -134,8 +134,8 @@ def test_a_folder_deleted_by_hand_starts_afresh_and_its_files_are_kept_aside(
 
 def test_a_first_run_into_a_folder_whose_parents_do_not_exist_yet_keeps_its_mirror(
         toy_workspace, tmp_path, caplog):
-    from aiayn.distributed import World
-    from aiayn.training import build_trainer
+    from aiayn.training.build import build_trainer
+    from aiayn.training.distributed import World
     from tests.test_training import paths
 
     settings = make_trainer(toy_workspace, tmp_path / "settings", {"train": {"steps": 6}})

@@ -138,8 +138,8 @@ def trained(tmp_path_factory) -> tuple[Path, list[tuple[dict, list[str]]]]:
 def test_section_2_trains_through_the_library_and_the_loss_falls(trained):
     from safetensors.torch import load_file
 
-    from aiayn.checkpoint import list_checkpoints, load_checkpoint
     from aiayn.config import load_params
+    from aiayn.training.checkpoint import list_checkpoints, load_checkpoint
 
     folder, [(train_ns, printed), (average_ns, listed)] = trained
     p, summary, trainer = train_ns["p"], train_ns["summary"], train_ns["trainer"]
@@ -170,7 +170,7 @@ def test_section_3_translates_as_the_translate_command_and_scores_as_sacrebleu(t
     import sacrebleu
     from typer.testing import CliRunner
 
-    from aiayn.beam import BeamConfig
+    from aiayn.decoding.beam import BeamConfig
     from stages.cli import app
 
     folder, _ = trained
@@ -204,7 +204,7 @@ def test_section_3_translates_as_the_translate_command_and_scores_as_sacrebleu(t
     assert printed[1].startswith(f"sacreBLEU {bleu.score:.2f} (nrefs:1|")
 
     # The checkpoint's translator decodes the last checkpoint's weights.
-    from aiayn.checkpoint import load_checkpoint
+    from aiayn.training.checkpoint import load_checkpoint
 
     last = load_checkpoint(folder / WORK / "checkpoints/step-00000100.pt")["model"]
     state = ckpt_ns["translator"].model.state_dict()
@@ -221,8 +221,8 @@ def export_extras() -> None:
 
 
 def test_section_4_exports_translate_as_our_decoder_does(export_extras, trained):
-    from aiayn.beam import BeamConfig
-    from aiayn.translation import load_translator
+    from aiayn.decoding.beam import BeamConfig
+    from aiayn.decoding.translation import load_translator
 
     folder, _ = trained
     work = folder / WORK

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from aiayn.run_log import RunLog, TrainRow, ValidRow, columns
+from aiayn.training.run_log import RunLog, TrainRow, ValidRow, columns
 
 
 def sample() -> RunLog:

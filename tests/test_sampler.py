@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from aiayn.errors import DataError
-from aiayn.sampler import (
+from aiayn.data.sampler import (
     EMPTY,
     Batch,
     BatchLoader,
@@ -20,7 +19,8 @@ from aiayn.sampler import (
     ShardDataset,
     TokenBudgetSampler,
 )
-from aiayn.shards import FORMAT, FORMAT_VERSION
+from aiayn.data.shards import FORMAT, FORMAT_VERSION
+from aiayn.errors import DataError
 
 # --------------------------------------------------------------------------- a hand-made split
 
@@ -34,7 +34,7 @@ BATCHES = [[0, 0, 2], [0, 2, 3], [1, 0, 2]]
 
 
 def write_split(folder: Path, **meta_overrides) -> Path:
-    """A split folder in the documented format, written without aiayn.shards."""
+    """A split folder in the documented format, written without aiayn.data.shards."""
     folder.mkdir(parents=True, exist_ok=True)
     entries = []
     for k, (lo, hi) in enumerate(SHARDS):

@@ -7,9 +7,9 @@ import re
 import pytest
 import yaml
 
-from aiayn import table3 as t3
 from aiayn.config import parse_params
-from aiayn.schedule import PAPER_BASE_PEAK_LR, deep_post_ln_warning, noam_lr, peak_lr
+from aiayn.experiments import table3 as t3
+from aiayn.training.schedule import PAPER_BASE_PEAK_LR, deep_post_ln_warning, noam_lr, peak_lr
 from stages.params import compose
 from tests.conftest import REPO
 

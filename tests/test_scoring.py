@@ -16,8 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from aiayn.errors import DataError
-from aiayn.scoring import (
+from aiayn.decoding.scoring import (
     TOKENIZED_BLEU_PROCEDURE,
     lowercase_bleu,
     moses_tokenize,
@@ -26,6 +25,7 @@ from aiayn.scoring import (
     split_compounds,
     tokenized_bleu,
 )
+from aiayn.errors import DataError
 from tests.conftest import REPO
 
 # A small en→de test set: real German with umlauts, ß, quotes, numbers and compounds.

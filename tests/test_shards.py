@@ -16,12 +16,12 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-import aiayn.shards as shards
-import aiayn.survey as survey
+import aiayn.data.shards as shards
+import aiayn.data.survey as survey
 from aiayn.config import SPLITS, ShardConfig
+from aiayn.data.sampler import ShardDataset
+from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, decode, save_tokenizer, train_bpe
 from aiayn.errors import DataError
-from aiayn.sampler import ShardDataset
-from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, decode, save_tokenizer, train_bpe
 
 CFG = ShardConfig(max_tokens=120, max_len=40, shard_tokens=1500)
 SPLIT_PAIRS = {"train": 700, "valid": 90, "test": 90}
@@ -90,7 +90,7 @@ def built(corpus, tmp_path_factory):
 
 
 def load_split(folder: Path) -> dict:
-    """Everything of a split folder as plain arrays, read without aiayn.sampler."""
+    """Everything of a split folder as plain arrays, read without aiayn.data.sampler."""
     meta = json.loads((folder / "meta.json").read_text())
     parts = {}
     for s in meta["shards"]:

@@ -9,10 +9,10 @@ from functools import cache
 import numpy as np
 import pytest
 
+from aiayn.data.sampler import BatchLoader, PrefetchLoader, ShardDataset, TokenBudgetSampler
+from aiayn.data.subword import NO_PARENT, SubwordSplitter, merge_parents
+from aiayn.data.tokenizer import SPECIAL_TOKENS, decode, encode_ids, train_bpe
 from aiayn.errors import DataError
-from aiayn.sampler import BatchLoader, PrefetchLoader, ShardDataset, TokenBudgetSampler
-from aiayn.subword import NO_PARENT, SubwordSplitter, merge_parents
-from aiayn.tokenizer import SPECIAL_TOKENS, decode, encode_ids, train_bpe
 from tests.test_sampler import write_split
 
 SENTENCES = [

@@ -12,12 +12,12 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-import aiayn.survey as survey
+import aiayn.data.survey as survey
 from aiayn.config import SPLITS, Cleaning, LocalSource, SplitNames
-from aiayn.corpus import LocalPairs, write_raw_splits
+from aiayn.data.corpus import LocalPairs, write_raw_splits
+from aiayn.data.survey import histogram, plot_histogram, summarize, survey_lengths
+from aiayn.data.tokenizer import save_tokenizer, train_bpe
 from aiayn.errors import DataError
-from aiayn.survey import histogram, plot_histogram, summarize, survey_lengths
-from aiayn.tokenizer import save_tokenizer, train_bpe
 from tests.conftest import SENTENCES_DE, SENTENCES_EN
 
 

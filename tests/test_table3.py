@@ -15,12 +15,12 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from aiayn import experiments
-from aiayn import table3 as t3
 from aiayn.config import flatten, parse_params
 from aiayn.errors import AiaynError
+from aiayn.experiments import dvc_exps
+from aiayn.experiments import table3 as t3
 from aiayn.model import Transformer, count_parameters
-from aiayn.training import model_config
+from aiayn.training.build import model_config
 from stages.params import compose
 from stages.table3 import base_of, hydra_value
 from tests.conftest import REPO
@@ -370,7 +370,7 @@ def read_commit(rev: str, path: str) -> bytes | None:
 
 def table_results(rows: list[dict] = ROWS) -> dict[str, t3.RowResult]:
     """`aiayn results --table3`'s rows: the reader on ``rows``, then the table's."""
-    return t3.results_from_experiments(experiments.read(
+    return t3.results_from_experiments(dvc_exps.read(
         t3.REQUIRED_RUN_FILES, rows=copy.deepcopy(rows), read_file=read_commit))
 
 
@@ -379,8 +379,8 @@ EXPECTED = """\
 
 Variations on the Transformer (Vaswani et al., 2017, Table 3), each row an experiment \
 `aiayn table3 --queue` queued on the params of this repository: the row changes what the \
-paper's row changes (aiayn/table3.py, docs/table3.md), everything else is as the params \
-say. Our columns are what each experiment ran with and measured (positions: sinusoids or \
+paper's row changes (aiayn/experiments/table3.py, docs/table3.md), everything else is as the \
+params say. Our columns are what each experiment ran with and measured (positions: sinusoids or \
 learned, row (E)); the last three are the paper's, on WMT14 newstest2013.
 
 | row | N | d_model | d_ff | h | d_k | d_v | P_drop | ε_ls | positions | steps | PPL (dev) \
@@ -630,15 +630,15 @@ def test_experiment_states_are_dvcs_and_an_unreadable_commit_is_a_failure():
     or failed one its executor's state; a finished one whose commit DVC could not read
     ("!" in a cell, or no creation time) failed. Of two with one name, the first: DVC lists
     finished ones before queued and failed ones, each newest first."""
-    assert experiments.states(experiments.listed(ROWS)) == {
+    assert dvc_exps.states(dvc_exps.listed(ROWS)) == {
         "table3-C-ff4096": "Running", "table3-base": "Success", "table3-B-dk16": "Success",
         "table3-E-learned": "Success", "table3-C-N4": "Failed", "table3-C-N8": "Failed",
         "lr2": "Success", "table3-A-h1": "Queued", "table3-C-N2": "Failed"}
-    listed = experiments.listed(ROWS)
+    listed = dvc_exps.listed(ROWS)
     assert [(e.name, e.rev) for e in listed if e.baseline] == [
         ("workspace", "workspace"), ("0123abc", "0123abc"), ("fedcba9", "fedcba9")]
     assert all(e.state == "Success" for e in listed if e.baseline)
-    assert experiments.states(experiments.listed([])) == {}
+    assert dvc_exps.states(dvc_exps.listed([])) == {}
 
 
 def test_the_reader_reads_the_files_of_finished_experiments_and_baselines_only(
@@ -654,7 +654,7 @@ def test_the_reader_reads_the_files_of_finished_experiments_and_baselines_only(
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "params.yaml").write_text("model: {d_model: 8}\n")
-    got = experiments.read(["params.yaml", "metrics/bleu_valid.json"], rows=ROWS,
+    got = dvc_exps.read(["params.yaml", "metrics/bleu_valid.json"], rows=ROWS,
                            read_file=read)
     assert [e.name for e in got] == [r["Experiment"] or r["rev"] for r in ROWS]
     assert got[0].files == {"params.yaml": {"model": {"d_model": 8}}}  # the workspace
@@ -663,12 +663,12 @@ def test_the_reader_reads_the_files_of_finished_experiments_and_baselines_only(
     assert set(reads) == {"0123abc", "ba5e000", "dk16000", "1ea4ed0", "1212121", "fedcba9",
                           "01d0000"}
     assert all(not e.files for e in got if not e.finished)
-    assert experiments.read(["metrics/absent.json"], rows=ROWS, read_file=read)[3].files == {}
-    assert experiments.read(rows=ROWS, read_file=read)[3].files == {}  # no files asked
+    assert dvc_exps.read(["metrics/absent.json"], rows=ROWS, read_file=read)[3].files == {}
+    assert dvc_exps.read(rows=ROWS, read_file=read)[3].files == {}  # no files asked
     COMMITS["1212121"]["metrics/broken.json"] = b"{"
     with pytest.raises(AiaynError, match=r"lr2 \(commit 1212121\): "
                                                      r"metrics/broken.json does not parse"):
-        experiments.read(["metrics/broken.json"], rows=ROWS, read_file=read)
+        dvc_exps.read(["metrics/broken.json"], rows=ROWS, read_file=read)
     del COMMITS["1212121"]["metrics/broken.json"]
 
 
@@ -696,20 +696,20 @@ def test_the_reader_on_a_real_repository(tmp_path, monkeypatch):
     (tmp_path / "metrics/train.json").write_text('{"steps": 8, "valid_ppl": 2.5}')
     subprocess.run([sys.executable, "-m", "dvc", "exp", "save", "-q", "-n", "table3-E-learned"],
                    check=True)
-    rows = experiments.exp_show(experiments.dvc_root())
+    rows = dvc_exps.exp_show(dvc_exps.dvc_root())
     assert [list(r)[:7] for r in rows] == [list(COLUMNS[:7])] * 3
     assert [(r["Experiment"], r["typ"], r["State"]) for r in rows] == [
         (None, "baseline", None), (None, "baseline", None),
         ("table3-E-learned", "branch_base", None)]
     assert rows[2]["model.d_model"] == 64.0  # DVC's cells: floats
-    got = experiments.read(["params.yaml", "metrics/train.json"])
+    got = dvc_exps.read(["params.yaml", "metrics/train.json"])
     assert [(e.name, e.state, e.baseline) for e in got] == [
         ("workspace", "Success", True), (head, "Success", True),
         ("table3-E-learned", "Success", False)]
     assert got[1].files["params.yaml"] == {"model": {"d_model": 32, "positions": "sinusoidal"}}
     assert got[2].files == {"params.yaml": {"model": {"d_model": 64, "positions": "learned"}},
                             "metrics/train.json": {"steps": 8, "valid_ppl": 2.5}}
-    assert experiments.git_file(got[2].rev, "metrics/absent.json") is None
+    assert dvc_exps.git_file(got[2].rev, "metrics/absent.json") is None
 
 
 def test_results_runs_name_a_missing_folder_and_count_rows_only(tmp_path):
@@ -735,7 +735,7 @@ def test_results_runs_name_a_missing_folder_and_count_rows_only(tmp_path):
 def test_results_table3_outside_a_dvc_repository_says_so_and_writes_nothing(tmp_path,
                                                                               monkeypatch):
     """`aiayn results --table3` and `aiayn table3 --queue` read the experiments through
-    aiayn.experiments: outside a DVC repository, its error and the fix, exit 2."""
+    aiayn.experiments.dvc_exps: outside a DVC repository, its error and the fix, exit 2."""
     from stages.cli import app
 
     monkeypatch.chdir(tmp_path)

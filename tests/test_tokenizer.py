@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from aiayn.errors import DataError
-from aiayn.tokenizer import (
+from aiayn.data.tokenizer import (
     BOS_ID,
     EOS_ID,
     PAD_ID,
@@ -16,6 +15,7 @@ from aiayn.tokenizer import (
     save_tokenizer,
     train_bpe,
 )
+from aiayn.errors import DataError
 from tests.conftest import SENTENCES_DE, SENTENCES_EN
 
 UNSEEN = [

@@ -10,8 +10,8 @@ from itertools import islice
 
 import pytest
 
-from aiayn import toy
-from aiayn.toy import clause, generate_pairs, noun_phrase, prepositional_phrase
+from aiayn.data import toy
+from aiayn.data.toy import clause, generate_pairs, noun_phrase, prepositional_phrase
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUBORDINATORS = {"weil", "dass", "obwohl", "wenn", "als", "während"}
@@ -61,7 +61,7 @@ def test_prefix_property():
 
 def test_deterministic_across_processes_and_hash_seeds():
     here = digest(generate_pairs(200, 42))
-    code = "from aiayn.toy import generate_pairs; import hashlib; " \
+    code = "from aiayn.data.toy import generate_pairs; import hashlib; " \
            "print(hashlib.sha256(repr(list(generate_pairs(200, 42))).encode()).hexdigest())"
     for hash_seed in ("0", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": hash_seed}

@@ -18,21 +18,22 @@ import pytest
 import torch
 import yaml
 
-from aiayn.checkpoint import checkpoint_step, list_checkpoints, load_checkpoint
 from aiayn.config import load_params, parse_params
-from aiayn.distributed import World
+from aiayn.data.subword import merge_parents
+from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, decode, load_tokenizer
+from aiayn.data.toy import generate_pairs
 from aiayn.errors import DataError
 from aiayn.fast import extension
 from aiayn.io import file_sha256, human_bytes
 from aiayn.model import Transformer, TransformerConfig
-from aiayn.objective import label_smoothed_loss
 from aiayn.precision import cpu_has_native_bf16, cpu_model
 from aiayn.precision import hardware as precision_hardware
-from aiayn.schedule import cooldown_factor, noam_lr
-from aiayn.subword import merge_parents
-from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, decode, load_tokenizer
-from aiayn.toy import generate_pairs
-from aiayn.training import Trainer, TrainingDiverged, TrainPaths, build_trainer
+from aiayn.training.build import build_trainer
+from aiayn.training.checkpoint import checkpoint_step, list_checkpoints, load_checkpoint
+from aiayn.training.distributed import World
+from aiayn.training.loop import Trainer, TrainingDiverged, TrainPaths
+from aiayn.training.objective import label_smoothed_loss
+from aiayn.training.schedule import cooldown_factor, noam_lr
 from bench import harness
 from tests.conftest import REPO, build_toy_workspace, merge, write_params
 
@@ -207,7 +208,7 @@ def test_a_resume_on_another_number_of_processes_goes_on_in_the_same_data_order(
     """Each epoch's order is one permutation of all batches for any world size, rank r
     taking every N-th from r; a run saved by 2 processes after p batches each has taken the
     first 2p of it, and one process goes on from the (2p+1)-th."""
-    from aiayn.sampler import TokenBudgetSampler
+    from aiayn.data.sampler import TokenBudgetSampler
 
     trainer = make_trainer(toy_workspace, tmp_path, {"train": {"steps": 40}})
     trainer.fit(should_stop=lambda: trainer.state.step == 5)
@@ -255,8 +256,8 @@ def test_a_resume_with_other_micro_batches_goes_on_at_the_same_share_of_the_epoc
 
 
 def test_a_step_too_small_for_the_longest_pair_names_the_settings(toy_workspace, tmp_path):
+    from aiayn.data.sampler import ShardDataset
     from aiayn.errors import ParamsError
-    from aiayn.sampler import ShardDataset
 
     longest = ShardDataset(toy_workspace / "data/shards/train").longest_pair()
     with pytest.raises(ParamsError) as err:
@@ -494,8 +495,8 @@ def test_shards_from_another_vocabulary_are_refused(toy_workspace, tmp_path):
 def test_shards_from_another_tokenizer_of_the_same_size_are_refused(toy_workspace, tmp_path):
     """The vocabulary retrained (same size, other merges) and training run by hand without
     the survey and shard stages: the shards' ids are the old tokenizer's."""
-    from aiayn.shards import SOURCE_FILE
-    from aiayn.tokenizer import save_tokenizer, train_bpe
+    from aiayn.data.shards import SOURCE_FILE
+    from aiayn.data.tokenizer import save_tokenizer, train_bpe
 
     tok = toy_workspace / "data/vocab/tokenizer.json"
     size = load_tokenizer(tok).get_vocab_size()
@@ -864,7 +865,7 @@ def test_a_run_that_goes_on_from_before_its_cooldown_gets_a_new_mlflow_run_with_
 
 def test_out_of_memory_names_the_batch_budget_and_the_param(toy_workspace, tmp_path,
                                                             monkeypatch):
-    from aiayn.training import OutOfMemory
+    from aiayn.training.loop import OutOfMemory
 
     trainer = make_trainer(toy_workspace, tmp_path)
     calls = {"n": 0}
@@ -1319,7 +1320,7 @@ def train_with_scripted_bleu(ws: Path, run: Path, scores: dict[int, float],
 
 def test_average_best_takes_the_best_bleu_checkpoints_and_training_keeps_them(
         toy_workspace, tmp_path):
-    from aiayn.checkpoint import load_model_files
+    from aiayn.training.checkpoint import load_model_files
 
     kept = train_with_scripted_bleu(
         toy_workspace, tmp_path, {3: 10.0, 6: 30.0, 9: 20.0, 12: 5.0},
@@ -1370,7 +1371,7 @@ def test_average_best_needs_scored_checkpoints(toy_workspace, tmp_path):
 def test_average_best_chooses_among_scored_checkpoints_only(toy_workspace, tmp_path):
     """BLEU every 6 steps, checkpoints every 3 (the multi30k preset's shape: 200 and 100):
     the unscored checkpoints 3 and 9 are never chosen, however recent."""
-    from aiayn.checkpoint import load_model_files
+    from aiayn.training.checkpoint import load_model_files
 
     kept = train_with_scripted_bleu(toy_workspace, tmp_path, {6: 30.0, 12: 20.0},
                                     {"valid_bleu_every": 6, "average_last": 2,
@@ -1408,11 +1409,11 @@ def test_average_candidates_are_scored_as_a_plain_decode_of_each_average(toy_wor
     with that average; the export is the average of the best (of equals, the larger)."""
     import sacrebleu
 
-    from aiayn.beam import BeamConfig
-    from aiayn.checkpoint import average_checkpoints, load_model_files
-    from aiayn.corpus import iter_raw
+    from aiayn.data.corpus import iter_raw
+    from aiayn.decoding.beam import BeamConfig
+    from aiayn.decoding.translation import Translator
     from aiayn.io import read_json
-    from aiayn.translation import Translator
+    from aiayn.training.checkpoint import average_checkpoints, load_model_files
 
     result = average_with_candidates(toy_workspace, tmp_path, [2, 1, 4, 5])
     assert result.exit_code == 0, result.output
@@ -1455,9 +1456,9 @@ def test_average_candidates_keep_the_best_score(toy_workspace, tmp_path, monkeyp
                                                 scripted, chosen):
     from mlflow.tracking import MlflowClient
 
-    from aiayn.checkpoint import load_model_files
+    from aiayn.decoding.translation import ValidationBleu
     from aiayn.tracking import Tracker, save_run_id
-    from aiayn.translation import ValidationBleu
+    from aiayn.training.checkpoint import load_model_files
 
     make_trainer(toy_workspace, tmp_path, {"train": {"keep_checkpoints": 5}}).fit()
     uri = f"sqlite:///{tmp_path}/mlflow.db"

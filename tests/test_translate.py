@@ -10,17 +10,17 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from aiayn.beam import BeamConfig
+from aiayn.decoding.beam import BeamConfig
+from aiayn.decoding.translation import ValidationBleu, decoding_model, load_translator
 from aiayn.errors import DataError
 from aiayn.model import Transformer, TransformerConfig
-from aiayn.translation import ValidationBleu, decoding_model, load_translator
 from tests.conftest import save_model_folder, write_params
 
 
 @pytest.fixture
 def model_dir(toy_workspace, tmp_path) -> Path:
     """An (untrained, deterministic) tiny model exported as `aiayn average` exports one."""
-    from aiayn.tokenizer import load_tokenizer
+    from aiayn.data.tokenizer import load_tokenizer
 
     tok_path = toy_workspace / "data/vocab/tokenizer.json"
     torch.manual_seed(3)
@@ -69,7 +69,7 @@ def test_bf16_translation_and_validation_bleu(model_dir, toy_workspace):
     lines kept); the validation hook decodes a bf16 copy and leaves the model it was given
     in fp32, its weights and its training mode as they were."""
     from aiayn.config import parse_params
-    from aiayn.tokenizer import load_tokenizer
+    from aiayn.data.tokenizer import load_tokenizer
 
     tr = load_translator(model_dir, "cpu", "bf16")
     assert tr.model.embedding.weight.dtype == torch.bfloat16 and tr.amp_dtype == torch.bfloat16
@@ -98,7 +98,7 @@ def test_too_long_input_errors_or_truncates(model_dir):
 
 
 def test_model_and_tokenizer_mismatch(model_dir, tmp_path):
-    from aiayn.tokenizer import save_tokenizer, train_bpe
+    from aiayn.data.tokenizer import save_tokenizer, train_bpe
 
     other = train_bpe(iter(["completely different text"] * 20), 300, 1)
     save_tokenizer(other, model_dir / "tokenizer.json")
@@ -128,7 +128,7 @@ def test_translate_command_arguments_file_and_split(model_dir, toy_workspace, tm
     assert len(written) == 40
     res = runner.invoke(app, [*base, "--max-len", "3", "--beam", "1", "The dog runs fast."])
     assert res.exit_code == 0
-    from aiayn.tokenizer import load_tokenizer
+    from aiayn.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_dir / "tokenizer.json")
     assert len(tok.encode(res.stdout.splitlines()[0], add_special_tokens=False).ids) <= 3
@@ -170,7 +170,7 @@ def test_input_lines_are_split_at_newlines_only_as_the_score_stage_reads_them(
         model_dir, tmp_path, monkeypatch):
     """Form feed, U+2028, U+0085 and a lone CR are characters of a sentence, not line
     ends (sacreBLEU's command line and `wc -l` agree): 4 input lines, 4 output lines."""
-    from aiayn.scoring import read_lines
+    from aiayn.decoding.scoring import read_lines
     from stages.cli import app
 
     monkeypatch.chdir(tmp_path)
@@ -190,7 +190,7 @@ def test_input_lines_are_split_at_newlines_only_as_the_score_stage_reads_them(
 def test_a_line_break_in_a_translation_becomes_a_space(model_dir):
     """The byte-level vocabulary holds the newline byte, and a model may write it; the
     output stays one line per input line."""
-    from aiayn.tokenizer import encode_ids
+    from aiayn.data.tokenizer import encode_ids
 
     tr = load_translator(model_dir)
     ids = encode_ids(tr.tokenizer, ["der Hund \nläuft\r\n schnell"])[0]

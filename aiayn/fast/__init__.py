@@ -8,7 +8,7 @@ optimisations to a plain model::
 parameter: the state dict is the same either way); the fused losses take the same
 :class:`KernelConfig`. Every tuning constant is a field of that config. ``plain`` keeps
 torch's own operators, readable against the paper (``aiayn/model.py``,
-``aiayn/objective.py``). What each kernel does and why, by module (measurements:
+``aiayn/training/objective.py``). What each kernel does and why, by module (measurements:
 bench/README.md, the sections each module names; ``bench/train_throughput.py`` measures the
 step):
 

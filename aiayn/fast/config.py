@@ -23,7 +23,7 @@ class KernelConfig:
 
     * ``chunk_bytes``: rows of logits formed at once on a CPU, as bytes of fp32 logits: a
       buffer this size is reused from glibc's heap instead of being mapped afresh
-      (``aiayn.memory``);
+      (``aiayn.training.memory``);
     * ``cuda_chunk_bytes``: the same on a GPU, whose chunks are sized for few kernel launches
       (no CPU cache, no glibc heap) and whose softmax runs on a whole chunk at once
       (docs/results/gpu-h200/);

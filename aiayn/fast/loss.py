@@ -222,7 +222,7 @@ def projected_label_smoothed_loss(hidden: Tensor, weight: Tensor, labels: Tensor
                                   softmax_rows: int | None = None,
                                   config: KernelConfig = DEFAULTS
                                   ) -> tuple[Tensor, Tensor, int]:
-    """:func:`aiayn.objective.label_smoothed_loss` of the logits ``hidden @ weight.T``.
+    """:func:`aiayn.training.objective.label_smoothed_loss` of the logits ``hidden @ weight.T``.
 
     ``hidden`` (B, T, d) are the decoder's outputs before the tied projection (``weight``
     (V, d), the shared embedding matrix, Section 3.4), or already only those at the
@@ -257,7 +257,7 @@ def projected_label_smoothed_loss(hidden: Tensor, weight: Tensor, labels: Tensor
 
 
 class _ProjectedRDropLoss(_GradientsFormedInForward):
-    """R-Drop's loss (:func:`aiayn.objective.rdrop_loss`) of ``rows @ weight.T``, rows
+    """R-Drop's loss (:func:`aiayn.training.objective.rdrop_loss`) of ``rows @ weight.T``, rows
     [0, N) the first pass and [N, 2N) the second, by the fused loss's pattern: chunk by
     chunk, gradients formed in forward and scaled in backward, logits never kept whole."""
 
@@ -329,7 +329,7 @@ def _rdrop_eager(g1: Tensor, g2: Tensor, labels: Tensor, mean1: Tensor, mean2: T
 def projected_rdrop_loss(rows: Tensor, weight: Tensor, labels: Tensor, epsilon: float,
                          alpha: float, chunk_rows: int | None = None,
                          config: KernelConfig = DEFAULTS) -> tuple[Tensor, Tensor, int]:
-    """:func:`aiayn.objective.rdrop_loss` of the logits ``rows @ weight.T``, the loss's
+    """:func:`aiayn.training.objective.rdrop_loss` of the logits ``rows @ weight.T``, the loss's
     fused way: ``rows`` (2N, d) are the decoder's outputs at the N labels ``labels`` (N,),
     from the first pass, then the second (``Transformer(..., packed=...)`` of the batch
     stacked on itself). Returns (loss sum, mean of the two NLL sums, N); the products in

@@ -14,25 +14,25 @@ import numpy as np
 import torch
 from torch import nn
 
-from aiayn import distributed
-from aiayn.batching import StepPlan, plan_step
 from aiayn.config import Params
-from aiayn.distributed import World
+from aiayn.data.batching import StepPlan, plan_step
+from aiayn.data.sampler import BatchLoader, PrefetchLoader, ShardDataset, TokenBudgetSampler
+from aiayn.data.shards import check_tokenizer
+from aiayn.data.subword import SubwordSplitter, split_closure
 from aiayn.errors import AiaynError, DataError, ParamsError
 from aiayn.fast import KernelConfig, avoid_cudnn_attention
 from aiayn.fast import apply as apply_kernels
-from aiayn.memory import HeapTrimmer, loaded_allocator
 from aiayn.model import Transformer, TransformerConfig
-from aiayn.objective import make_criterion, make_optimizer
 from aiayn.precision import autocast_dtype, slow_bf16_warning
-from aiayn.run_log import RunLog
-from aiayn.run_store import RunStore, run_identity
-from aiayn.sampler import BatchLoader, PrefetchLoader, ShardDataset, TokenBudgetSampler
-from aiayn.schedule import deep_post_ln_warning
-from aiayn.shards import check_tokenizer
-from aiayn.subword import SubwordSplitter, split_closure
+from aiayn.training import distributed
+from aiayn.training.distributed import World
 from aiayn.training.loop import RunState, Trainer, TrainingListener, TrainPaths, lr_multiplier
+from aiayn.training.memory import HeapTrimmer, loaded_allocator
+from aiayn.training.objective import make_criterion, make_optimizer
 from aiayn.training.resume import restore
+from aiayn.training.run_log import RunLog
+from aiayn.training.run_store import RunStore, run_identity
+from aiayn.training.schedule import deep_post_ln_warning
 
 log = logging.getLogger("aiayn")
 
@@ -67,7 +67,7 @@ def pick_device(choice: str, world: World) -> torch.device:
 
 
 def open_training_data(shards: Path, plan: StepPlan) -> tuple[ShardDataset, ShardDataset]:
-    """The train and valid splits with batches planned for ``plan`` (aiayn.batching): each
+    """The train and valid splits with batches planned for ``plan`` (aiayn.data.batching): each
     process's micro-batches hold at most ``plan.batch_tokens`` tokens per side, validation's
     too (a process's memory is sized for that). A budget too small for the longest stored
     pair is a ParamsError naming the settings that fix it."""
@@ -115,12 +115,12 @@ def target_vocabulary(datasets: list[ShardDataset], pad_id: int, bos_id: int,
 
 def make_splitter(p: Params, merges: np.ndarray | None, vocab_size: int,
                   max_len: int) -> SubwordSplitter | None:
-    """train.subword_split's re-segmentation of training batches (aiayn/subword.py)."""
+    """train.subword_split's re-segmentation of training batches (aiayn/data/subword.py)."""
     if p.train.subword_split == 0:
         return None
     if merges is None or merges.shape != (vocab_size, 2):
         raise ValueError("train.subword_split needs the tokenizer's merges "
-                         "(aiayn.subword.merge_parents) for all "
+                         "(aiayn.data.subword.merge_parents) for all "
                          f"{vocab_size} tokens, got "
                          f"{None if merges is None else list(merges.shape)}")
     return SubwordSplitter(merges, p.train.subword_split, p.seed, max_len=max_len)
@@ -133,9 +133,9 @@ def build_trainer(p: Params, vocab_size: int, tokenizer_sha256: str, paths: Trai
                   listeners: list[TrainingListener] | None = None,
                   run_files: tuple[str, ...] = ()) -> Trainer:
     """The run of ``p`` in ``paths.checkpoints``, resumed from its last checkpoint if it has
-    one (aiayn.run_store decides which run goes on). ``valid_bleu(model, device, amp_dtype)
-    -> score``: rank 0's validation BLEU (aiayn.translation.ValidationBleu); ``merges``
-    (aiayn.subword.merge_parents) is needed by train.subword_split; ``listeners`` hear the
+    one (aiayn.training.run_store decides which run goes on). ``valid_bleu(model, device, amp_dtype)
+    -> score``: rank 0's validation BLEU (aiayn.decoding.translation.ValidationBleu); ``merges``
+    (aiayn.data.subword.merge_parents) is needed by train.subword_split; ``listeners`` hear the
     loop's log rows and checkpoints; ``run_files``: files beside the checkpoints that belong
     to the run (a tracker's), moved aside with it. The order of what is built keeps the
     random streams of a run made before this function existed."""

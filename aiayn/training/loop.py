@@ -5,7 +5,7 @@ loader and run store (and resumes a run); :class:`Trainer` only steps, validates
 checkpoints and stops:
 
 * one optimizer step takes ``plan.accumulation`` micro-batches per process
-  (:mod:`aiayn.batching`); its loss is the sum over every target token of every
+  (:mod:`aiayn.data.batching`); its loss is the sum over every target token of every
   micro-batch on every rank divided by their global count, so 1 process x 2 micro-batches
   and 2 processes x 1 compute the same update;
 * loss sums and token counts stay on the device: the host waits for it only at logging,
@@ -14,7 +14,7 @@ checkpoints and stops:
   (:mod:`aiayn.training.clock`); rank 0 decides, every rank follows (one broadcast a step);
 * checkpoints hold everything a resumed run needs to end bitwise where an unbroken one ends
   (CPU): model, optimizer, schedule, loss scale, data cursor, every rank's RNG state and the
-  run log; the checkpoint folder's policy is the run store's (:mod:`aiayn.run_store`);
+  run log; the checkpoint folder's policy is the run store's (:mod:`aiayn.training.run_store`);
 * log rows go to metrics/ and, as events, to the listeners the stage subscribes (MLflow:
   stages/train.py); the loop names no tracker.
 """
@@ -31,21 +31,21 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from aiayn import distributed
-from aiayn.batching import StepPlan
 from aiayn.config import Params
-from aiayn.distributed import World
+from aiayn.data.batching import StepPlan
+from aiayn.data.sampler import Batch, ShardDataset, TokenBudgetSampler
 from aiayn.errors import AiaynError, DataError
 from aiayn.io import write_json
-from aiayn.memory import HeapTrimmer
 from aiayn.model import count_parameters
 from aiayn.precision import hardware, no_autocast, precision_name, step_casts
-from aiayn.run_log import RunLog, TrainRow, ValidRow
-from aiayn.run_store import RunStore
-from aiayn.sampler import Batch, ShardDataset, TokenBudgetSampler
-from aiayn.schedule import cooldown_factor
+from aiayn.training import distributed
 from aiayn.training.clock import CheckpointPolicy, Clock
+from aiayn.training.distributed import World
+from aiayn.training.memory import HeapTrimmer
 from aiayn.training.resume import gather_rng_states
+from aiayn.training.run_log import RunLog, TrainRow, ValidRow
+from aiayn.training.run_store import RunStore
+from aiayn.training.schedule import cooldown_factor
 
 log = logging.getLogger("aiayn")
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from aiayn.batching import StepPlan
-from aiayn.distributed import World
-from aiayn.run_log import RunLog
-from aiayn.sampler import ShardDataset
+from aiayn.data.batching import StepPlan
+from aiayn.data.sampler import ShardDataset
+from aiayn.training.distributed import World
+from aiayn.training.run_log import RunLog
 
 log = logging.getLogger("aiayn")
 

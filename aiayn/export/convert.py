@@ -8,7 +8,7 @@ into place: a failure leaves nothing half-written.
 
 Both engines normalise beam scores by |Y|^alpha (|Y| with EOS), not by GNMT's
 ((5 + |Y|) / 6)^alpha of the paper and of ``aiayn translate``; ``BeamConfig(length_norm=
-"length")`` makes our beam search use theirs (see aiayn/beam.py). The two agree at alpha 0.
+"length")`` makes our beam search use theirs (see aiayn/decoding/beam.py). The two agree at alpha 0.
 
 PAD and BOS
 -----------
@@ -123,12 +123,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import Tensor
 
-from aiayn.beam import greedy_search
-from aiayn.checkpoint import CONFIG_FILE, load_model_files
-from aiayn.errors import DataError, MissingPackageError
-from aiayn.io import atomic_path, read_json, write_json, write_text
-from aiayn.model import Transformer, TransformerConfig
-from aiayn.tokenizer import (
+from aiayn.data.tokenizer import (
     BOS,
     BOS_ID,
     EOS,
@@ -138,7 +133,12 @@ from aiayn.tokenizer import (
     SPECIAL_TOKENS,
     UNK,
 )
-from aiayn.translation import model_tokenizer, source_batch
+from aiayn.decoding.beam import greedy_search
+from aiayn.decoding.translation import model_tokenizer, source_batch
+from aiayn.errors import DataError, MissingPackageError
+from aiayn.io import atomic_path, read_json, write_json, write_text
+from aiayn.model import Transformer, TransformerConfig
+from aiayn.training.checkpoint import CONFIG_FILE, load_model_files
 
 log = logging.getLogger("aiayn")
 
@@ -146,9 +146,9 @@ FORMATS = ("ctranslate2", "transformers")
 # "none" keeps float32 weights; the others are CTranslate2's quantization types.
 QUANTIZATIONS = ("none", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16",
                  "float16", "bfloat16")
-BANNED_IDS = (PAD_ID, BOS_ID)  # never generated (aiayn/beam.py): -inf output bias
+BANNED_IDS = (PAD_ID, BOS_ID)  # never generated (aiayn/decoding/beam.py): -inf output bias
 METADATA_FILE = "aiayn.json"
-INSTALL_HINT = "pip install 'aiayn[export]'"
+INSTALL_HINT = "pip install -e '.[export]' (from the repository's root)"
 # An export is refused if its engine's per-token log-probabilities of the probe differ from
 # ours by more than this (unquantized; they agree to ~1e-6 in float32).
 CHECK_TOLERANCE = 1e-3
@@ -515,7 +515,7 @@ def fast_tokenizer(tokenizer: Tokenizer, max_positions: int) -> Any:
     tok.post_processor = processors.TemplateProcessing(
         single=f"$A {EOS}", pair=f"$A $B {EOS}", special_tokens=[(EOS, EOS_ID)])
     # split_special_tokens: "<pad>" in a sentence is text, as our tokenizer reads it
-    # (aiayn.tokenizer.literal_special_tokens); saved in tokenizer_config.json.
+    # (aiayn.data.tokenizer.literal_special_tokens); saved in tokenizer_config.json.
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=BOS, eos_token=EOS, unk_token=UNK, pad_token=PAD,
         model_max_length=max_positions - 1, clean_up_tokenization_spaces=False,
@@ -637,7 +637,7 @@ def check_export(fmt: str, directory: Path, folder: ModelFolder, quantized: bool
         raise DataError(
             f"the {fmt} export of {folder.path} does not compute our model: per-token "
             f"log-probabilities of a probe differ by up to {diff:.3g} (more than "
-            f"{CHECK_TOLERANCE}); nothing was written. This is a bug in aiayn/export.py or "
+            f"{CHECK_TOLERANCE}); nothing was written. This is a bug in aiayn/export/convert.py or "
             f"an engine version it does not know; please report it")
     return diff
 

@@ -8,7 +8,7 @@ save; everything else about the folder is decided here:
   **set aside** into ``<folder>.replaced/<time>/`` (never deleted) and a new one starts;
 * **recovery**: ``dvc exp run`` checks the last committed outputs out before it runs a
   stage, so a run it interrupted finds another run's checkpoints in its folder; its own
-  come back from the hard links in ``<folder>.progress`` (``aiayn.checkpoint``);
+  come back from the hard links in ``<folder>.progress`` (``aiayn.training.checkpoint``);
 * **branch point**: with ``train.cooldown``, a run whose end (``train.steps``,
   ``train.max_minutes``) moved after its cooldown began goes on from its last checkpoint
   taken at the full rate, where the longer run from scratch would be (the warmup-stable-
@@ -34,7 +34,11 @@ from pathlib import Path
 
 import torch
 
-from aiayn.checkpoint import (
+from aiayn.config import Params, TrainConfig, shapes_training
+from aiayn.errors import DataError, OutputError
+from aiayn.io import file_sha256, free_bytes, human_bytes
+from aiayn.model import TransformerConfig
+from aiayn.training.checkpoint import (
     checkpoint_step,
     latest_checkpoint,
     list_checkpoints,
@@ -44,11 +48,7 @@ from aiayn.checkpoint import (
     save_checkpoint,
     unsaved_checkpoints,
 )
-from aiayn.config import Params, TrainConfig, shapes_training
-from aiayn.distributed import World
-from aiayn.errors import DataError, OutputError
-from aiayn.io import file_sha256, free_bytes, human_bytes
-from aiayn.model import TransformerConfig
+from aiayn.training.distributed import World
 
 log = logging.getLogger("aiayn")
 
@@ -237,7 +237,7 @@ class RunStore:
 
         Before it runs a stage, ``dvc exp run`` checks out every cached output as last
         committed, so a training it ran that stopped before DVC committed its checkpoints
-        finds another run's checkpoints in their place (aiayn.checkpoint.progress_folder).
+        finds another run's checkpoints in their place (aiayn.training.checkpoint.progress_folder).
         They come back if they are this run's (same settings) and further along than what
         the folder holds; otherwise they are moved to <folder>.replaced, never deleted.
         """

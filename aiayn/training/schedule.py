@@ -10,7 +10,7 @@ part of training (a "cooldown": Hagele et al. 2024, "Scaling Laws and Compute-Op
 Training Beyond Fixed Training Durations"), which suits runs stopped by a step count or a
 time budget long before the inverse square root has brought the rate down.
 
-:func:`aiayn.objective.make_optimizer` drives Adam with it.
+:func:`aiayn.training.objective.make_optimizer` drives Adam with it.
 """
 
 from __future__ import annotations

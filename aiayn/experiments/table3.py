@@ -46,8 +46,8 @@ import yaml
 
 from aiayn.config import Params, flatten, parse_params
 from aiayn.errors import ParamsError
-from aiayn.experiments import Experiment
-from aiayn.schedule import deep_post_ln_warning
+from aiayn.experiments.dvc_exps import Experiment
+from aiayn.training.schedule import deep_post_ln_warning
 
 PREFIX = "table3-"
 
@@ -262,8 +262,9 @@ class PlannedRow:
     overrides: dict[str, Any]
     error: str | None = None
     same_as_base: bool = False
-    # What the trainer will warn about this row (:func:`aiayn.schedule.deep_post_ln_warning`:
-    # on multi30k, C-N8's 8 + 8 post-LN layers at the preset's rate), said when it is queued.
+    # What the trainer will warn about this row
+    # (:func:`aiayn.training.schedule.deep_post_ln_warning`: on multi30k, C-N8's 8 + 8 post-LN
+    # layers at the preset's rate), said when it is queued.
     warning: str | None = None
 
 
@@ -327,7 +328,7 @@ class RowResult:
 
 def results_from_experiments(experiments: Iterable[Experiment]) -> dict[str, RowResult]:
     """The table's finished experiments that have scores, by name, from
-    :func:`aiayn.experiments.read` with :data:`REQUIRED_RUN_FILES`; of two with one name,
+    :func:`aiayn.experiments.dvc_exps.read` with :data:`REQUIRED_RUN_FILES`; of two with one name,
     the first (DVC lists the newest first). An unfinished one (queued, running, failed,
     killed) is left out: DVC lists it with its baseline commit's metrics."""
     found: dict[str, RowResult] = {}
@@ -499,10 +500,10 @@ def render_table(results: dict[str, RowResult], rows: tuple[PaperRow, ...] = PAP
     lines = [f"# {title}", "",
              "Variations on the Transformer (Vaswani et al., 2017, Table 3), each row an "
              "experiment `aiayn table3 --queue` queued on the params of this repository: the "
-             "row changes what the paper's row changes (aiayn/table3.py, docs/table3.md), "
-             "everything else is as the params say. Our columns are what each experiment ran "
-             "with and measured (positions: sinusoids or learned, row (E)); the last three are "
-             "the paper's, on WMT14 newstest2013.", "",
+             "row changes what the paper's row changes (aiayn/experiments/table3.py, "
+             "docs/table3.md), everything else is as the params say. Our columns are what each "
+             "experiment ran with and measured (positions: sinusoids or learned, row (E)); the "
+             "last three are the paper's, on WMT14 newstest2013.", "",
              HEADER, "|" + "---|" * 18]
     for row in rows:
         label = f"{LABELS[row.group]} `{row.name}`"

@@ -1,5 +1,5 @@
 """What training optimises (Section 5.3-5.4): label-smoothed cross-entropy, and Adam on the
-paper's warmup schedule (aiayn.schedule: the rate, the cooldown).
+paper's warmup schedule (aiayn.training.schedule: the rate, the cooldown).
 
 ``train.rdrop`` (0 in the paper: off) adds R-Drop's consistency term to the loss (Liang
 et al. 2021, "R-Drop: Regularized Dropout for Neural Networks"): see :func:`rdrop_loss`.
@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from aiayn.fast import KernelConfig, Packing, projected_label_smoothed_loss, projected_rdrop_loss
 from aiayn.output_vocab import OutputVocab
-from aiayn.schedule import noam_lr
+from aiayn.training.schedule import noam_lr
 
 
 def make_optimizer(model: nn.Module, betas: tuple[float, float], eps: float, d_model: int,

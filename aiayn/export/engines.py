@@ -1,8 +1,8 @@
 """Translating with an exported model: CTranslate2 or Hugging Face transformers.
 
-Each engine is a :class:`aiayn.translation.BatchTranslator`, so text is prepared, batched
+Each engine is a :class:`aiayn.decoding.translation.BatchTranslator`, so text is prepared, batched
 and put back in order exactly as for our own beam search; only ``decode_batch`` differs.
-The folders are those `aiayn export` writes (aiayn/export.py).
+The folders are those `aiayn export` writes (aiayn/export/convert.py).
 
 Two settings cannot be given per sentence to these engines, and are per batch instead:
 
@@ -14,7 +14,7 @@ Two settings cannot be given per sentence to these engines, and are per batch in
   not GNMT's ((5 + |Y|) / 6)^alpha; asked for GNMT with alpha > 0 they refuse.
 
 CTranslate2 stops a beam when ``beam x patience`` hypotheses have finished (``patience`` 1
-by default), which is not always the exact stopping rule of ours (aiayn/beam.py) and of
+by default), which is not always the exact stopping rule of ours (aiayn/decoding/beam.py) and of
 transformers with ``early_stopping="never"``; ``patience`` large enough makes it search to
 the maximum length, and then it returns what an exact search returns.
 """
@@ -27,12 +27,12 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from aiayn.beam import BeamConfig, max_lengths
+from aiayn.data.tokenizer import EOS, EOS_ID, PAD_ID, load_tokenizer
+from aiayn.decoding.beam import BeamConfig, max_lengths
+from aiayn.decoding.translation import BatchTranslator, load_translator, source_batch
 from aiayn.errors import DataError
-from aiayn.export import METADATA_FILE, quiet_transformers, require, token_strings
+from aiayn.export.convert import METADATA_FILE, quiet_transformers, require, token_strings
 from aiayn.io import read_json
-from aiayn.tokenizer import EOS, EOS_ID, PAD_ID, load_tokenizer
-from aiayn.translation import BatchTranslator, load_translator, source_batch
 
 ENGINES = ("aiayn", "ctranslate2", "transformers")
 

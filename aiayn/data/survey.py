@@ -38,15 +38,15 @@ from numpy.lib import format as npy_format
 from tokenizers import Tokenizer
 
 from aiayn.config import SPLITS
-from aiayn.corpus import iter_raw, open_raw
+from aiayn.data.corpus import iter_raw, open_raw
+from aiayn.data.tokenizer import load_tokenizer
 from aiayn.errors import DataError
 from aiayn.io import atomic_path, file_sha256, write_json
-from aiayn.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     import pandas as pd
 
-# pandas is imported where it is used: aiayn.shards, and through it the training data
+# pandas is imported where it is used: aiayn.data.shards, and through it the training data
 # reader, use this module's folder layout helpers and should not pay for it.
 
 PERCENTILES = (50, 90, 95, 99, 99.9)

@@ -87,7 +87,7 @@ def model_card(fmt: str, model_config: dict, *, src_lang: str, tgt_lang: str, be
 
     ``model_config``: config.json of the `aiayn average` folder. ``metrics``: the parsed
     metrics/{bleu,train,download,vocab}.json, each None when absent. ``check``: the largest
-    per-token log-probability difference of the export's check (aiayn/export.py).
+    per-token log-probability difference of the export's check (aiayn/export/convert.py).
     """
     metrics = metrics or {}
     bleu, train = metrics.get("bleu"), metrics.get("train")

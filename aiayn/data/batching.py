@@ -1,6 +1,6 @@
 """How an optimizer step's token budget becomes micro-batches, planned when training starts.
 
-The shard stage stores every split's pairs sorted by length (:mod:`aiayn.shards`). Training
+The shard stage stores every split's pairs sorted by length (:mod:`aiayn.data.shards`). Training
 does not take the shard stage's batches as they are: it plans its own from those sorted pairs
 for the step it must take on the processes it has, as fairseq plans its batches from an
 indexed dataset at start-up. So ``train.tokens_per_step`` is the optimizer step on one
@@ -11,7 +11,7 @@ process or on many, and a change of GPU count never re-runs a data stage.
   included). By default one micro-batch a process a step (the fastest on a GPU); with
   ``train.max_tokens`` the micro-batch is capped (a GPU's memory) and accumulation grows.
 * :func:`plan_stored_batches`: the micro-batches themselves, cut from the stored pairs with
-  the shard stage's own greedy rule (:func:`aiayn.shards.cut_batches`), shard by shard.
+  the shard stage's own greedy rule (:func:`aiayn.data.shards.cut_batches`), shard by shard.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from aiayn.shards import TGT_EXTRA, cut_batches
+from aiayn.data.shards import TGT_EXTRA, cut_batches
 
 
 @dataclass(frozen=True)

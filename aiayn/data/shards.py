@@ -12,7 +12,7 @@ anything, from the BPE lengths the survey stage measured:
    boundaries only, so a batch is a contiguous row range of one shard.
 
 No tokenizer runs here: the survey stage kept the BPE ids of every sentence in flat files
-(:mod:`aiayn.survey`). They are memory-mapped, and the stored pairs are gathered from them
+(:mod:`aiayn.data.survey`). They are memory-mapped, and the stored pairs are gathered from them
 shard by shard in stored order, a chunk of pairs at a time (vectorised index arithmetic),
 with EOS appended to the source and BOS/EOS put around the target, and written as
 contiguous slices of ``numpy`` memory maps. Memory stays bounded: only per-pair integers
@@ -46,11 +46,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from numpy.lib.format import open_memmap
 
-from aiayn import survey
 from aiayn.config import SPLITS, ShardConfig
+from aiayn.data import survey
+from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, load_tokenizer
 from aiayn.errors import DataError
 from aiayn.io import atomic_path, file_sha256, read_json, write_json
-from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, load_tokenizer
 
 FORMAT = "aiayn-shards"
 FORMAT_VERSION = 1
@@ -58,7 +58,7 @@ SRC_EXTRA = 1  # stored source = ids + [EOS]
 TGT_EXTRA = 2  # stored target = [BOS] + ids + [EOS]; decoder sees len + 1 on each of in/out
 # Beside the splits: the tokenizer the shards' ids come from (its sha256), so that training
 # refuses shards of another tokenizer of the same size. Outside the splits' files on purpose:
-# a run's identity hashes those (aiayn.run_store.run_identity), and a new file there would
+# a run's identity hashes those (aiayn.training.run_store.run_identity), and a new file there would
 # set aside every run made before it.
 SOURCE_FILE = "source.json"
 # Pairs gathered per step: a few MB of ids and index arrays (build_shards' fill_chunk).

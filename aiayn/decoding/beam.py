@@ -15,7 +15,7 @@ Conventions
   log P(Y|X) / lp(Y) with GNMT's lp(Y) = ((5 + |Y|) / 6) ** alpha (Wu et al., 2016), the
   paper's; or, with ``length_norm="length"``, lp(Y) = |Y| ** alpha, the normalisation of
   CTranslate2 and Hugging Face transformers (both count EOS in |Y| too), so that the
-  exported models (aiayn/export.py) can be compared with ours hypothesis for hypothesis.
+  exported models (aiayn/export/convert.py) can be compared with ours hypothesis for hypothesis.
   The two agree at alpha = 0 and for |Y| = 1 (an empty output: EOS alone).
 
 Algorithm (per sentence; all B sentences x ``beam`` hypotheses run as one batch of rows)
@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 NEG_INF = float("-inf")
 

@@ -1,8 +1,8 @@
 """Reading the shards back: padded batches, and which batch each rank takes next.
 
-The shard stage stored the pairs sorted by length with a plan of batches (:mod:`aiayn.shards`);
+The shard stage stored the pairs sorted by length with a plan of batches (:mod:`aiayn.data.shards`);
 :class:`ShardDataset` reads that plan, or cuts its own from the same sorted pairs for another
-token budget (:mod:`aiayn.batching`: training plans its micro-batches for the step and the
+token budget (:mod:`aiayn.data.batching`: training plans its micro-batches for the step and the
 number of processes when it starts). :class:`TokenBudgetSampler` shuffles batch indices per
 epoch from ``(seed, epoch)`` with its own numpy generator (never torch's global RNG, so model
 code cannot disturb the data order), deals them round-robin to the ranks, and keeps a
@@ -26,10 +26,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from aiayn import batching
+from aiayn.data import batching
+from aiayn.data.shards import FORMAT, FORMAT_VERSION
+from aiayn.data.subword import SubwordSplitter
 from aiayn.errors import DataError
-from aiayn.shards import FORMAT, FORMAT_VERSION
-from aiayn.subword import SubwordSplitter
 
 EMPTY = -1  # the batch index of an empty batch
 SIDES = ("src", "tgt")
@@ -140,7 +140,7 @@ class ShardDataset:
     ``max_tokens`` None: the shard stage's batches (``batches.npy``, cut at its
     ``shard.max_tokens``); a number: batches of at most that many tokens per side, padding
     included, cut from the same length-sorted pairs when the dataset opens
-    (:func:`aiayn.batching.plan_stored_batches`; a second or so for WMT14's 4.5M pairs).
+    (:func:`aiayn.data.batching.plan_stored_batches`; a second or so for WMT14's 4.5M pairs).
     ``max_tokens`` says which budget the batches follow.
 
     Opening costs a few file handles; pages are read when a batch touches them, so many
@@ -251,7 +251,7 @@ class ShardDataset:
 
         ``resegment(flat, lengths, side)`` may rewrite the token sequences of each side
         (``"src"``: source + EOS, ``"tgt"``: BOS + target + EOS) before they are padded,
-        e.g. :class:`aiayn.subword.SubwordSplitter`.
+        e.g. :class:`aiayn.data.subword.SubwordSplitter`.
         """
         if index == EMPTY:
             return Batch.empty(self.pad_id)

@@ -19,23 +19,23 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor
 
-from aiayn.beam import BeamConfig, beam_search
-from aiayn.checkpoint import load_model_files
-from aiayn.corpus import iter_raw
+from aiayn.data.corpus import iter_raw
+from aiayn.data.tokenizer import EOS_ID, PAD_ID, decode, encode_ids, load_tokenizer
+from aiayn.decoding.beam import BeamConfig, beam_search
+from aiayn.decoding.scoring import sacre_scores
 from aiayn.errors import DataError
 from aiayn.fast import avoid_cudnn_attention
 from aiayn.io import file_sha256
 from aiayn.model import Transformer, TransformerConfig
 from aiayn.precision import autocast_dtype, slow_bf16_warning
-from aiayn.scoring import sacre_scores
-from aiayn.tokenizer import EOS_ID, PAD_ID, decode, encode_ids, load_tokenizer
+from aiayn.training.checkpoint import load_model_files
 
 log = logging.getLogger("aiayn")
 
 
 class BatchTranslator:
     """Text in, text out, for any decoder of token ids: ours, or an exported model's engine
-    (aiayn/engines.py). Subclasses set ``tokenizer`` and ``max_source_tokens`` and implement
+    (aiayn/export/engines.py). Subclasses set ``tokenizer`` and ``max_source_tokens`` and implement
     ``decode_batch``; the line handling (stripping, limits, length-sorted batches, empty
     lines, original order) is this one ``translate`` for all of them.
     """
@@ -101,7 +101,7 @@ def decoding_model(model: Transformer, dtype: torch.dtype | None,
                    copy: bool = False) -> Transformer:
     """``model`` with its weights in ``dtype`` (bf16 or fp16; None: as it is), for decoding:
     then no product casts its inputs, where autocast casts every activation (a quarter of a
-    beam search's time on a bf16 CPU). The log-probabilities stay fp32 (aiayn.beam), layer
+    beam search's time on a bf16 CPU). The log-probabilities stay fp32 (aiayn.decoding.beam), layer
     norms accumulate in fp32, and CPU attention keeps fp32 scores (``attend``). ``copy``:
     leave ``model`` as it is (a model in training) and convert a copy."""
     if dtype is None or next(model.parameters()).dtype == dtype:
@@ -111,7 +111,7 @@ def decoding_model(model: Transformer, dtype: torch.dtype | None,
 
 @dataclass
 class Translator(BatchTranslator):
-    """Our model and beam search (aiayn/beam.py), decoding in ``amp_dtype`` (None: fp32): a
+    """Our model and beam search (aiayn/decoding/beam.py), decoding in ``amp_dtype`` (None: fp32): a
     model whose weights are fp32 under autocast, one converted by :func:`decoding_model`
     (what :func:`load_translator` and :class:`ValidationBleu` pass) without it."""
 

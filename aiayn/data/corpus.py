@@ -60,7 +60,7 @@ class ToyPairs:
         return None
 
     def batches(self, split: str) -> Iterator[Batch]:
-        from aiayn.toy import generate_pairs
+        from aiayn.data.toy import generate_pairs
 
         n = {"train": self.cfg.train_pairs, "valid": self.cfg.valid_pairs,
              "test": self.cfg.test_pairs}[split]
