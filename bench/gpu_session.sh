@@ -18,8 +18,6 @@
 #   7.  bench.gpu_step: fp16 (dynamic loss scaling) against bf16, 1 x 25,000 tokens, ABAB
 #   8.  Table 3's rows built on the multi30k preset (aiayn.experiments.table3), TABLE3_MINUTES each
 #   9.  bench.decode_batching on the GPU: greedy and beam 8 by batch size, against baselines
-#   10. bench.gpu_step: batch widths padded to multiples of 8, the decoder unpacked, shapes
-#       met before, against the step as it is (ABAB); then compiled, with CUDA graphs
 #   11. de->en: part 6's chosen arm (DEEN_ARM overrides) with source and target swapped
 # Results: $OUT/session.log, gpu_step_*.json, m30k.tar.gz, screen/, and results.tar.gz
 # (parts 6-11: JSON records, run folders' params.yaml, run.log, metrics/). Past runs and
@@ -39,7 +37,6 @@ SEEDS=${SEEDS:-"1 2 3"}
 SCREEN_STEPS=${SCREEN_STEPS:-1750}      # the AVX2-only CPU's hour of the preset
 SCREEN_MINUTES=${SCREEN_MINUTES:-7}     # a guard only: the steps end each run first
 PART7_SECONDS=${PART7_SECONDS:-330}     # part 7's deadline, all its runs together
-PART10_SECONDS=${PART10_SECONDS:-500}   # part 10's
 # part 6: arms as SCREEN's, on the preset with 8k-token steps; an arm that sets the data
 # stages (data.*, vocab.*, survey.*, shard.*) trains on data `prepare` builds for it
 CONV=${CONV:-"rdrop:train.rdrop=5;d0.3:model.dropout=0.3;reg:model.dropout=0.3 train.attention_dropout=0.1 train.activation_dropout=0.1 train.subword_split=0.1;wide:model.d_model=512 model.heads=8 model.d_ff=2048 model.dropout=0.4;v10k:model.dropout=0.3 vocab.vocab_size=10260"}
@@ -174,7 +171,7 @@ else
 fi
 part() { echo; echo "=== $1 ($(date -u +%T))"; }
 # want 1c: true when PARTS names 1c, or part 1 whole (a sub-part is a digit and a letter:
-# part 10 is not a sub-part of part 1)
+# part 11 is not a sub-part of part 1)
 want() {
     case " $PARTS " in *" $1 "*) return 0;; esac
     case $1 in [0-9][a-z]) case " $PARTS " in *" ${1:0:1} "*) return 0;; esac;; esac
@@ -292,22 +289,6 @@ for round in 1 2; do
     step_run "fp16_$round" 50 --warmup 3 --steps 8 --max-tokens 25000 --precision fp16
 done
 step_run big_compile 200 --configs big --warmup 6 --steps 8 --max-tokens 25000 --compile
-pack
-fi
-
-if want 10; then
-part "10. repeated batch shapes: widths to multiples of 8, decoder unpacked, shapes met before; ABAB against the step as it is; compiled"
-deadline=$((SECONDS + PART10_SECONDS)) label=10
-shapes=(--max-tokens 25000 --no-packing --warm-shapes)
-for round in 1 2; do
-    step_run "asis_$round" 50 --warmup 3 --steps 8 --max-tokens 25000
-    step_run "pad8_$round" 70 --warmup 3 --steps 8 "${shapes[@]}" --pad-multiple 8
-    step_run "int16drop_$round" 50 --warmup 3 --steps 8 --max-tokens 25000 --int16-dropout
-done
-step_run pad1_warm 70 --warmup 3 --steps 8 "${shapes[@]}"
-step_run pad8_compile 120 --configs base --warmup 6 --steps 8 "${shapes[@]}" --pad-multiple 8 --compile
-step_run pad8_graphs 150 --configs base --warmup 6 --steps 8 "${shapes[@]}" --pad-multiple 8 \
-    --compile --compile-mode reduce-overhead
 pack
 fi
 

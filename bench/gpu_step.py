@@ -1,30 +1,10 @@
 """The training step on a GPU: tokens/s, where the time goes, and model FLOPs utilisation.
 
-Usage (from the repository root)::
-
-    .venv/bin/python -m bench.gpu_step                      # base and big, bf16, if a GPU is there
-    .venv/bin/python -m bench.gpu_step --configs base --steps 30 --compile
-    .venv/bin/python -m bench.gpu_step --estimate           # the table only, no measuring
-    .venv/bin/python -m bench.gpu_step --device cpu --configs tiny --steps 3   # smoke test
-    torchrun --standalone --nproc-per-node 1 -m bench.gpu_step --ddp --compile --configs base
-
-With a CUDA device it measures the step the trainer takes for the paper's base and big
-configurations (shared 37k vocabulary): ``train.kernels: fast``, bf16 autocast where the GPU
-has it, fused Adam, batches of ``--max-tokens`` (6250) accumulated to ``--tokens-per-step``
-(25000), cuDNN attention out of SDPA's choice as in the trainer (``--cudnn-attention``
-leaves it in), optionally ``--compile`` and ``--ddp`` (under torchrun, compiled after
-wrapping as the trainer does). Batches are token buckets of WMT-like lengths with random
-ids, new at every step (``--reuse``: the warm-up's again, shapes met before). It prints
-target tokens/s, the step split into forward + loss, backward and optimizer (CUDA events),
-peak memory and MFU (``bench.flops``'s model FLOPs over the GPU's dense bf16 peak;
-``--peak-tflops`` for a GPU the table lacks); with ``--compile`` Dynamo's graphs and graph
-breaks; ``--profile`` prints torch.profiler's top operators of the first and last step;
-``--count-kernels`` records what one step launches (CUDA kernels on a GPU, operators called
-from Python on a CPU, so that a change that cuts launches shows on a CPU first).
-
-Without a GPU (or with ``--estimate``) it measures nothing and says so, and prints an
-estimate from the counted FLOPs: the paper's schedules (100k base steps, 300k big) on
-1 x H100 and 8 x A100 at 30, 40 and 50% MFU.
+The trainer's step (fast kernels, bf16 autocast, fused Adam) for the paper's base and big
+models on token buckets of WMT-like lengths, new shapes every step (``--reuse``: shapes met
+before), timed with CUDA events; it prints target tokens/s, the step's split, peak memory,
+MFU and the paper's schedule in hours. Without a GPU it measures nothing, says so, and
+prints an estimate from the counted FLOPs. The guide: bench/README.md, ``gpu_step.py``.
 """
 
 from __future__ import annotations
@@ -103,33 +83,25 @@ def print_estimate(tokens_per_step: int) -> list[dict]:
     return rows
 
 
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def _synthetic_cut(rng: np.random.Generator, max_tokens: int, multiple: int) -> tuple:
+def _synthetic_cut(rng: np.random.Generator, max_tokens: int) -> tuple:
     """The synthetic corpus's lengths (200,000 WMT-like pairs), their order and the batch
-    bounds the shard stage's cut gives, on lengths + EOS / + BOS rounded up to ``multiple``."""
+    bounds the shard stage's cut gives (lengths + EOS / + BOS)."""
     pairs = 200_000
     src = np.clip(np.round(rng.lognormal(np.log(26), 0.55, pairs)), 2, 254).astype(int)
     tgt = np.clip(np.round(src * rng.normal(1.0, 0.1, pairs)), 2, 254).astype(int)
     order = np.lexsort((tgt, src))
-    src_cost, tgt_cost = (-(-(x[order] + 1) // multiple) * multiple for x in (src, tgt))
-    return src, tgt, order, cut_batches(src_cost, tgt_cost, max_tokens)
+    return src, tgt, order, cut_batches(src[order] + 1, tgt[order] + 1, max_tokens)
 
 
-def available_batches(max_tokens: int, multiple: int = 1, seed: int = 1) -> int:
+def available_batches(max_tokens: int, seed: int = 1) -> int:
     """How many batches :func:`make_batches` can draw (each at most once)."""
-    return len(_synthetic_cut(np.random.default_rng(seed), max_tokens, multiple)[3]) - 2
+    return len(_synthetic_cut(np.random.default_rng(seed), max_tokens)[3]) - 2
 
 
-def make_batches(n: int, max_tokens: int, seed: int, device: torch.device,
-                 multiple: int = 1) -> list[Batch]:
-    """Token-bucket batches of WMT-like lengths, as the shard stage cuts them. ``multiple``:
-    every length counted, and every batch's widths padded, up to a multiple of it, so that
-    batch shapes repeat (the rows of a full batch follow from its padded width)."""
+def make_batches(n: int, max_tokens: int, seed: int, device: torch.device) -> list[Batch]:
+    """Token-bucket batches of WMT-like lengths, as the shard stage cuts them."""
     rng = np.random.default_rng(seed)
-    src, tgt, order, bounds = _synthetic_cut(rng, max_tokens, multiple)
+    src, tgt, order, bounds = _synthetic_cut(rng, max_tokens)
     if n > len(bounds) - 2:
         raise ValueError(f"{n} batches asked, but the synthetic corpus holds "
                          f"{len(bounds) - 2} of <= {max_tokens} tokens")
@@ -138,8 +110,8 @@ def make_batches(n: int, max_tokens: int, seed: int, device: torch.device,
     for b in rng.choice(len(bounds) - 2, size=n, replace=False):
         idx = order[bounds[b]:bounds[b + 1]]
         s, t = src[idx] + 1, tgt[idx] + 1  # + EOS / + BOS
-        src_t = np.zeros((len(idx), round_up(s.max(), multiple)), np.int64)
-        tgt_in = np.zeros((len(idx), round_up(t.max(), multiple)), np.int64)
+        src_t = np.zeros((len(idx), s.max()), np.int64)
+        tgt_in = np.zeros((len(idx), t.max()), np.int64)
         for r, (si, ti) in enumerate(zip(s, t, strict=True)):
             src_t[r, :si] = rng.integers(4, VOCAB, si)
             tgt_in[r, :ti] = rng.integers(4, VOCAB, ti)
@@ -176,9 +148,7 @@ class Timer:
 def measure(name: str, args, device: torch.device) -> dict:
     cfg = config(name)
     torch.manual_seed(0)
-    # --int16-dropout: the fast kernels' masks on a GPU too
-    kernels = fast.KernelConfig(int16_dropout_on_cuda=args.int16_dropout)
-    model = fast.apply(Transformer(cfg).to(device), kernels).train()
+    model = fast.apply(Transformer(cfg).to(device)).train()
     optimizer, scheduler = make_optimizer(model, (0.9, 0.98), 1e-9, cfg.d_model, 4000, 1.0,
                                           fused=True)
     net: torch.nn.Module = model
@@ -187,7 +157,7 @@ def measure(name: str, args, device: torch.device) -> dict:
             net, device_ids=[device.index] if device.type == "cuda" else None)
     if args.compile:
         torch._dynamo.utils.counters.clear()
-        net = torch.compile(net, mode=args.compile_mode)
+        net = torch.compile(net)
     amp = autocast_dtype(args.precision, device)
     # fp16: dynamic loss scaling as the trainer does it (a no-op in other precisions)
     scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)
@@ -196,9 +166,8 @@ def measure(name: str, args, device: torch.device) -> dict:
     # --reuse: the measured steps cycle through the warm-up's batches, whose shapes were met.
     fresh = args.warmup + (0 if args.reuse else args.steps)
     criterion = make_criterion(kernels="fast", label_smoothing=0.1, rdrop=0.0, pad_id=0,
-                               embedding=model.embedding.weight, amp_dtype=amp,
-                               pack=not args.no_packing, config=kernels)
-    batches = make_batches(fresh * accum, plan.batch_tokens, 1, device, args.pad_multiple)
+                               embedding=model.embedding.weight, amp_dtype=amp)
+    batches = make_batches(fresh * accum, plan.batch_tokens, 1, device)
     timer = Timer(device)
     parts = {"forward+loss": [], "backward": [], "optimizer": [], "step": []}
     tokens, flops = [], []
@@ -227,14 +196,6 @@ def measure(name: str, args, device: torch.device) -> dict:
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    warmed: set[tuple] = set()
-    if args.warm_shapes:  # a long run's steady state: every batch shape met before
-        for at in range(fresh):
-            group = batches[at * accum:(at + 1) * accum]
-            key = tuple(tuple(b.src.shape) + tuple(b.tgt_in.shape) for b in group)
-            if key not in warmed:
-                warmed.add(key)
-                run_step(group)
     for step in range(args.warmup + args.steps):
         at = step if step < fresh else step % args.warmup
         group = batches[at * accum:(at + 1) * accum]
@@ -258,13 +219,8 @@ def measure(name: str, args, device: torch.device) -> dict:
     achieved = statistics.fmean(f / s for f, s in zip(flops, parts["step"], strict=True))
     result = {"config": name, "accumulation": accum, "precision": precision_name(amp),
               "compile": args.compile, "ddp": args.ddp, "reuse": args.reuse,
-              "compile_mode": args.compile_mode if args.compile else None,
-              "pad_multiple": args.pad_multiple, "packing": not args.no_packing,
-              "shapes_warmed": len(warmed),
-              "dropout": "int16 masks" if args.int16_dropout or device.type != "cuda"
-              else "F.dropout",
               "cudnn_attention": torch.backends.cuda.cudnn_sdp_enabled(),
-              "loss_blocks": fast.loss_blocks(device, cfg.vocab_size, kernels),
+              "loss_blocks": fast.loss_blocks(device, cfg.vocab_size),
               "batch_shapes": len(shapes),
               "max_tokens": args.max_tokens,
               "launches_per_step": launches,
@@ -355,24 +311,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="auto: bf16 where the GPU has it; fp16: float16 with dynamic loss "
                          "scaling, as train.precision fp16")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model")
-    ap.add_argument("--compile-mode", default=None,
-                    choices=("default", "reduce-overhead", "max-autotune"),
-                    help="torch.compile's mode (reduce-overhead: CUDA graphs, one per shape)")
-    ap.add_argument("--pad-multiple", type=int, default=1,
-                    help="pad every batch's widths (and count lengths in the cut) up to a "
-                         "multiple of this, so that batch shapes repeat (default 1: as the "
-                         "shard stage cuts)")
-    ap.add_argument("--int16-dropout", action="store_true",
-                    help="dropout masks from aiayn.fast.dropout on a GPU too (the "
-                         "baseline: the model keeps F.dropout's fused kernel there)")
-    ap.add_argument("--warm-shapes", action="store_true",
-                    help="before measuring, one step (not measured) on each batch shape "
-                         "the run will meet: a long run's steady state, where batches are "
-                         "new but their shapes were met (with --pad-multiple, few shapes)")
-    ap.add_argument("--no-packing", action="store_true",
-                    help="run the decoder on the padded batch, not on its real positions "
-                         "only (the fused criterion's pack=False): its products then have the "
-                         "batch's shape, which repeats with --pad-multiple")
     ap.add_argument("--cudnn-attention", action="store_true",
                     help="leave cuDNN attention in SDPA's choice (the trainer takes it out)")
     ap.add_argument("--reuse", action="store_true",
@@ -393,10 +331,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--estimate", action="store_true", help="only print the estimate table")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    harness.require_positive(ap, args, "steps", "tokens_per_step", "max_tokens",
-                             "pad_multiple")
-    if args.compile_mode and not args.compile:
-        ap.error("--compile-mode applies to --compile: give both")
+    harness.require_positive(ap, args, "steps", "tokens_per_step", "max_tokens")
     unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
     if unknown:
         ap.error(f"--configs: unknown {', '.join(map(repr, unknown))}; "
@@ -409,8 +344,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     plan = plan_step(args.tokens_per_step, 1, args.max_tokens)  # as the trainer plans a step
     accum = plan.accumulation
     needed = (args.warmup + (0 if args.reuse else args.steps)) * accum
-    if not args.estimate and needed > (have := available_batches(plan.batch_tokens,
-                                                                  args.pad_multiple)):
+    if not args.estimate and needed > (have := available_batches(plan.batch_tokens)):
         ap.error(f"{args.warmup} warm-up + {args.steps} measured steps of {accum} batch(es) need "
                  f"{needed} distinct batches; the synthetic corpus holds {have} of "
                  f"<= {args.max_tokens} tokens: give fewer --steps/--warmup, --reuse, or a "
@@ -441,11 +375,6 @@ def measure_configs(args, device: torch.device) -> list[dict]:
           f"{args.tokens_per_step:,} target tokens per step in batches of "
           f"<= {args.max_tokens} tokens; kernels fast; fused Adam"
           + ("; torch.compile" if args.compile else "")
-          + (f" ({args.compile_mode})" if args.compile_mode else "")
-          + (f"; widths padded to multiples of {args.pad_multiple}"
-             if args.pad_multiple > 1 else "")
-          + ("; decoder on the padded batch (no packing)" if args.no_packing else "")
-          + ("; every batch shape met once before measuring" if args.warm_shapes else "")
           + ("; cuDNN attention allowed" if args.cudnn_attention else "")
           + (f"; DDP over {dist.get_world_size()} process(es), "
              f"{dist.get_backend()}" if args.ddp else ""))
