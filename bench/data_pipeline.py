@@ -1,24 +1,11 @@
 """Data-pipeline benchmark: vocab -> survey -> shard on a WMT14-sized synthetic corpus.
 
-Usage (from the repository root)::
-
-    .venv/bin/python -m bench.data_pipeline                  # 4.5M pairs (WMT14 size), long
-    .venv/bin/python -m bench.data_pipeline --pairs 200000   # quick check
-    .venv/bin/python -m bench.data_pipeline --help
-
-It writes a synthetic English-German corpus straight into the download stage's raw split
-files (``WORKDIR/raw/{train,valid,test}.parquet``), deterministically from ``--seed``:
-lognormal sentence lengths as WMT's, Zipf-distributed words over syllable-built
-vocabularies of WMT14's order (German with compounds, capitalised nouns, umlauts), shared
-names, numbers and punctuation; numpy-vectorised and streamed chunk by chunk, and reused
-while size, seed and generator version match. Then it runs ``aiayn vocab``, ``survey`` and
-``shard`` as ``dvc repro`` would (the command from ``dvc.yaml``, every ``data/`` and
-``metrics/`` path moved under the work folder, the paper's WMT14 data settings in
-``WORKDIR/params.yaml``), each in a child whose own ``wait4`` rusage gives its wall time, CPU
-time and peak RSS, and judges them against the goals: the three stages under 15 minutes
-together, no stage over 4 GiB. Everything goes to ``WORKDIR/bench_data_pipeline.json``, each
-stage's output with arrival times to ``WORKDIR/logs/``; ``--profile`` runs each stage under
-cProfile (``WORKDIR/profile/``).
+It writes a synthetic English-German corpus of ``--pairs`` pairs (deterministic from
+``--seed``, reused while it matches) into ``WORKDIR/raw``, runs ``aiayn vocab``, ``survey``
+and ``shard`` as ``dvc repro`` would with the paper's WMT14 data settings, each measured by
+its own ``wait4`` rusage, and judges them against the goals (under 15 minutes together, no
+stage over 4 GiB); results in ``WORKDIR/bench_data_pipeline.json``. The guide:
+bench/README.md, ``data_pipeline.py``.
 """
 
 from __future__ import annotations
@@ -61,7 +48,7 @@ STAGES = ("vocab", "survey", "shard")
 PARAM_OVERRIDES = {
     ("data", "src_lang"): "en",
     ("data", "tgt_lang"): "de",
-    ("vocab", "size"): 37000,
+    ("vocab", "vocab_size"): 37000,
     ("vocab", "min_frequency"): 2,
     ("survey", "max_len_candidates"): [64, 128, 256, 512],
     ("shard", "max_tokens"): 6250,
@@ -178,13 +165,10 @@ P_COLON = 0.004
 # Sentence-final punctuation: ".", "?", "!", ":", none.
 FINAL_MARKS = (".", "?", "!", ":", "")
 FINAL_P = (0.88, 0.04, 0.015, 0.015, 0.05)
-# Separators after a word and the punctuation they leave on its whitespace token.
+# Separators after a word.
 SEPARATORS = (" ", ", ", ": ", "; ", ".", "?", "!", ":", "")
-SEP_SUFFIX = ("", ",", ":", ";", ".", "?", "!", ":", "")
 SEP_SPACE, SEP_COMMA, SEP_COLON = 0, 1, 2
 SEP_FINAL = 4  # separators 4.. are the sentence-final marks, in FINAL_MARKS order
-SUFFIX_CLASSES = sorted(set(SEP_SUFFIX))
-SEP_CLASS = np.array([SUFFIX_CLASSES.index(s) for s in SEP_SUFFIX], dtype=np.int64)
 
 # Words per English sentence: lognormal, median 20, mean 23; German/English word ratio.
 LEN_MEDIAN, LEN_MEAN, LEN_MAX = 20.0, 23.0, 250
@@ -322,8 +306,6 @@ class Language:
         self.word_cdf = _zipf_cdf(self.n_words, spec.zipf)
         self.name_cdf = _zipf_cdf(self.n_names, NAME_ZIPF)
         self.number_cdf = _zipf_cdf(self.n_numbers, NUMBER_ZIPF)
-        # Distinct whitespace tokens: (piece, punctuation suffix, capitalised) codes seen.
-        self.seen = np.zeros(self.sep_base * len(SUFFIX_CLASSES) * 2, dtype=bool)
         self.words = 0
         self.bytes = 0
         self.sentences = 0
@@ -353,11 +335,7 @@ class Language:
         sep[(u >= P_COMMA + P_COLON / 2) & (u < P_COMMA + P_COLON)] = SEP_COLON + 1  # "; "
         sep[last] = SEP_FINAL + rng.choice(len(FINAL_MARKS), size=n, p=FINAL_P)
 
-        # Statistics: distinct whitespace tokens as codes (exact: tables are disjoint).
-        cap = np.zeros(total, dtype=np.int64)
-        cap[sent_start] = self.pieces.lower_first[piece[sent_start]]
-        codes = (piece * len(SUFFIX_CLASSES) + SEP_CLASS[sep]) * 2 + cap
-        self.seen[codes] = True
+        cap = self.pieces.lower_first[piece[sent_start]]  # sentence starts to capitalise
 
         # Assemble bytes: word piece, separator piece, word piece, ... gathered from the blob.
         order = np.empty(2 * total, dtype=np.int64)
@@ -373,7 +351,7 @@ class Language:
         del src
         # Capitalise the first letter of each sentence (ASCII a-z; others stay as they are).
         first = out_start[2 * sent_start]
-        data[first[cap[sent_start] == 1]] -= 32
+        data[first[cap]] -= 32
         offsets = np.empty(n + 1, dtype=np.int32)
         offsets[:-1] = out_start[2 * sent_start]
         offsets[-1] = size
@@ -388,8 +366,6 @@ class Language:
             "words": self.words,
             "mean_words_per_sentence": self.words / max(self.sentences, 1),
             "mean_bytes_per_sentence": self.bytes / max(self.sentences, 1),
-            "distinct_whitespace_tokens": int(self.seen.sum()),
-            "distinct_pieces_used": int(self.seen.reshape(self.sep_base, -1).any(1).sum()),
             "vocabulary": {"word_types": self.n_words, "zipf": self.spec.zipf,
                            "names": self.n_names, "numbers": self.n_numbers},
         }
@@ -409,7 +385,7 @@ def build_languages(seed: int) -> dict[str, Language]:
     """The two languages; tables depend on the seed only, not on the corpus size."""
     rng = np.random.default_rng([seed, 0x7AB1E5])
     # Names are shared, and no name may equal a word of either language (case-insensitively):
-    # then every whitespace token comes from exactly one table, and counting them is exact.
+    # every whitespace token comes from exactly one table.
     names = build_names(rng, set(EN.function_words) | set(DE.function_words))
     name_keys = {n.lower() for n in names}
     out = {}
@@ -676,22 +652,17 @@ def stage_commands(work: Path, params: Path, profile: bool) -> tuple[dict, dict]
     return commands, outs
 
 
-def print_profile(path: Path, top: int = 25) -> None:
+def print_profile(path: Path) -> None:
     import io
     import pstats
 
     if not path.is_file():
         return
-    out = io.StringIO()
-    stats = pstats.Stats(str(path), stream=out)
-    stats.sort_stats("cumulative").print_stats(top)
-    print(f"\n--- cProfile {path.name}: top {top} by cumulative time")
-    print("\n".join(line for line in out.getvalue().splitlines()[6:] if line.strip()))
-    out = io.StringIO()
-    stats = pstats.Stats(str(path), stream=out)
-    stats.sort_stats("tottime").print_stats(15)
-    print(f"--- cProfile {path.name}: top 15 by own time")
-    print("\n".join(line for line in out.getvalue().splitlines()[6:] if line.strip()))
+    for key, top, what in (("cumulative", 25, "cumulative time"), ("tottime", 15, "own time")):
+        out = io.StringIO()
+        pstats.Stats(str(path), stream=out).sort_stats(key).print_stats(top)
+        print(f"\n--- cProfile {path.name}: top {top} by {what}")
+        print("\n".join(line for line in out.getvalue().splitlines()[6:] if line.strip()))
 
 
 # =========================================================================== reporting
@@ -722,12 +693,10 @@ def machine() -> dict:
 
 
 def write_params(work: Path) -> Path:
-    from aiayn.config import VocabConfig, load_params
+    from aiayn.config import load_params
 
     params = yaml.safe_load((REPO / "params.yaml").read_text(encoding="utf-8"))
     for (section, key), value in PARAM_OVERRIDES.items():
-        if (section, key) == ("vocab", "size") and "size" not in VocabConfig.model_fields:
-            key = "vocab_size"  # the key's newer name
         params.setdefault(section, {})[key] = value
     # The model must have positions for the longest sharded pair (bos/eos included); the
     # paper's base model has plenty, the small demo preset may not.
@@ -757,9 +726,7 @@ def print_metrics(m: dict) -> None:
     if v:
         per = ", ".join(f"{k} {v[k]['mean_tokens_per_sentence']:.1f} tokens/sentence "
                         f"(unk {v[k]['unknown_rate']:.2g})" for k in ("en", "de") if k in v)
-        size = v.get("size", v.get("vocab_size"))
-        asked = v.get("requested_size", v.get("requested_vocab_size"))
-        print(f"vocab:  {size} tokens (requested {asked}); valid: {per}")
+        print(f"vocab:  {v['size']} tokens (requested {v['requested_size']}); valid: {per}")
     if s:
         for split in ("train",):
             entry = s["splits"][split]
@@ -831,9 +798,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="work folder (corpus, params, stage outputs, logs, results)")
     ap.add_argument("--seed", type=int, default=1, help="corpus seed")
     ap.add_argument("--keep", action="store_true",
-                    help="keep the stage outputs (tokenizer, lengths, shards); by default they "
-                         "are deleted at the end and only the corpus (reused by the next run of "
-                         "the same --pairs/--seed), metrics, logs and results stay")
+                    help="keep the stage outputs (by default only the corpus, metrics, logs "
+                         "and results stay)")
     ap.add_argument("--regenerate", action="store_true",
                     help="generate the corpus even if a matching one exists")
     ap.add_argument("--skip-generate", action="store_true",
@@ -925,10 +891,8 @@ def print_corpus(corpus: dict) -> None:
         voc = st["vocabulary"]
         print(f"  {lang}: {st['sentences']:,} sentences, {st['words']:,} words, "
               f"{st['mean_words_per_sentence']:.2f} words/sentence, "
-              f"{st['mean_bytes_per_sentence']:.0f} bytes/sentence, "
-              f"{st['distinct_whitespace_tokens']:,} distinct whitespace tokens "
-              f"({st['distinct_pieces_used']:,} of the {voc['word_types']:,} words + "
-              f"{voc['names']:,} names + {voc['numbers']:,} numbers used)")
+              f"{st['mean_bytes_per_sentence']:.0f} bytes/sentence; tables of "
+              f"{voc['word_types']:,} words, {voc['names']:,} names, {voc['numbers']:,} numbers")
 
 
 def run_stages(args, work: Path, commands: dict) -> list[StageResult]:

@@ -1,5 +1,5 @@
 """bench/data_pipeline.py: the synthetic corpus checked against its own files (word counts,
-distinct tokens, bytes), its determinism and reuse, the params and stage command lines it
+bytes), its determinism and reuse, the params and stage command lines it
 builds from dvc.yaml, the wrapper that measures a stage, and one full run on tiny tables
 whose JSON report is checked field by field (the benchmark's sizes are never used here)."""
 
@@ -60,9 +60,9 @@ def tokens_of(sentences: list[str]) -> list[str]:
 
 
 def test_sentence_lengths_are_the_documented_lognormal_and_ratio():
-    """Lengths against the docstring: median 20, mean 23, 1..250, German/English ratio 0.6-1.5."""
+    """Lengths against the constants: median 20, mean 23, 1..250, German/English ratio 0.6-1.5."""
     # English lengths: median 20, mean 23, a tail past 100, within 1..250; German = English x ratio
-    # in [0.6, 1.5] with mean 0.95 (the module docstring's figures).
+    # in [0.6, 1.5] with mean 0.95 (LEN_* and RATIO_*).
     en, de = dp.sentence_lengths(np.random.default_rng(0), 200_000)
     assert en.dtype.kind == "i" and de.dtype.kind == "i"
     assert int(en.min()) >= 1 and int(en.max()) <= 250
@@ -162,7 +162,7 @@ def test_sampled_sentences_have_the_asked_words_from_the_tables_only(tiny):
     """Sampled sentences against counts made on the strings and the documented rates."""
     # Every sentence has exactly the asked number of space-separated tokens, each a table entry plus
     # at most one punctuation mark, capitalised when it starts the sentence; the statistics (words,
-    # sentences, bytes, distinct tokens over two calls) equal counts made on the strings; final
+    # sentences, bytes over two calls) equal counts made on the strings; final
     # marks, commas and the rank-1 word follow the stated rates.
     dp = tiny
     lang = dp.build_languages(3)["en"]
@@ -188,7 +188,6 @@ def test_sampled_sentences_have_the_asked_words_from_the_tables_only(tiny):
     assert len(all_tokens) == int(sum(x.sum() for x in lengths))
     assert st["mean_bytes_per_sentence"] == pytest.approx(
         sum(len(s.encode("utf-8")) for s in sentences) / len(sentences))
-    assert st["distinct_whitespace_tokens"] == len(set(all_tokens))
     assert st["vocabulary"]["word_types"] == 3000 and st["vocabulary"]["names"] == 400
     # sentence-final marks ".", "?", "!", ":" at 0.88, 0.04, 0.015, 0.015 (none: 0.05)
     finals = [s[-1] for s in sentences]
@@ -213,7 +212,7 @@ def _known(tok: str, table: set[str], first: bool) -> bool:
 def test_generated_files_and_statistics_match_what_is_on_disk(tiny, tmp_path):
     """generate_corpus's files and returned statistics against counts made on the parquet files."""
     # raw/{train,valid,test}.parquet: the asked rows in row groups of CHUNK, columns de and en as
-    # zstd strings; the returned word counts, distinct tokens, bytes per sentence and bytes on disk
+    # zstd strings; the returned word counts, bytes per sentence and bytes on disk
     # equal counts made on the files; raw is replaced whole.
     dp = tiny
     raw = tmp_path / "raw"
@@ -242,7 +241,6 @@ def test_generated_files_and_statistics_match_what_is_on_disk(tiny, tmp_path):
         st = gen["languages"][lang]
         assert st["sentences"] == sum(sizes.values())
         assert st["words"] == len(tokens_of(sentences))
-        assert st["distinct_whitespace_tokens"] == len(set(tokens_of(sentences)))
         assert st["mean_bytes_per_sentence"] == pytest.approx(
             sum(len(s.encode("utf-8")) for s in sentences) / len(sentences))
     assert gen["bytes_on_disk"] == sum(p.stat().st_size for p in raw.glob("*.parquet"))
@@ -430,6 +428,22 @@ def test_stage_commands_wire_every_dvc_yaml_path_to_the_work_folder(tmp_path, mo
         assert argv[7:] == commands[name][1:]
 
 
+def test_print_profile_shows_cumulative_then_own_time(tmp_path, capsys):
+    """--profile's tables: a stage's cProfile file by cumulative time, then by own time; a
+    stage that left no file prints nothing."""
+    import cProfile
+
+    path = tmp_path / "vocab.prof"
+    cProfile.run("sorted(range(1000), key=str)", str(path))
+    dp.print_profile(path)
+    out = capsys.readouterr().out
+    assert out.index("vocab.prof: top 25 by cumulative time") < out.index(
+        "vocab.prof: top 15 by own time")
+    assert "sorted" in out
+    dp.print_profile(tmp_path / "none.prof")
+    assert capsys.readouterr().out == ""
+
+
 CHILD = """
 import sys, time
 print("starting", flush=True)
@@ -551,7 +565,7 @@ def test_full_run_reports_every_stage_and_cleans_up_field_by_field(tiny, tmp_pat
     assert report["argv"] == argv and report["machine"]["nproc"] == os.cpu_count()
     assert report["workdir"] == str(work) and report["profiled"] is False
     assert report["params_overrides"] == {
-        "data.src_lang": "en", "data.tgt_lang": "de", "vocab.size": 37000,
+        "data.src_lang": "en", "data.tgt_lang": "de", "vocab.vocab_size": 37000,
         "vocab.min_frequency": 2, "survey.max_len_candidates": [64, 128, 256, 512],
         "shard.max_tokens": 6250, "shard.max_len": 256}
     assert report["corpus"]["spec"] == {"generator_version": 1, "pairs": 600, "seed": 1,
