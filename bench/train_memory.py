@@ -1,22 +1,10 @@
 """Resident memory and step time of CPU training on each C heap: glibc with and without the
-trainer's ``malloc_trim`` (``aiayn.training.memory.HeapTrimmer``), tcmalloc, jemalloc.
+trainer's ``malloc_trim``, tcmalloc, jemalloc.
 
-Usage (from the repository root)::
-
-    .venv/bin/python -m bench.train_memory --corpus ../shared/data/multi30k  # 300 steps
-    .venv/bin/python -m bench.train_memory --modes trim,tcmalloc --steps 200 --repeats 2
-    .venv/bin/python -m bench.train_memory --preset demo --steps 60   # the toy corpus
-    .venv/bin/python -m bench.train_memory --help
-
-Token-bucket batches change shape at almost every step; on glibc the freed blocks stay in
-the heap, fragmented, and a long run's RSS creeps up. Each mode trains the real
-``aiayn.training.loop.Trainer`` (``bench.train_throughput``'s worker, on the ``--preset``'s data)
-on the same batches in a fresh process of its own (a heap is per process), one after the
-other, ``--repeats`` times: ``notrim`` and ``trim`` on glibc, ``tcmalloc`` and ``jemalloc``
-preloaded as ``aiayn train`` preloads them. Printed per mode: the peak RSS of the warm-up
-and of five windows after it (peaks: right after a trim RSS is low, and a sample there
-would flatter the trimmed run), the growth from the first to the last, and the median
-seconds per step; then each mode against the first, as ratios.
+Each mode of ``--modes`` trains the real trainer (``bench.train_throughput``'s worker) on the
+same batches in a fresh process of its own, ``--repeats`` times; it prints the peak RSS of
+the warm-up and of five windows after it, the growth, the median seconds per step, and each
+mode against the first. The guide: bench/README.md, ``train_memory.py``.
 """
 
 from __future__ import annotations
@@ -169,11 +157,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "aiayn.training.memory.TRIM_EVERY_STEPS)")
     ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path, default=None, help="write all results here")
-    ap.add_argument("--report", type=Path, default=None,
-                    help="print the tables of a file written by --json, run nothing")
     ap.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.report or args.worker:
+    if args.worker:
         return args
     if args.warmup < 1 or args.warmup >= args.steps:
         ap.error(f"--warmup ({args.warmup}) must be at least 1 and below --steps "
@@ -212,12 +198,6 @@ def run_modes(args: argparse.Namespace, spec: dict) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    if args.report:
-        saved = json.loads(args.report.read_text())
-        if "machine" in saved:  # records written before the harness have none
-            print(harness.machine_line(saved["machine"]))
-        report(saved["runs"], saved["args"]["warmup"], saved["args"]["steps"])
-        return saved
     if args.worker:  # the child process: one mode, result as JSON on stdout
         print(json.dumps(worker(args.worker, json.loads(args.spec), args.steps)))
         return {}
@@ -229,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary, ratios = report(runs, args.warmup, args.steps)
     second = ratios[args.modes[1]]
     out = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
-                    if k not in ("json", "worker", "report", "spec")},
+                    if k not in ("json", "worker", "spec")},
            "summary": summary, "ratio_peak_last": second["peak_last"],
            "ratio_s_per_step": second["s_per_step"], "ratios": ratios, "runs": runs}
     return harness.save(out, args.json, argv)

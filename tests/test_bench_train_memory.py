@@ -1,5 +1,5 @@
 """bench/train_memory.py: its window and summary arithmetic against plain recomputations, the
-run loop with stand-in workers (argv, order, JSON), and --report reprinting a saved run."""
+run loop with stand-in workers (argv, order, JSON), and its argument checks."""
 
 from __future__ import annotations
 
@@ -133,22 +133,6 @@ def test_a_run_alternates_the_modes_and_writes_the_summaries_and_ratios(workers,
         rss = run["rss_mib"]
         assert line.split() == [run["mode"], *(f"{max(rss[a:a + 5]):.0f}"
                                                for a in range(0, 30, 5))]
-
-
-def test_report_reprints_the_tables_of_a_saved_run_without_running(workers, tmp_path,
-                                                                   capsys):
-    """--report FILE prints what the run that wrote FILE printed (its machine line too), less
-    its progress lines and the line naming the file."""
-    out = tmp_path / "memory.json"
-    memory.main(["--steps", "24", "--warmup", "4", "--json", str(out)])
-    during = [line for line in capsys.readouterr().out.splitlines()
-              if not line.startswith(("[1/1]", "wrote "))]
-    assert during[0].startswith("CPU ")
-    started = len(workers)
-    saved = memory.main(["--report", str(out)])
-    assert len(workers) == started  # no worker ran
-    assert capsys.readouterr().out.splitlines() == during
-    assert saved == json.loads(out.read_text())
 
 
 def test_a_failed_worker_stops_the_run_with_its_error(monkeypatch, tmp_path):
