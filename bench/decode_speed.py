@@ -1,56 +1,18 @@
 """Decoding speed on CPU: our beam search (cached, recompute, bf16) against the exported
 model in CTranslate2 (fp32, int8) and in Hugging Face transformers, same weights, same inputs.
 
-Usage (from the repository root)::
-
-    .venv/bin/python -m bench.decode_speed                    # 4 batches x 3 rounds, 2 threads
-    .venv/bin/python -m bench.decode_speed --threads 2,1 --json out.json
-    .venv/bin/python -m bench.decode_speed --profile          # + where the cached search spends
-    .venv/bin/python -m bench.decode_speed --model data/model \
-        --inputs ../shared/data/multi30k/test2016.en \
-        --references ../shared/data/multi30k/test2016.de \
-        --batches 16 --recompute-batches 0                    # a trained model, all of test2016,
-                                                              # with BLEU of every engine
-    .venv/bin/python -m bench.decode_speed --help
-
-The exports come from the library (``aiayn.export.convert``) and decode through its engines
-(``aiayn.export.engines``), as ``aiayn export`` and ``aiayn translate --engine`` do; ``ctranslate2``
-and ``transformers`` (``pip install -e '.[export]'``) are needed for their rows only
-(``--no-ct2``, ``--no-int8``, ``--no-hf`` skip them). Whether the engines decode as ours
-does, untimed: ``bench.export_agreement``.
-
-The model. Without ``--model``: d_model 256, 3+3 layers, 4 heads, d_ff 1024, vocabulary
-8000, trained for ``--train-steps`` (300) Adam steps on a copy task (sentences of 4-40 word
-ids drawn from 500) and cached under ``--weights`` (default: the temp directory). Half
-trained on purpose: its outputs end at varied lengths as translations do (random weights
-never emit EOS), and its beams hold real alternatives. Inputs: ``--batches`` x
-``--batch-size`` synthetic sentences of ``--min-words``-``--max-words`` words. With
-``--model DIR --inputs FILE``: a folder written by ``aiayn average``, on the lines of FILE
-prepared as ``aiayn translate`` prepares them (encoded, empty lines dropped, cut at
-``max_positions - 1``, sorted by length, batched); ``--select head`` (default) takes the
-first ``--batches`` x ``--batch-size`` lines, ``shortest`` the first batches ``aiayn
-translate`` would make of the whole file. ``--references FILE`` adds each engine's
-sacreBLEU; ``--examples`` shows a few outputs as text.
-
-Methods, on the same batches (beam ``--beam`` 4, alpha ``--alpha`` 0.6, max length =
-source + ``--max-len-b`` 50): ``cached`` (``beam_search(use_cache=True)``), ``bf16`` (the same
-under CPU bf16 autocast; only on a CPU with native bf16 unless ``--bf16``), ``recompute``
-(no cache: a full forward per step, timed on the middle ``--recompute-batches`` batch),
-``ct2`` and ``ct2_int8`` (CTranslate2, ``intra_threads`` = torch's threads, one maximum
-length per batch, |Y|^alpha) and ``hf`` (``MarianMTModel.generate``). Every method decodes
-every batch once for warm-up, then ``--rounds`` rounds in an order rotated by one per round;
-figures are medians over rounds, ratios medians of per-round ratios. tokens/s counts the
-returned hypothesis's tokens and its EOS. The outputs of the first timed round are
-compared (identical token for token) between methods.
+An ``aiayn average`` folder (``--model``) decodes the first lines of ``--inputs``, prepared
+and batched as ``aiayn translate`` prepares them, by every method in alternating rounds; it
+prints sentences/s and tokens/s per method, the speed ratios (medians of per-round ratios),
+how many outputs are identical between methods and, with ``--references``, each engine's
+sacreBLEU. The guide: bench/README.md, ``decode_speed.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
-import hashlib
 import io
-import json
 import os
 import pstats
 import statistics
@@ -59,53 +21,24 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 
-from aiayn.data.tokenizer import BOS_ID, PAD_ID, decode, encode_ids
+from aiayn.data.tokenizer import decode, encode_ids
 from aiayn.decoding.beam import BeamConfig, beam_search, max_lengths
 from aiayn.decoding.translation import source_batch
-from aiayn.model import Transformer, TransformerConfig
+from aiayn.model import Transformer
 from aiayn.precision import cpu_has_native_bf16
 from bench import harness
 
-VOCAB = 8000
-WORDS = 500  # sentences draw their words uniformly from ids 4 .. 4 + WORDS - 1
-TRAIN_LENGTHS = (4, 40)
-VOCAB_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(4, VOCAB)]
 METHODS = ("cached", "bf16", "recompute", "ct2", "ct2_int8", "hf")
 LABELS = {"cached": "ours, cached, fp32", "bf16": "ours, cached, bf16 autocast",
           "recompute": "ours, recompute (no cache)", "ct2": "CTranslate2 fp32",
           "ct2_int8": "CTranslate2 int8", "hf": "transformers (MarianMT) fp32"}
 
 
-def model_config() -> TransformerConfig:
-    return TransformerConfig(vocab_size=VOCAB, d_model=256, heads=4, encoder_layers=3,
-                             decoder_layers=3, d_ff=1024, dropout=0.1, norm="post")
-
-
-# -- data --------------------------------------------------------------------------------
-
-def sentences(rng: np.random.Generator, n: int, lo: int, hi: int) -> list[list[int]]:
-    """n sentences of lo..hi words (uniform), words uniform over WORDS ids."""
-    lengths = rng.integers(lo, hi + 1, n)
-    return [(4 + rng.integers(0, WORDS, int(k))).tolist() for k in lengths]
-
-
-def pad(seqs: list[list[int]], pre: tuple[int, ...] = (), post: tuple[int, ...] = ()
-        ) -> torch.Tensor:
-    width = max(len(s) for s in seqs) + len(pre) + len(post)
-    out = torch.full((len(seqs), width), PAD_ID, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        row = [*pre, *s, *post]
-        out[i, :len(row)] = torch.tensor(row)
-    return out
-
-
 @dataclass
 class Batch:
-    words: list[list[int]]  # source token ids (copy task: word ids), without EOS
+    words: list[list[int]]  # source token ids, without EOS
     src: torch.Tensor  # (B, S) ids + EOS, PAD-padded
     max_len: list[int]  # our per-sentence maximum output length (EOS included)
     texts: list[str] = field(default_factory=list)  # --inputs: the source lines
@@ -130,24 +63,12 @@ def cut_batches(pool: list[list[int]], batch_size: int, cfg: BeamConfig, limit: 
     return batches
 
 
-def make_batches(n_batches: int, batch_size: int, lo: int, hi: int, seed: int,
-                 cfg: BeamConfig, limit: int) -> list[Batch]:
-    rng = np.random.default_rng(seed + 1)
-    pool = sorted(sentences(rng, n_batches * batch_size, lo, hi), key=len)
-    return cut_batches(pool, batch_size, cfg, limit)
-
-
-def read_inputs(path: Path, tokenizer, n: int, select: str, limit: int
+def read_inputs(path: Path, tokenizer, n: int, limit: int
                 ) -> tuple[list[list[int]], list[str], dict, list[int]]:
-    """Source lines of ``path`` as ``aiayn.decoding.translation`` encodes and orders them.
-
-    Lines are stripped and encoded with the model's tokenizer (no special tokens; EOS is
-    appended when batching); lines that encode to nothing are dropped; a line longer than
-    ``limit - 1`` tokens is cut there (what ``aiayn translate --truncate`` does). ``select``
-    "head" keeps the first ``n`` remaining lines in file order, "shortest" the ``n`` shortest
-    of the whole file; either way the kept ones are returned sorted by token count (stable,
-    as ``aiayn.decoding.translation`` sorts), ready to be cut into batches, with their line indices.
-    """
+    """The first ``n`` lines of ``path`` as ``aiayn.decoding.translation`` encodes and orders
+    them: stripped, encoded (no special tokens; EOS is appended when batching), those that
+    encode to nothing dropped, cut at ``limit - 1`` tokens (``aiayn translate --truncate``),
+    sorted by token count (stable); with their texts, statistics and line indices."""
     if not path.is_file():
         raise SystemExit(f"--inputs {path}: no such file")
     lines = path.read_text(encoding="utf-8").splitlines()
@@ -157,44 +78,16 @@ def read_inputs(path: Path, tokenizer, n: int, select: str, limit: int
     truncated = sum(len(ids[i]) > limit - 1 for i in keep)
     for i in keep:
         ids[i] = ids[i][:limit - 1]
-    if select == "head":
-        chosen = sorted(keep[:n], key=lambda i: len(ids[i]))
-    else:
-        chosen = sorted(keep, key=lambda i: len(ids[i]))[:n]
+    chosen = sorted(keep[:n], key=lambda i: len(ids[i]))
     lens = [len(ids[i]) for i in chosen]
     stats = {"file": str(path), "lines": len(lines), "empty_dropped": len(lines) - len(keep),
-             "select": select, "selected": len(chosen), "truncated_in_file": truncated,
+             "selected": len(chosen), "truncated_in_file": truncated,
              "mean_src_tokens": statistics.fmean(lens) if lens else 0.0,
              "min_src_tokens": min(lens, default=0), "max_src_tokens": max(lens, default=0)}
     return [ids[i] for i in chosen], [texts[i] for i in chosen], stats, chosen
 
 
 # -- model -------------------------------------------------------------------------------
-
-def train_copy(model: Transformer, steps: int, seed: int, batch_size: int = 32) -> list[float]:
-    """Adam (paper betas), lr 1e-3 after 30 warm-up steps, label smoothing 0.1, copy task."""
-    rng = np.random.default_rng(seed)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.9, 0.98), eps=1e-9)
-    model.train()
-    losses = []
-    for step in range(1, steps + 1):
-        for group in opt.param_groups:
-            group["lr"] = 1e-3 * min(1.0, step / 30)
-        words = sentences(rng, batch_size, *TRAIN_LENGTHS)
-        labels = source_batch(words)  # the source is the target
-        logits = model(labels, pad(words, pre=(BOS_ID,)))
-        loss = F.cross_entropy(logits.view(-1, VOCAB), labels.view(-1), ignore_index=PAD_ID,
-                               label_smoothing=0.1)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        if step % 25 == 0 or step == steps:
-            print(f"  train step {step}/{steps}: loss {statistics.fmean(losses[-25:]):.3f}",
-                  flush=True)
-    model.eval()
-    return losses
-
 
 def load_real_model(model_dir: Path) -> tuple[Transformer, dict, list[str], object]:
     """An ``aiayn average`` folder through the project's loader; vocabulary by token id."""
@@ -210,7 +103,7 @@ def load_real_model(model_dir: Path) -> tuple[Transformer, dict, list[str], obje
         raise SystemExit(f"{model_dir}/tokenizer.json: ids are not exactly 0..{len(vocab) - 1}; "
                          "cannot build a CTranslate2 vocabulary from it")
     meta = read_json(model_dir / "config.json")
-    info = {"task": "real", "dir": str(model_dir),
+    info = {"dir": str(model_dir),
             **{k: meta[k] for k in ("averaged_steps", "tokens_seen", "mlflow_run_id")
                if k in meta}}
     print(f"model: {model_dir} ({tr.model.cfg.d_model} d_model, {tr.model.cfg.encoder_layers}"
@@ -218,39 +111,6 @@ def load_real_model(model_dir: Path) -> tuple[Transformer, dict, list[str], obje
           f"{tr.model.cfg.d_ff}, {tr.model.cfg.norm}-LN, vocabulary {len(vocab)})")
     tr.model.eval()
     return tr.model, info, vocab, tr.tokenizer
-
-
-def build_model(args) -> tuple[Transformer, dict]:
-    """The copy-task model of the module docstring: trained now, or loaded from its cache."""
-    torch.manual_seed(args.seed)
-    model = Transformer(model_config())
-    info: dict = {"train_steps": args.train_steps, "task": "copy"}
-    if args.train_steps <= 0:
-        model.eval()
-        return model, info
-    key = hashlib.sha256(json.dumps([model.cfg.to_dict(), args.seed, args.train_steps,
-                                     TRAIN_LENGTHS, WORDS, "copy-v2"]).encode()).hexdigest()[:12]
-    path = args.weights or Path(tempfile.gettempdir()) / f"aiayn_decode_speed_{key}.pt"
-    info["weights"] = str(path)
-    if path.exists():
-        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-        info["trained"] = "loaded"
-        print(f"model: loaded {path}")
-    else:
-        print(f"model: training {args.train_steps} steps on the copy task "
-              f"({args.train_threads} thread(s)); cached at {path}", flush=True)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(args.train_threads)
-        t0 = time.perf_counter()
-        losses = train_copy(model, args.train_steps, args.seed)
-        torch.set_num_threads(threads)
-        info.update(trained="now", train_seconds=time.perf_counter() - t0,
-                    final_loss=statistics.fmean(losses[-25:]))
-        tmp = path.with_suffix(".tmp")
-        torch.save(model.state_dict(), tmp)
-        os.replace(tmp, path)
-    model.eval()
-    return model, info
 
 
 # -- CTranslate2 -------------------------------------------------------------------------
@@ -337,19 +197,13 @@ def profile_cached(model, batch: Batch, cfg: BeamConfig) -> dict:
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[int]]:
     """The arguments, checked, and the thread counts of --threads."""
     ap = harness.parser(__doc__)
-    ap.add_argument("--model", type=Path, default=None,
-                    help="a model folder written by `aiayn average` (model.safetensors, "
-                         "config.json, tokenizer.json): benchmark it instead of training the "
-                         "copy-task model; needs --inputs")
-    ap.add_argument("--inputs", type=Path, default=None,
-                    help="source sentences, one per line (plain text); needs --model")
-    ap.add_argument("--select", choices=("head", "shortest"), default="head",
-                    help="with --inputs: decode the first --batches x --batch-size non-empty "
-                         "lines in file order (head, default) or the shortest that many of the "
-                         "file (shortest); sorted by length and batched as "
-                         "aiayn.decoding.translation")
+    ap.add_argument("--model", type=Path, required=True,
+                    help="a model folder written by `aiayn average`")
+    ap.add_argument("--inputs", type=Path, required=True,
+                    help="source sentences, one per line; the first --batches x --batch-size "
+                         "non-empty ones are decoded")
     ap.add_argument("--examples", type=int, default=3,
-                    help="with --model: detokenized outputs of ours and CTranslate2 shown (3)")
+                    help="detokenized outputs shown, spread over the lengths (3)")
     ap.add_argument("--batches", type=int, default=4, help="batches of --batch-size (4)")
     ap.add_argument("--batch-size", type=int, default=64,
                     help="sentences per batch (64, params.yaml's decode.batch_size)")
@@ -359,19 +213,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[int]]:
     ap.add_argument("--beam", type=int, default=4)
     ap.add_argument("--alpha", type=float, default=0.6)
     ap.add_argument("--max-len-b", type=int, default=50, help="max length = source + b (50)")
-    ap.add_argument("--min-words", type=int, default=10, help="copy task only")
-    ap.add_argument("--max-words", type=int, default=40, help="copy task only")
     ap.add_argument("--recompute-batches", type=int, default=1,
                     help="batches timed for the recompute path (1; 0 skips it)")
-    ap.add_argument("--train-steps", type=int, default=300,
-                    help="copy-task training steps before decoding (300; 0 = random weights; "
-                         "ignored with --model)")
-    ap.add_argument("--train-threads", type=int, default=1)
-    ap.add_argument("--weights", type=Path, default=None,
-                    help="cache file for the copy-task weights (default: temp dir)")
     ap.add_argument("--references", type=Path, default=None,
-                    help="with --inputs: reference translations, line for line; prints the "
-                         "sacreBLEU of every engine's output")
+                    help="reference translations, line for line: each engine's sacreBLEU")
     ap.add_argument("--no-ct2", action="store_true", help="skip CTranslate2 (fp32 and int8)")
     ap.add_argument("--no-int8", action="store_true", help="skip the CTranslate2 int8 row")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
@@ -382,21 +227,14 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[int]]:
                     help="run the bf16 row even on a CPU without native bf16")
     ap.add_argument("--profile", action="store_true",
                     help="profile one cached search (cProfile + torch.profiler) at the end")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None, help="write all results here")
     args = ap.parse_args(argv)
     if not args.no_bf16 and not args.bf16 and not cpu_has_native_bf16():
         print("this CPU has no native bf16 (see aiayn/precision.py): skipping the bf16 row; "
               "--bf16 runs it anyway", flush=True)
         args.no_bf16 = True
-    if args.inputs is not None and args.model is None:
-        ap.error("--inputs requires --model (the copy-task model decodes synthetic word ids)")
-    if args.model is not None and args.inputs is None:
-        ap.error("--model requires --inputs FILE (source sentences, one per line)")
-    if args.model is not None and not args.model.is_dir():
+    if not args.model.is_dir():
         ap.error(f"--model {args.model}: not a folder")
-    if args.references is not None and args.inputs is None:
-        ap.error("--references requires --model and --inputs")
     harness.require_positive(ap, args, "rounds", "batches")
     return args, harness.int_list(ap, "--threads", args.threads, "thread count")
 
@@ -426,14 +264,8 @@ def describe(args, threads: list[int], cfg: BeamConfig, argv: list[str] | None) 
 
 
 def model_and_batches(args, cfg: BeamConfig, info: dict) -> tuple:
-    """(model, vocabulary, tokenizer or None, batches): --model's on --inputs' lines, or the
-    copy-task model on its synthetic sentences; what they are goes into ``info``."""
-    if args.model is None:
-        model, info["model"] = build_model(args)
-        info["model"]["config"] = model.cfg.to_dict()
-        batches = make_batches(args.batches, args.batch_size, args.min_words, args.max_words,
-                               args.seed, cfg, model.cfg.max_positions)
-        return model, VOCAB_TOKENS, None, batches
+    """(model, vocabulary, tokenizer, batches): --model's on --inputs' lines; what they are
+    goes into ``info``."""
     from aiayn.errors import DataError
 
     try:
@@ -442,8 +274,7 @@ def model_and_batches(args, cfg: BeamConfig, info: dict) -> tuple:
         raise SystemExit(f"error: {exc}") from None
     info["model"]["config"] = model.cfg.to_dict()
     pool, texts, info["inputs"], chosen = read_inputs(
-        args.inputs, tokenizer, args.batches * args.batch_size, args.select,
-        model.cfg.max_positions)
+        args.inputs, tokenizer, args.batches * args.batch_size, model.cfg.max_positions)
     if not pool:
         raise SystemExit(f"error: --inputs {args.inputs} has no non-empty line")
     refs = None
@@ -580,7 +411,7 @@ def main(argv: list[str] | None = None) -> dict:
                                token_id)
     info["results"] = {str(t): v for t, v in results.items()}
     agree = timed_agreement(fo, len(batches), rc_idx)
-    if tokenizer is not None and batches[0].refs:
+    if batches[0].refs:
         info["bleu"] = bleu_scores(tokenizer, batches, fo)
     info["agreement"] = agree
     info["timed_outputs"] = {m: {"tokens": out_tokens(sum(v.values(), [])),
@@ -588,7 +419,7 @@ def main(argv: list[str] | None = None) -> dict:
                                  "sentences": sum(len(hs) for hs in v.values())}
                              for m, v in fo.items()}
     info["load_average_end"] = os.getloadavg()
-    if tokenizer is not None and "cached" in fo and args.examples > 0:
+    if "cached" in fo and args.examples > 0:
         info["examples"] = examples(tokenizer, batches, fo, args.examples)
 
     report(info, results, agree, n_sent, len(rc_idx) * args.batch_size)
@@ -682,12 +513,9 @@ def report(info: dict, results: dict, agree: dict, n_sent: int, n_rc: int) -> No
           f"{info['beam']['max_len_b']}; CPU {info['cpu']}; torch {info['torch']}, "
           f"ctranslate2 {info.get('ctranslate2', '-')}")
     mc = info["model"]["config"]
-    what = (f"{info['model']['dir']} on {info['inputs']['selected']} sentences of "
-            f"{info['inputs']['file']} ({info['inputs']['select']}, mean "
-            f"{info['inputs']['mean_src_tokens']:.1f} source tokens)"
-            if info["model"].get("task") == "real" else
-            f"copy task, {info['model']['train_steps']} training steps")
-    print(f"model: {what}; d_model {mc['d_model']}, {mc['encoder_layers']}+"
+    print(f"model: {info['model']['dir']} on {info['inputs']['selected']} sentences of "
+          f"{info['inputs']['file']} (mean {info['inputs']['mean_src_tokens']:.1f} source "
+          f"tokens); d_model {mc['d_model']}, {mc['encoder_layers']}+"
           f"{mc['decoder_layers']} layers, {mc['heads']} heads, d_ff {mc['d_ff']}, "
           f"{mc['norm']}-LN, vocabulary {mc['vocab_size']}")
     head = (f"{'threads':>7}  {'method':30s} {'sentences':>9} {'sent/s':>8} {'tok/s':>8} "

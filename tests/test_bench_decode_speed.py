@@ -1,21 +1,17 @@
 """bench/decode_speed.py: its batches against aiayn.decoding.translation's own batching, its summary
-and agreement counts against hand-computed ones, and two short runs, the copy task and a tiny
-exported model with references, whose results are checked field by field (sizes far below
-the benchmark's; no timing is asserted). Whether the engines decode as ours does is
+and agreement counts against hand-computed ones, and a short run of a tiny exported model with
+references, whose results are checked field by field (sizes far below the benchmark's; no
+timing is asserted). Whether the engines decode as ours does is
 tests/test_bench_export_agreement.py's."""
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import statistics
 
-import numpy as np
 import pytest
 import torch
 
-from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from aiayn.decoding.beam import BeamConfig
 from aiayn.decoding.translation import BatchTranslator, source_batch
 from aiayn.model import Transformer, TransformerConfig
@@ -30,7 +26,7 @@ from tests.conftest import (
 
 @pytest.fixture
 def keep_threads():
-    """main() and build_model set torch's thread count; the test process gets its own back."""
+    """main() sets torch's thread count; the test process gets its own back."""
     saved = torch.get_num_threads()
     yield
     torch.set_num_threads(saved)
@@ -73,45 +69,6 @@ LINES = [SENTENCES_EN[1], "", SENTENCES_EN[0], "   ", SENTENCES_DE[4], "Hello", 
 # --------------------------------------------------------------------------- batches
 
 
-def test_copy_task_sentences_and_padding():
-    """sentences() lengths/ids against lo..hi and 4..503; pad() against rows built by hand."""
-    # sentences(): lengths uniform over lo..hi (each one drawn), ids over the 500 word ids 4..503;
-    # pad(): each row is pre + ids + post, then PAD up to the longest.
-    seqs = ds.sentences(np.random.default_rng(0), 2000, 3, 7)
-    assert sorted({len(s) for s in seqs}) == [3, 4, 5, 6, 7]
-    ids = [i for s in seqs for i in s]
-    assert min(ids) == 4 and max(ids) == 503
-    rows = [[5, 6], [7], [8, 9, 10]]
-    padded = ds.pad(rows, pre=(BOS_ID,), post=(EOS_ID,))
-    assert padded.tolist() == [[BOS_ID, 5, 6, EOS_ID, PAD_ID],
-                               [BOS_ID, 7, EOS_ID, PAD_ID, PAD_ID],
-                               [BOS_ID, 8, 9, 10, EOS_ID]]
-
-
-def test_copy_task_batches_are_sorted_sources_with_eos_and_their_max_lengths():
-    """make_batches against source_batch and min(limit, source + EOS + b)."""
-    # make_batches: consecutive batches of a length-sorted pool; each source is the words + EOS,
-    # PAD-padded exactly as aiayn.decoding.translation.source_batch builds it; max length =
-    # source + EOS + b, capped by the model's limit.
-    cfg = BeamConfig(beam=4, alpha=0.6, max_len_a=1.0, max_len_b=7)
-    batches = ds.make_batches(3, 5, 2, 9, seed=4, cfg=cfg, limit=14)
-    assert [len(b.words) for b in batches] == [5, 5, 5]
-    words = [w for b in batches for w in b.words]
-    assert [len(w) for w in words] == sorted(len(w) for w in words)
-    assert min(len(w) for w in words) >= 2
-    assert max(len(w) for w in words) <= 9
-    assert any(len(w) + 1 + 7 > 14 for w in words)  # the cap is exercised
-    for b in batches:
-        assert torch.equal(b.src, source_batch(b.words))
-        assert b.max_len == [min(14, len(w) + 1 + 7) for w in b.words]
-        assert b.ct2_max_len == max(b.max_len)
-        assert b.texts == [] and b.refs == []
-    again = ds.make_batches(3, 5, 2, 9, seed=4, cfg=cfg, limit=14)
-    assert [b.words for b in again] == [b.words for b in batches]
-    other = ds.make_batches(3, 5, 2, 9, seed=5, cfg=cfg, limit=14)
-    assert [b.words for b in other] != [b.words for b in batches]
-
-
 class SpyTranslator(BatchTranslator):
     """aiayn.decoding.translation's line handling (strip, drop empty, truncate, sort, batch) with a
     decoder that records the batches it is given."""
@@ -130,35 +87,37 @@ class SpyTranslator(BatchTranslator):
         return [[] for _ in sources]
 
 
-@pytest.mark.parametrize("select", ["head", "shortest"])
-def test_inputs_are_the_batches_aiayn_translate_makes(tokenizer, tmp_path, select):
+def test_inputs_are_the_batches_aiayn_translate_makes(tokenizer, tmp_path):
     """read_inputs + cut_batches against the batches aiayn.decoding.translation makes for the
     same lines."""
-    # --select head: the batches `aiayn translate --truncate` makes for the file's first batches x
-    # batch-size non-empty lines; shortest: its first batches for the whole file. The texts are
-    # those lines (stripped); the stats count lines, blanks and cut lines.
+    # The batches `aiayn translate --truncate` makes for the file's first batches x batch-size
+    # non-empty lines, each source + EOS, PAD-padded, with max length = source + EOS + b capped
+    # by the model's limit. The texts are those lines (stripped); the stats count lines, blanks
+    # and cut lines.
     path = tmp_path / "in.txt"
     path.write_text("".join(line + "\n" for line in LINES), encoding="utf-8")
     limit, n_batches, size = 12, 2, 3
     n = n_batches * size
-    pool, texts, stats, chosen = ds.read_inputs(path, tokenizer, n, select, limit)
+    pool, texts, stats, chosen = ds.read_inputs(path, tokenizer, n, limit)
     nonblank = [i for i, line in enumerate(LINES) if line.strip()]
     spy = SpyTranslator(tokenizer, limit)
-    if select == "head":
-        spy.translate(LINES[:nonblank[n - 1] + 1], BeamConfig(), batch_size=size, truncate=True)
-    else:
-        spy.translate(LINES, BeamConfig(), batch_size=size, truncate=True)
+    spy.translate(LINES[:nonblank[n - 1] + 1], BeamConfig(), batch_size=size, truncate=True)
     expected = spy.batches[:n_batches]
     cfg = BeamConfig(max_len_a=1.0, max_len_b=5)
     batches = ds.cut_batches(pool, size, cfg, limit, texts)
     assert [b.words for b in batches] == expected
+    for b in batches:
+        assert torch.equal(b.src, source_batch(b.words))
+        assert b.max_len == [min(limit, len(w) + 1 + 5) for w in b.words]
+        assert b.ct2_max_len == max(b.max_len)
+    assert any(len(w) + 1 + 5 > limit for b in batches for w in b.words)  # the cap is met
     assert [t for b in batches for t in b.texts] == [LINES[i].strip() for i in chosen]
     lengths = {i: len(tokenizer.encode(line.strip(), add_special_tokens=False).ids)
                for i, line in enumerate(LINES)}
     assert [len(w) for w in pool] == [min(lengths[i], limit - 1) for i in chosen]
     assert stats == {
         "file": str(path), "lines": len(LINES), "empty_dropped": len(LINES) - len(nonblank),
-        "select": select, "selected": n,
+        "selected": n,
         "truncated_in_file": sum(k > limit - 1 for k in lengths.values()),
         "mean_src_tokens": pytest.approx(statistics.fmean(len(w) for w in pool)),
         "min_src_tokens": min(len(w) for w in pool), "max_src_tokens": max(len(w) for w in pool)}
@@ -183,37 +142,6 @@ def test_agreement_counts_identical_outputs_between_the_methods_that_ran():
         "cached vs ct2": 3, "cached vs ct2_int8": 2, "cached vs recompute": 2,
         "ct2 vs ct2_int8": 3}
     assert agree["cached vs recompute"]["sentences"] == 2
-
-
-# --------------------------------------------------------------------------- our model
-
-
-def test_copy_model_is_trained_once_then_loaded_from_its_cache(tmp_path, monkeypatch,
-                                                                 keep_threads):
-    """build_model: trains and caches once, then loads identical weights; 0 steps = seed's init."""
-    # --train-steps N: the first call trains and saves the weights, the second loads the same
-    # weights without training; --train-steps 0 keeps the seed's initialisation.
-    monkeypatch.setattr(ds, "model_config", lambda: TransformerConfig(
-        vocab_size=ds.VOCAB, d_model=16, heads=2, encoder_layers=1, decoder_layers=1, d_ff=32))
-    weights = tmp_path / "copy.pt"
-    args = argparse.Namespace(seed=2, train_steps=2, weights=weights, train_threads=1)
-    trained, info = ds.build_model(args)
-    assert info["trained"] == "now" and info["weights"] == str(weights) and weights.is_file()
-    assert math.isfinite(info["final_loss"]) and not trained.training
-    loaded, info2 = ds.build_model(args)
-    assert info2["trained"] == "loaded"
-    for (name, a), (_, b) in zip(trained.state_dict().items(), loaded.state_dict().items(),
-                                 strict=True):
-        assert torch.equal(a, b), name
-    fresh, info0 = ds.build_model(argparse.Namespace(seed=2, train_steps=0, weights=None,
-                                                     train_threads=1))
-    torch.manual_seed(2)
-    init = Transformer(ds.model_config())
-    assert info0 == {"train_steps": 0, "task": "copy"}
-    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(),
-                                                 init.state_dict().values(), strict=True))
-    assert not all(torch.equal(a, b) for a, b in zip(trained.state_dict().values(),
-                                                     init.state_dict().values(), strict=True))
 
 
 # --------------------------------------------------------------------------- summary
@@ -255,18 +183,17 @@ def test_summary_takes_medians_and_ratios_of_the_same_rounds():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--inputs", "in.txt"], "--inputs requires --model"),
-    (["--model", "."], "--model requires --inputs FILE"),
-    (["--model", "no-such-folder", "--inputs", "in.txt"], "--model no-such-folder: not a folder"),
-    (["--references", "refs.txt"], "--references requires --model and --inputs"),
+    ([], "the following arguments are required: --model, --inputs"),
+    (["--model", "no-such-folder"], "--model no-such-folder: not a folder"),
     (["--rounds", "0"], "--rounds (0) must be at least 1"),
     (["--batches", "0"], "--batches (0) must be at least 1"),
     (["--threads", "1,"], "--threads '1,': give thread counts separated by commas, e.g. 1,2"),
     (["--threads", "0"], "--threads '0': each thread count must be at least 1"),
 ])
 def test_bad_arguments_stop_with_the_fix(argv, message, capsys):
-    """Options that only go together, or out of range: argparse's exit 2 and the fix."""
-    assert message in usage_error(lambda: ds.main(argv), capsys)
+    """A missing model or inputs, or a value out of range: argparse's exit 2 and the fix."""
+    given = [] if not argv else ["--model", ".", "--inputs", "in.txt", *argv]
+    assert message in usage_error(lambda: ds.main(given), capsys)
 
 
 @pytest.mark.parametrize("case, message", [
@@ -292,63 +219,16 @@ def test_unusable_inputs_or_references_stop_with_a_message(model_dir, tmp_path, 
     assert message in str(stop.value.code)
 
 
-def test_copy_task_run_reports_every_method_and_the_engines_agree(tmp_path, keep_threads):
-    """A tiny copy-task run: the JSON field by field, every method's figures and agreement."""
-    # Two batches of four random-weight copy-task sentences: the JSON is the returned report;
-    # batches are length-sorted with max length = source + EOS + b; every method decoded every
-    # sentence (recompute: the middle batch); cached and recompute decode the same, and
-    # CTranslate2 int8 within its sentences.
-    out = tmp_path / "copy.json"
-    info = ds.main(["--train-steps", "0", "--batches", "2", "--batch-size", "4", "--rounds", "2",
-                    "--threads", "1", "--min-words", "3", "--max-words", "6", "--max-len-b", "5",
-                    "--no-hf", "--no-bf16", "--json", str(out)])
-    assert json.loads(out.read_text()) == json.loads(json.dumps(info, default=str))
-    assert info["model"]["task"] == "copy" and info["model"]["train_steps"] == 0
-    mc = info["model"]["config"]
-    assert (mc["vocab_size"], mc["d_model"], mc["encoder_layers"], mc["decoder_layers"],
-            mc["heads"], mc["d_ff"], mc["norm"]) == (8000, 256, 3, 3, 4, 1024, "post")
-    assert info["beam"]["beam"] == 4 and info["beam"]["alpha"] == 0.6
-    assert info["threads"] == [1] and info["rounds"] == 2
-    assert info["command"].endswith("-m bench.decode_speed --train-steps 0 --batches 2 "
-                                    "--batch-size 4 --rounds 2 --threads 1 --min-words 3 "
-                                    "--max-words 6 --max-len-b 5 --no-hf --no-bf16 --json "
-                                    f"{out}")  # the arguments main was given, not pytest's
-    lengths = [n for b in info["batches"] for n in b["words"]]
-    assert lengths == sorted(lengths) and 3 <= lengths[0] and lengths[-1] <= 6
-    for b in info["batches"]:
-        assert b["shape"] == [4, b["words"][1] + 1]  # the longest source + EOS
-        assert b["ct2_max_len"] == b["words"][1] + 1 + 5
-    assert info["recompute_batches"] == [1]
-    res = info["results"]["1"]
-    methods = {"cached", "recompute", "ct2", "ct2_int8"}
-    assert set(res) == methods | {"ratios"}
-    timed = info["timed_outputs"]
-    assert set(timed) == methods
-    for m in methods:
-        n = 4 if m == "recompute" else 8
-        assert res[m]["sentences"] == n and timed[m]["sentences"] == n
-        assert res[m]["tokens"] == timed[m]["tokens"]
-        assert timed[m]["tokens"] >= n  # every output counts its EOS
-        assert len(res[m]["walls"]) == 2 and res[m]["wall_s"] > 0
-    assert set(res["ratios"]) == {"cached / recompute", "ours cached / ct2",
-                                  "ct2 fp32 / ours cached", "ct2 int8 / ours cached",
-                                  "ct2 int8 / ct2 fp32"}
-    agree = info["agreement"]
-    assert set(agree) == {"cached vs ct2", "cached vs ct2_int8", "cached vs recompute",
-                          "ct2 vs ct2_int8"}
-    assert agree["cached vs recompute"] == {"sentences": 4, "identical": 4, "rate": 1.0}
-    assert agree["cached vs ct2"]["sentences"] == 8
-
-
-def test_exported_model_run_scores_each_engine_against_the_references(model_dir,
-                                                                      tokenizer, tmp_path,
-                                                                      keep_threads):
-    """A tiny exported-model run: ours' BLEU equals sacreBLEU of aiayn's Translator on the lines."""
-    # --model/--inputs/--references on a tiny exported model: the inputs' stats; BLEU of every
-    # method but recompute on the selected lines, where ours equals sacreBLEU of what
-    # aiayn.decoding.translation's Translator outputs for the same lines against their
-    # references (line for line: a misaligned reference would change it); the examples show the
-    # sources with the Translator's outputs.
+def test_a_run_reports_every_method_and_scores_each_engine_against_the_references(
+        model_dir, tokenizer, tmp_path, keep_threads):
+    """A tiny exported-model run: the JSON field by field, every method's figures and agreement,
+    and ours' BLEU equal to sacreBLEU of aiayn's Translator on the lines."""
+    # --model/--inputs/--references on a tiny exported model: the inputs' stats; every method
+    # decoded every sentence (recompute: the middle batch) in each round, cached and recompute
+    # alike; BLEU of every method but recompute on the selected lines, where ours equals
+    # sacreBLEU of what aiayn.decoding.translation's Translator outputs for the same lines
+    # against their references (line for line: a misaligned reference would change it); the
+    # examples show the sources with the Translator's outputs.
     import sacrebleu
 
     from aiayn.decoding.translation import load_translator
@@ -356,7 +236,7 @@ def test_exported_model_run_scores_each_engine_against_the_references(model_dir,
     inputs, refs = tmp_path / "in.txt", tmp_path / "refs.txt"
     inputs.write_text("\n".join(LINES) + "\n", encoding="utf-8")
     nonblank = [i for i, line in enumerate(LINES) if line.strip()]
-    chosen = nonblank[:8]  # --select head, 2 x 4
+    chosen = nonblank[:8]  # the first 2 x 4
     cfg = BeamConfig(beam=4, alpha=0.6, max_len_a=1.0, max_len_b=4)
     ours = load_translator(model_dir, device="cpu").translate(
         [LINES[i] for i in chosen], cfg, truncate=True)
@@ -369,12 +249,37 @@ def test_exported_model_run_scores_each_engine_against_the_references(model_dir,
         all_refs[i] = r
     refs.write_text("\n".join(all_refs) + "\n", encoding="utf-8")
     out = tmp_path / "real.json"
-    info = ds.main(["--model", str(model_dir), "--inputs", str(inputs), "--references",
-                    str(refs), "--batches", "2", "--batch-size", "4", "--rounds", "1",
-                    "--threads", "1", "--max-len-b", "4", "--no-bf16", "--examples", "3",
-                    "--json", str(out)])
+    argv = ["--model", str(model_dir), "--inputs", str(inputs), "--references", str(refs),
+            "--batches", "2", "--batch-size", "4", "--rounds", "2", "--threads", "1",
+            "--max-len-b", "4", "--no-bf16", "--examples", "3", "--json", str(out)]
+    info = ds.main(argv)
     assert json.loads(out.read_text()) == json.loads(json.dumps(info, default=str))
-    assert info["model"]["task"] == "real" and info["model"]["dir"] == str(model_dir)
+    # the arguments main was given, not pytest's
+    assert info["command"].endswith("-m bench.decode_speed " + " ".join(argv))
+    assert info["model"]["dir"] == str(model_dir)
+    assert info["beam"]["beam"] == 4 and info["beam"]["alpha"] == 0.6
+    assert info["threads"] == [1] and info["rounds"] == 2
+    lengths = [n for b in info["batches"] for n in b["words"]]
+    assert lengths == sorted(lengths)
+    for b in info["batches"]:
+        assert b["shape"] == [4, b["words"][1] + 1]  # the longest source + EOS
+        assert b["ct2_max_len"] == min(40, b["words"][1] + 1 + 4)
+    assert info["recompute_batches"] == [1]
+    res = info["results"]["1"]
+    methods = {"cached", "recompute", "ct2", "ct2_int8", "hf"}
+    assert set(res) == methods | {"ratios"} and set(info["timed_outputs"]) == methods
+    for m in methods:
+        n = 4 if m == "recompute" else 8
+        timed = info["timed_outputs"][m]
+        assert res[m]["sentences"] == n and timed["sentences"] == n
+        assert res[m]["tokens"] == timed["tokens"] >= n  # every output counts its EOS
+        assert len(res[m]["walls"]) == 2 and res[m]["wall_s"] > 0
+    assert set(res["ratios"]) == {"cached / recompute", "ours cached / ct2",
+                                  "ct2 fp32 / ours cached", "ct2 int8 / ours cached",
+                                  "ct2 int8 / ct2 fp32", "transformers / ours cached"}
+    assert info["agreement"]["cached vs recompute"] == {"sentences": 4, "identical": 4,
+                                                        "rate": 1.0}
+    assert info["agreement"]["cached vs ct2"]["sentences"] == 8
     assert info["inputs"]["lines"] == len(LINES) and info["inputs"]["selected"] == 8
     assert info["inputs"]["empty_dropped"] == len(LINES) - len(nonblank)
     assert info["references"] == str(refs)
