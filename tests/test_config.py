@@ -453,3 +453,30 @@ def test_params_names_the_multi30k_preset_for_this_cpus_kind(tmp_path, monkeypat
     assert [r.levelname for r in lines] == [level]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert cpu_preset_advice(preset) is None
+
+
+def test_the_params_name_every_setting_of_the_model_they_describe():
+    """Params.transformer_config against the model written out by hand, with every setting
+    away from its default (so that one not passed on would show)."""
+    import dataclasses
+
+    from aiayn.model import TransformerConfig
+    from aiayn.training.build import model_config
+
+    p = parse_params({
+        "model": {"d_model": 48, "heads": 3, "encoder_layers": 2, "decoder_layers": 4,
+                  "d_ff": 96, "dropout": 0.2, "norm": "pre", "max_positions": 80, "d_k": 8,
+                  "d_v": 12, "positions": "learned", "position_init_std": 0.5,
+                  "output_vocab": "target"},
+        "shard": {"max_len": 60},
+        "train": {"attention_dropout": 0.05, "activation_dropout": 0.15}})
+    expected = TransformerConfig(
+        vocab_size=321, d_model=48, heads=3, encoder_layers=2, decoder_layers=4, d_ff=96,
+        dropout=0.2, attention_dropout=0.05, activation_dropout=0.15, norm="pre",
+        max_positions=80, d_k=8, d_v=12, positions="learned", position_init_std=0.5,
+        output_vocab="target")
+    assert p.transformer_config(321) == expected
+    assert model_config(p, 321) == expected  # the trainer's name for it
+    default = TransformerConfig(vocab_size=0)
+    assert [f.name for f in dataclasses.fields(TransformerConfig)
+            if getattr(expected, f.name) == getattr(default, f.name)] == ["pad_id"]

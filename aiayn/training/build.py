@@ -38,14 +38,8 @@ log = logging.getLogger("aiayn")
 
 
 def model_config(p: Params, vocab_size: int) -> TransformerConfig:
-    m = p.model
-    return TransformerConfig(
-        vocab_size=vocab_size, d_model=m.d_model, heads=m.heads, encoder_layers=m.encoder_layers,
-        decoder_layers=m.decoder_layers, d_ff=m.d_ff, dropout=m.dropout,
-        attention_dropout=p.train.attention_dropout,
-        activation_dropout=p.train.activation_dropout, norm=m.norm,
-        max_positions=m.max_positions, output_vocab=m.output_vocab, d_k=m.d_k, d_v=m.d_v,
-        positions=m.positions, position_init_std=m.position_init_std)
+    """The model ``p`` describes (:meth:`aiayn.config.Params.transformer_config`)."""
+    return p.transformer_config(vocab_size)
 
 
 def device_kind(choice: str) -> str:
