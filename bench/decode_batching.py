@@ -1,22 +1,11 @@
 """Translation speed against the decode batch size, and against another commit's decoder.
 
-The passes that validation BLEU (greedy, every `train.valid_bleu_every` steps) and `aiayn
-translate` (the preset's beam) make over a file, timed side by side. A contender is a
-commit's decoder (this checkout, or a `--baseline REF`) at one batch size (sentences decoded
-together, `decode.batch_size`); for each beam size in `--beams` the contenders take turns
-round by round (harness.rounds), each turn a child process that loads the model folder with
-`aiayn.decoding.translation.load_translator` (not timed), then translates every line once as `aiayn
-translate` does (length-sorted batches) and reports the seconds and its outputs.
-
-Printed per beam: sentences/s per contender, its speed against the first contender (median
-of the per-round ratios and their range), how many outputs equal the first contender's
-(batching must not change a translation beyond rare float ties), and with `--references`
-each contender's sacreBLEU. Each turn runs in a scratch folder, so that the library it
-imports is the contender's (the record names the folder it came from).
-
-    .venv/bin/python -m bench.decode_batching --model data/model \\
-        --inputs ../shared/data/multi30k/val.en --references ../shared/data/multi30k/val.de \\
-        --baseline 055b2b1 --baseline 0b24f1f --batch-sizes 64,128,256 --beams 1,8 --alpha 1.4
+Each contender (this checkout at each of ``--batch-sizes``, or a ``--baseline REF`` commit's
+decoder) translates the whole of ``--inputs`` as ``aiayn translate`` does, in a child process
+of its own per turn (the model's loading untimed), turns alternating round by round. Per beam
+size it prints sentences/s, the speed against the first contender (median of per-round
+ratios, and their range), how many outputs equal the first's and, with ``--references``,
+sacreBLEU. The guide: bench/README.md, ``decode_batching.py``.
 """
 
 from __future__ import annotations

@@ -1,32 +1,13 @@
 """Do the exported models decode as ours does? Agreement on a trained model and real text.
 
-Usage (from the repository root; ``pip install -e '.[export]'``)::
-
-    .venv/bin/python -m bench.export_agreement --model data/model --inputs data/test.en
-    .venv/bin/python -m bench.export_agreement --model data/model \\
-        --inputs ../shared/data/multi30k/test2016.en --lines 1000
-
-The `aiayn average` folder ``--model`` is exported with the library (``aiayn.export.convert``) to
-CTranslate2 (float32) and to transformers (MarianMT) in a temporary folder, and the first
-``--lines`` non-empty lines of ``--inputs`` are decoded by each engine through
-``aiayn.export.engines`` (batches of ``--batch-size`` sorted by length, as ``aiayn translate``).
-Every engine gets one maximum output length per batch (the engines take only one): the
-largest source + EOS + ``--max-len-b`` of the batch. Reported, sentence for sentence:
-
-* greedy: aiayn, CTranslate2, transformers, identical token for token;
-* beam k, alpha 0 (no length normalisation: the same objective everywhere);
-* beam k, alpha (0.6): aiayn with ``length_norm="length"`` (|Y|^alpha, the engines'
-  normalisation) against transformers (``early_stopping="never"``, an exact search as
-  ours) and CTranslate2 with patience 1 (its default: it stops after k finished
-  hypotheses, not always the best) and with patience 1000 (it searches on to the maximum
-  length: exact);
-* how often aiayn's GNMT normalisation picks another output than |Y|^alpha (not an
-  engine difference: the formula);
-* log-probabilities of aiayn's beam outputs scored by each engine (CTranslate2
-  ``score_batch``, transformers teacher forcing) against ours: the largest difference;
-  and the engines' own beam scores times |Y|^alpha against our log P.
-
-Outputs with the same tokens count as identical; nothing here is timed.
+The ``aiayn average`` folder ``--model`` is exported to CTranslate2 and transformers, and the
+first ``--lines`` lines of ``--inputs`` are decoded by all three (batches as ``aiayn
+translate`` makes them, one maximum length per batch). It prints how many outputs are
+identical for greedy search, beam k at alpha 0, and beam k at alpha under |Y|^alpha
+(CTranslate2 with patience 1, its default, and 1000, an exact search); how often GNMT's
+normalisation picks another output; and the largest difference between our log P of our
+beam outputs and each engine's. Nothing is timed. The guide: bench/README.md,
+``export_agreement.py``.
 """
 
 from __future__ import annotations

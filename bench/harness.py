@@ -1,17 +1,8 @@
-"""What the bench scripts share, so that each script holds only its own question.
-
-* arguments: ``parser`` (the script's docstring as its help), ``require_positive`` and
-  ``int_list`` (argparse's usage error, naming the option and the fix);
-* the machine facts a figure must name: ``machine_facts`` (CPU model and kind from its
-  /proc/cpuinfo flags, native bf16, instruction caps, torch and its threads, the GPU) and
-  ``machine_line``, the same as one printed line;
-* alternating rounds: ``rounds`` (each round's order, rotated by one, so that a machine's
-  drift hits every contender alike) and ``ratio`` (taken round by round: median and range);
-* the JSON record: ``save`` adds ``argv``, ``time`` and ``machine`` to the results and
-  writes them whole or not at all (``--json``);
-* a baseline commit: ``extract_tree`` unpacks another commit's library, and
-  ``module_command``/``child_env`` start a bench script that imports it;
-* ``train_stage_args``: the train stage's flags for a run folder apart from DVC.
+"""What the bench scripts share: argument checks (``parser``, ``require_positive``,
+``int_list``), the machine facts a figure must name (``machine_facts``, ``machine_line``),
+alternating rounds and per-round ratios (``rounds``, ``ratio``), the JSON record (``save``),
+and child processes on a baseline commit's library (``extract_tree``, ``module_command``,
+``child_env``).
 
 The library is imported inside the functions that need it: a child process of
 ``bench.train_throughput`` imports this module with a baseline commit's ``aiayn`` first on

@@ -1,56 +1,11 @@
 """Training-step throughput on CPU: the trainer's own step, side by side with its rivals.
 
-Usage (from the repository root)::
-
-    .venv/bin/python -m bench.train_throughput --baseline 9852772        # fast, plain, main
-    .venv/bin/python -m bench.train_throughput --profile fast                # where time goes
-    .venv/bin/python -m bench.train_throughput --contenders fast -S model.d_model=128  # a recipe
-    .venv/bin/python -m bench.train_throughput --contenders fast,ff512 \
-        --arm ff512:model.d_ff=512                                       # model shapes
-    .venv/bin/python -m bench.train_throughput --baseline f86d62d \
-        --contenders fast/tcmalloc,fast/glibc,main/glibc --steps 6 --rounds 40  # C heaps
-    .venv/bin/python -m bench.train_throughput --help
-
-Contenders
-----------
-Every contender but ``matmul`` is the real ``aiayn.training.Trainer`` of a source tree,
-built from one params file (the ``--preset``, ``multi30k`` by default) on one set of
-shards, and timed through ``Trainer.train_step`` as ``fit`` calls it: forward, loss,
-backward, (clipping,) Adam, with the loop's per-step heap trim and, in trees that defer it,
-the read-back of the loss sums at logging steps. No checkpoints, logs or validation.
-
-* ``fast``  - this tree, ``train.kernels: fast`` (the default: aiayn/fast/);
-* ``plain`` - this tree, ``train.kernels: plain`` (torch's own operators);
-* ``main``  - the tree of ``--baseline REF`` (a git commit, extracted with ``git archive``;
-  params its schema does not know are dropped): the code before a change, side by side;
-* ``--arm NAME:KEY=VALUE,...`` - a contender ``NAME``: ``fast`` with these ``model.*`` and
-  ``train.*`` settings (repeatable; list ``NAME`` in ``--contenders``), on the same batches
-  as ``fast``, its FLOPs counted for its own shape: e.g. ``ff512:model.d_ff=512``,
-  ``compiled:train.compile=true`` (Dynamo's graphs and breaks are printed),
-  ``shared:model.output_vocab=shared``;
-* ``NAME/ALLOC`` - any contender above in a worker on C heap ``ALLOC`` (``glibc``,
-  ``tcmalloc`` or ``jemalloc``), preloaded as ``aiayn train`` re-launches itself
-  (``aiayn.training.memory.allocator_env``); the run stops if the library did not load. Without a
-  suffix a worker keeps this process's heap. A fragmenting heap slows over the first few
-  hundred steps: take long turns (``--steps 6 --rounds 40``) to see it;
-* ``matmul`` - the machine's matmul rate in the same run, in the trainers' precision (fp32,
-  or bf16 where ``train.precision`` resolves to bf16 autocast): products of 2048x2048x2048
-  and 4096x256x1024; the mean of the two is the denominator of "of matmul".
-
-Protocol
---------
-Each contender lives in its own worker process (its own allocator, thread pool and
-imports), all started before timing, each warmed up for ``--warmup`` steps. Then
-``--rounds`` rounds: in each, every contender in turn runs ``--steps`` steps (the order
-rotates by one per round) while the others wait; all trainers take the same batches in a
-round. Each ratio is the median over rounds of the per-round ratio; absolute figures are
-medians over rounds. CPU seconds per step (all threads) are printed beside wall seconds:
-their gap is time lost to other processes. FLOPs are counted by ``bench.flops`` on real
-tokens only, for the softmax width each contender computes.
-
-Data: ``--shards`` (and ``--tokenizer``) if given; otherwise the preset's data stages run
-once into ``--workdir`` (``multi30k`` streams its corpus from the hub, or reads the text
-files of ``--corpus DIR``; ``demo`` needs nothing) and are reused by later runs.
+Each contender (``fast``, ``plain``, ``main`` of ``--baseline REF``, an ``--arm``, any of
+them on a C heap as ``NAME/ALLOC``, and ``matmul``, the machine's product rate) runs in a
+worker process of its own; the workers take turns in alternating rounds on the same
+batches of the ``--preset``. It prints each contender's target tokens/s, model GFLOP/s,
+share of the matmul rate, wall and CPU seconds, page faults and memory per step, and the
+ratios (medians of per-round ratios). The guide: bench/README.md, ``train_throughput.py``.
 """
 
 from __future__ import annotations
@@ -456,20 +411,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "with --baseline)")
     ap.add_argument("--arm", action="append", default=[], metavar="NAME:KEY=VALUE,...",
                     help="a contender NAME: fast with these model.*/train.* settings, e.g. "
-                         "enc4dec2:model.encoder_layers=4,model.decoder_layers=2 (repeatable; "
-                         "name it in --contenders)")
+                         "ff512:model.d_ff=512 (repeatable; name it in --contenders)")
     ap.add_argument("--baseline", default=None, metavar="REF",
-                    help="git commit whose trainer runs as contender 'main' (e.g. 9852772)")
+                    help="git commit whose trainer runs as contender main")
     ap.add_argument("--preset", default="multi30k", help="conf/experiment preset (multi30k)")
     ap.add_argument("--set", "-S", action="append", default=[], metavar="KEY=VALUE",
-                    help="Hydra override of the preset for every contender, as `dvc exp run "
-                         "-S`: e.g. -S model.d_model=128 -S model.d_ff=256 (repeatable; data "
-                         "params re-run the data stages into the work folder)")
+                    help="override of the preset for every contender, as `dvc exp run -S` "
+                         "(repeatable)")
     ap.add_argument("--precision", default=None, choices=("auto", "fp32", "bf16"),
-                    help="train.precision for every contender (default: the preset's, auto)")
+                    help="train.precision for every contender (default: the preset's)")
     ap.add_argument("--corpus", type=Path, default=None,
-                    help="the preset's corpus as text files in DIR (data.source: local), "
-                         "not from the hub")
+                    help="the preset's corpus as text files in DIR, not from the hub")
     ap.add_argument("--shards", type=Path, default=None, help="use these shards (train/valid)")
     ap.add_argument("--tokenizer", type=Path, default=None, help="their tokenizer.json")
     ap.add_argument("--workdir", type=Path,
@@ -477,15 +429,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="where the data stages write and workers keep scratch files")
     ap.add_argument("--rounds", type=int, default=12, help="measured rounds (default 12)")
     ap.add_argument("--steps", type=int, default=2,
-                    help="steps per contender per round (default 2: short turns, so that "
-                         "the machine's drift hits every contender alike)")
+                    help="steps per contender per round (default 2)")
     ap.add_argument("--warmup", type=int, default=4,
-                    help="warm-up steps per contender (default 4; compile adds its own)")
+                    help="warm-up steps per contender (default 4)")
     ap.add_argument("--threads", type=int, default=None,
-                    help="torch.set_num_threads in every worker (default: torch's default)")
+                    help="torch threads in every worker (default: torch's)")
     ap.add_argument("--profile", default=None, metavar="CONTENDER",
-                    help="also print torch.profiler tables of 3 steps of this contender (by "
-                         "operator, then by operator and input shapes)")
+                    help="also print torch.profiler tables of 3 steps of this contender")
     ap.add_argument("--json", type=Path, default=None, help="write all results here")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
