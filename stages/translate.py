@@ -55,12 +55,9 @@ def translate(
 
     p = read_params(params)
     d = p.decode
-    cfg = BeamConfig(beam=beam or d.beam, alpha=d.alpha if alpha is None else alpha,
-                     max_len_a=d.max_len_a if max_len_a is None else max_len_a,
-                     max_len_b=d.max_len_b if max_len_b is None else max_len_b,
-                     length_norm=length_norm or ("gnmt" if engine == "aiayn" else "length"))
-    if max_len is not None:
-        cfg.max_len_a, cfg.max_len_b = 0.0, max_len
+    cfg = BeamConfig.from_decode(
+        d, beam=beam, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b, max_len=max_len,
+        length_norm=length_norm or ("gnmt" if engine == "aiayn" else "length"))
     source = "standard input"  # what the lines are, for messages
     if text:
         lines, source = list(text), "the sentences given"

@@ -346,3 +346,21 @@ def test_rejects_empty_sources_and_empty_beams():
         beam_search(tiny(0), torch.tensor([[5, EOS], [PAD, PAD]]), BeamConfig())
     with pytest.raises(ValueError, match="beam"):
         beam_search(tiny(0), torch.tensor([[5, EOS]]), BeamConfig(beam=0))
+
+
+def test_from_decode_takes_the_decode_section_and_the_overrides_that_are_set():
+    from aiayn.config import DecodeConfig
+
+    d = DecodeConfig(beam=5, alpha=0.8, max_len_a=1.5, max_len_b=7, batch_size=3)
+    assert BeamConfig.from_decode(d) == BeamConfig(beam=5, alpha=0.8, max_len_a=1.5,
+                                                   max_len_b=7, length_norm="gnmt")
+    # None: not set (the section's value); 0 and 0.0 are values, not "unset"
+    assert BeamConfig.from_decode(d, beam=None, alpha=0.0, max_len_a=None, max_len_b=0,
+                                  length_norm="length") == BeamConfig(
+        beam=5, alpha=0.0, max_len_a=1.5, max_len_b=0, length_norm="length")
+    # a fixed cap replaces a * source + b, whatever a and b say
+    assert BeamConfig.from_decode(d, beam=1, max_len_a=3.0, max_len=9) == BeamConfig(
+        beam=1, alpha=0.8, max_len_a=0.0, max_len_b=9)
+    assert BeamConfig.from_decode(DecodeConfig()) == BeamConfig()  # the paper's, both ways
+    with pytest.raises(TypeError, match="no setting batch_size"):
+        BeamConfig.from_decode(d, batch_size=4)

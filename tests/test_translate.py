@@ -136,6 +136,53 @@ def test_translate_command_arguments_file_and_split(model_dir, toy_workspace, tm
     assert res.exit_code == 2 and "no such file" in res.stderr
 
 
+@pytest.mark.parametrize(("options", "expected"), [
+    ([], BeamConfig(beam=5, alpha=0.8, max_len_a=1.5, max_len_b=7, length_norm="gnmt")),
+    (["--beam", "2", "--alpha", "0", "--max-len-b", "0", "--max-len-a", "2"],
+     BeamConfig(beam=2, alpha=0.0, max_len_a=2.0, max_len_b=0, length_norm="gnmt")),
+    (["--max-len", "9", "--max-len-a", "3"],
+     BeamConfig(beam=5, alpha=0.8, max_len_a=0.0, max_len_b=9, length_norm="gnmt")),
+    (["--engine", "ctranslate2"],
+     BeamConfig(beam=5, alpha=0.8, max_len_a=1.5, max_len_b=7, length_norm="length")),
+    (["--engine", "transformers", "--length-norm", "gnmt", "--alpha", "0.5"],
+     BeamConfig(beam=5, alpha=0.5, max_len_a=1.5, max_len_b=7, length_norm="gnmt")),
+    (["--length-norm", "length"],
+     BeamConfig(beam=5, alpha=0.8, max_len_a=1.5, max_len_b=7, length_norm="length")),
+])
+def test_translate_command_decodes_with_the_beam_config_from_decode_builds(
+        tmp_path, monkeypatch, options, expected):
+    """The settings `aiayn translate` decodes with, written out by hand from params'
+    decode section and the options, are what BeamConfig.from_decode gives for them."""
+    import aiayn.export.engines
+    from aiayn.config import load_params
+    from stages.cli import app
+
+    used = []
+
+    class Recorder:
+        def translate(self, lines, cfg, batch_size, truncate, progress):
+            used.append((cfg, batch_size))
+            return list(lines)
+
+    monkeypatch.setattr(aiayn.export.engines, "load_engine", lambda *a, **kw: Recorder())
+    params = write_params(tmp_path / "params.yaml", {"decode": {
+        "beam": 5, "alpha": 0.8, "max_len_a": 1.5, "max_len_b": 7, "batch_size": 3}})
+    res = CliRunner().invoke(app, ["translate", "--params", str(params), "--no-progress",
+                                   *options, "The dog runs."])
+    assert res.exit_code == 0, res.output
+    assert used == [(expected, 3)]
+    given = dict(zip(options[::2], options[1::2], strict=True))
+    engine = given.get("--engine", "aiayn")
+    assert BeamConfig.from_decode(
+        load_params(params).decode, beam=int(given.get("--beam", 0)) or None,
+        alpha=float(given["--alpha"]) if "--alpha" in given else None,
+        max_len_a=float(given["--max-len-a"]) if "--max-len-a" in given else None,
+        max_len_b=int(given["--max-len-b"]) if "--max-len-b" in given else None,
+        max_len=int(given["--max-len"]) if "--max-len" in given else None,
+        length_norm=given.get("--length-norm", "gnmt" if engine == "aiayn" else "length"),
+    ) == expected
+
+
 def test_attention_command_writes_a_picture_per_kind_and_layer(model_dir, tmp_path):
     from stages.cli import app
 

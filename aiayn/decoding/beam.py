@@ -65,6 +65,22 @@ class BeamConfig:
     max_len_b: int = 50
     length_norm: str = "gnmt"  # one of LENGTH_NORMS
 
+    @classmethod
+    def from_decode(cls, decode, *, max_len: int | None = None, **overrides) -> BeamConfig:
+        """The settings of params' ``decode`` section (beam, alpha, max_len_a, max_len_b),
+        each replaced by an override that is not None (say, a command-line option left
+        unset is None). ``max_len``: a fixed cap on output tokens instead (a = 0, b =
+        max_len). ``length_norm`` is not in the section: the override's, else GNMT's."""
+        fields = {"beam": decode.beam, "alpha": decode.alpha,
+                  "max_len_a": decode.max_len_a, "max_len_b": decode.max_len_b}
+        unknown = set(overrides) - {*fields, "length_norm"}
+        if unknown:
+            raise TypeError(f"BeamConfig has no setting {', '.join(sorted(unknown))}")
+        fields.update({k: v for k, v in overrides.items() if v is not None})
+        if max_len is not None:
+            fields["max_len_a"], fields["max_len_b"] = 0.0, max_len
+        return cls(**fields)
+
 
 LENGTH_NORMS = ("gnmt", "length")
 
