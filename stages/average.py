@@ -8,20 +8,11 @@ from typing import Annotated, Literal
 
 import typer
 
-from aiayn.errors import DataError
-from aiayn.io import check_output_path, file_sha256, write_json
-from aiayn.model import Transformer, TransformerConfig
-from aiayn.tracking import RUN_FILE, load_run_id
-from aiayn.training.checkpoint import (
-    average_checkpoints,
-    checkpoint_step,
-    export_model,
-    list_checkpoints,
-    load_checkpoint,
-)
+from aiayn.io import check_output_path, write_json
+from aiayn.tracking import RUN_FILE
+from aiayn.training.averaging import RunCheckpoints, load_weights
+from aiayn.training.checkpoint import average_checkpoints
 from stages.common import ParamsPath, log, read_params, single_command_app, stage
-
-META_KEYS = ("model_config", "vocab_size", "tokenizer_sha256")
 
 
 @stage
@@ -57,67 +48,21 @@ def average(
     p = read_params(params)
     check_output_path(out, directory=True)
     check_output_path(metrics)
-    how, candidates = p.train.average, sorted(set(p.train.average_candidates))
-    found = list_checkpoints(checkpoints)
-    if not found:
-        raise DataError(f"no checkpoints in {checkpoints}; run `aiayn train`")
+    candidates = sorted(set(p.train.average_candidates))
     # Every average this stage may take is drawn from the largest choice: check it once.
-    pool, metas = _choose(found, max(candidates or [p.train.average_last]), how, checkpoints)
-    newest_path, newest = pool[-1], metas[pool[-1]]
-    for path in pool:
-        for key in META_KEYS:
-            if metas[path][key] != newest[key]:
-                raise DataError(
-                    f"{path} and {newest_path} differ in {key} ({metas[path][key]!r} vs "
-                    f"{newest[key]!r}): they come from different training runs; delete the "
-                    f"stale checkpoints from {checkpoints} or re-run `aiayn train`")
-
-    if not tokenizer.is_file():
-        raise DataError(f"{tokenizer}: no tokenizer; run the vocab stage first (`aiayn vocab`)")
-    sha = file_sha256(tokenizer)
-    if sha != newest["tokenizer_sha256"]:
-        raise DataError(
-            f"{tokenizer}: sha256 {sha[:12]}… differs from the {newest['tokenizer_sha256'][:12]}… "
-            f"the checkpoints in {checkpoints} were trained with: the vocabulary changed since "
-            "training; re-run training (`aiayn train`)")
-
-    # The exported folder must load into the model it claims to be: check before writing.
-    model = _model(newest, newest_path)
+    run = RunCheckpoints.open(checkpoints, tokenizer, max(candidates or [p.train.average_last]),
+                              p.train.average)
     scores: dict[int, float] = {}
     if candidates:
-        wanted, scores = _pick(p, candidates, found, how, checkpoints, raw, tokenizer, model,
-                               device)
+        wanted, scores = _pick(p, candidates, run, raw, device)
     else:
         wanted = p.train.average_last
-    chosen, _ = _choose(found, wanted, how, checkpoints)
-    if len(chosen) < wanted and not candidates:
-        log.warning("average: train.average_last is %d but %s holds only %d %scheckpoint(s); "
-                    "averaging those %d", wanted, checkpoints, len(chosen),
-                    "scored " if how == "best" else "", len(chosen))
-
-    steps = [int(metas[path].get("step", checkpoint_step(path))) for path in chosen]
-    bleu = [metas[path].get("valid_bleu") for path in chosen]
-    log.info("average: averaging %d checkpoint(s) (%s), steps %s%s", len(chosen), how, steps,
-             f", validation sacreBLEU {[round(b, 2) for b in bleu]}" if how == "best" else "")
-    weights = average_checkpoints(chosen, key="model")
-    _load(model, weights, newest_path)
-
-    config = {
-        "model": newest["model_config"],
-        "vocab_size": newest["vocab_size"],
-        "tokenizer_sha256": newest["tokenizer_sha256"],
-        "mlflow_run_id": load_run_id(checkpoints / RUN_FILE),
-        "average": how,
-        "averaged_steps": steps,
-        "averaged_valid_bleu": bleu,
-        "average_candidates_valid_bleu": {str(n): score for n, score in scores.items()},
-        "tokens_seen": newest.get("tokens_seen"),
-    }
-    summary = {"average": how, "averaged": len(chosen), "first_step": steps[0],
+    config = run.write(out, wanted, candidate_scores=scores)
+    how, steps = run.how, config["averaged_steps"]
+    summary = {"average": how, "averaged": len(steps), "first_step": steps[0],
                "last_step": steps[-1],
                "candidates": {str(n): round(score, 4) for n, score in scores.items()},
                **({"candidates_beam": p.train.valid_bleu_beam} if scores else {})}
-    export_model(out, weights, config, extra_files={"tokenizer.json": tokenizer})
     write_json(metrics, summary)
     log.info("average: wrote %s (steps %s)", out, steps)
     if mlflow:
@@ -127,22 +72,22 @@ def average(
         if candidates:
             tags["average_candidates"] = ",".join(map(str, candidates))
         log_into_run(checkpoints / RUN_FILE, "average",
-                     {"averaged_checkpoints": len(chosen),
+                     {"averaged_checkpoints": len(steps),
                       **{f"average/valid_bleu_{how}_{n}": s for n, s in scores.items()}},
                      [(out, "model"), (metrics, "metrics")], tags=tags,
                      params=p.model_dump(mode="json"))
 
 
-def _pick(p, candidates: list[int], found: list[Path], how: str, folder: Path, raw: Path,
-          tokenizer: Path, model: Transformer, device: str) -> tuple[int, dict[int, float]]:
+def _pick(p, candidates: list[int], run: RunCheckpoints, raw: Path, device: str
+          ) -> tuple[int, dict[int, float]]:
     """The candidate count whose average decodes the valid split best, and every score."""
     from aiayn.data.tokenizer import load_tokenizer
     from aiayn.decoding.translation import ValidationBleu, decode_device
     from aiayn.precision import autocast_dtype
 
-    scorer = ValidationBleu.from_params(p, raw, load_tokenizer(tokenizer))
+    scorer = ValidationBleu.from_params(p, raw, load_tokenizer(run.tokenizer))
     dev = decode_device(device)
-    model.to(dev)
+    model = run.model.to(dev)
     amp = autocast_dtype("auto", dev)
     log.info("average: choosing among %s checkpoints on %d valid sentences (beam %d, %s)",
              candidates, len(scorer.sources), scorer.beam.beam,
@@ -150,79 +95,21 @@ def _pick(p, candidates: list[int], found: list[Path], how: str, folder: Path, r
     scores: dict[int, float] = {}
     seen: dict[tuple[Path, ...], int] = {}
     for n in candidates:
-        chosen, _ = _choose(found, n, how, folder)
+        chosen, _ = run.choose(n)
         if tuple(chosen) in seen:  # fewer checkpoints exist than n: the same average
-            log.info("average: %s %d: only %d checkpoint(s), the same as %d", how, n,
+            log.info("average: %s %d: only %d checkpoint(s), the same as %d", run.how, n,
                      len(chosen), seen[tuple(chosen)])
             continue
         seen[tuple(chosen)] = n
-        _load(model, average_checkpoints(chosen, key="model"), chosen[-1])
+        load_weights(model, average_checkpoints(chosen, key="model"), chosen[-1])
         started = time.perf_counter()
         scores[n] = scorer(model, dev, amp)
-        log.info("average: %s %d → valid sacreBLEU %.2f (%.0f s)", how, n, scores[n],
+        log.info("average: %s %d → valid sacreBLEU %.2f (%.0f s)", run.how, n, scores[n],
                  time.perf_counter() - started)
     best = max(scores, key=lambda n: (scores[n], n))
-    log.info("average: keeping %s %d (valid sacreBLEU %.2f)", how, best, scores[best])
+    log.info("average: keeping %s %d (valid sacreBLEU %.2f)", run.how, best, scores[best])
     model.to("cpu")
     return best, scores
-
-
-def _model(meta: dict, path: Path) -> Transformer:
-    try:
-        return Transformer(TransformerConfig(**meta["model_config"]))
-    except (TypeError, ValueError) as exc:
-        raise DataError(f"{path}: its recorded model configuration is not valid "
-                        f"({str(exc)[:300]}); re-run `aiayn train`") from None
-
-
-def _load(model: Transformer, weights: dict, path: Path) -> None:
-    try:
-        model.load_state_dict(weights, strict=True)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise DataError(f"{path}: the averaged weights do not fit the recorded model "
-                        f"configuration ({str(exc)[:300]}); re-run `aiayn train`") from None
-
-
-def _choose(found: list[Path], wanted: int, how: str, folder: Path
-            ) -> tuple[list[Path], dict[Path, dict]]:
-    """The checkpoints ``how`` picks (at most ``wanted``, in step order) and their metas."""
-    if how == "best":
-        return _best(found, wanted, folder)
-    chosen = found[-wanted:]
-    return chosen, {path: _meta(path) for path in chosen}
-
-
-def _best(found: list[Path], wanted: int, folder: Path) -> tuple[list[Path], dict[Path, dict]]:
-    """The ``wanted`` checkpoints with the best validation BLEU (of equals, the later), in
-    step order, with their metas."""
-    metas = {path: _meta(path) for path in found}
-    scored = [path for path in found if metas[path].get("valid_bleu") is not None]
-    if not scored:
-        raise DataError(
-            f"train.average is 'best' but none of the {len(found)} checkpoints in {folder} "
-            "has a validation BLEU; train with train.valid_bleu_every set (a multiple of "
-            "train.checkpoint_every_steps), or set train.average: last")
-    best = sorted(scored, key=lambda path: (metas[path]["valid_bleu"], checkpoint_step(path)),
-                  reverse=True)[:wanted]
-    chosen = sorted(best, key=checkpoint_step)
-    return chosen, {path: metas[path] for path in chosen}
-
-
-def _meta(path: Path) -> dict:
-    """The `meta` dict of a checkpoint, read without loading its tensors into memory."""
-    state = load_checkpoint(path, mmap=True)
-    meta = state.get("meta")
-    if not isinstance(meta, dict) or any(key not in meta for key in META_KEYS):
-        raise DataError(f"{path}: no `meta` with {', '.join(META_KEYS)}; this checkpoint was "
-                        "not written by `aiayn train`")
-    # With every field, defaults included: a run resumed across a version that added a
-    # model setting (model.output_vocab) holds checkpoints written without it and with it.
-    try:
-        meta["model_config"] = TransformerConfig(**meta["model_config"]).to_dict()
-    except (TypeError, ValueError) as exc:
-        raise DataError(f"{path}: its model_config does not describe a model this version "
-                        f"builds ({exc}); average it with the version that trained it") from None
-    return meta
 
 
 app = single_command_app(average, "Average the last (or best) checkpoints into one exported model.")

@@ -457,6 +457,85 @@ def test_average_stage_refuses_checkpoints_of_different_runs(trained):
     assert "step-00000200.pt" in result.output
 
 
+# --------------------------------------------------------------------------- the library's average
+
+
+def test_average_into_folder_writes_the_mean_of_the_last_checkpoints(trained):
+    from aiayn.training.averaging import average_into_folder
+
+    out = trained["root"] / "library"
+    config = average_into_folder(trained["folder"], trained["tokenizer"], out, last=2)
+    tensors, written = load_model_files(out)
+    assert written == config == {
+        "model": trained["models"][300].cfg.to_dict(), "vocab_size": trained["vocab"],
+        "tokenizer_sha256": trained["sha"], "mlflow_run_id": "run-abc", "average": "last",
+        "averaged_steps": [200, 300], "averaged_valid_bleu": [None, None],
+        "average_candidates_valid_bleu": {}, "tokens_seen": 300_000}
+    a, b = trained["models"][200].state_dict(), trained["models"][300].state_dict()
+    assert set(tensors) == set(a)
+    for name in a:  # the element-wise mean, computed here in float64
+        assert torch.equal(tensors[name], ((a[name].double() + b[name].double()) / 2).float())
+    assert (out / "tokenizer.json").read_bytes() == trained["tokenizer"].read_bytes()
+
+
+def score_checkpoints(trained: dict, bleu: dict[int, float]) -> None:
+    """Record ``bleu[step]`` as each checkpoint's validation BLEU, as training does."""
+    for step, score in bleu.items():
+        path = checkpoint_path(trained["folder"], step)
+        state = load_checkpoint(path)
+        state["meta"]["valid_bleu"] = score
+        torch.save(state, path)
+
+
+@pytest.mark.parametrize("how", ["last", "best"])
+def test_the_stage_writes_the_folder_that_average_into_folder_writes(trained, how):
+    from aiayn.training.averaging import average_into_folder
+
+    score_checkpoints(trained, {100: 30.0, 200: 10.0, 300: 20.0})
+    params = yaml.safe_load(trained["params"].read_text())
+    params["train"].update(average=how, valid_bleu_every=params["train"][
+        "checkpoint_every_steps"])
+    trained["params"].write_text(yaml.safe_dump(params))
+    result = run_stage([*trained["args"], "--no-mlflow"])
+    assert result.exit_code == 0, result.output
+    library = trained["root"] / "library"
+    config = average_into_folder(trained["folder"], trained["tokenizer"], library, 2, how)
+    assert config["averaged_steps"] == ([200, 300] if how == "last" else [100, 300])
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert (library / name).read_bytes() == (trained["out"] / name).read_bytes(), name
+
+
+def test_average_into_folder_fails_as_the_stage_does(trained, caplog):
+    from aiayn.training.averaging import average_into_folder
+
+    out = trained["root"] / "library"
+    with caplog.at_level(logging.WARNING, logger="aiayn"):
+        assert average_into_folder(trained["folder"], trained["tokenizer"], out, last=5)[
+            "averaged_steps"] == [100, 200, 300]
+    assert "5 checkpoint(s) asked for but" in caplog.text and "holds only 3" in caplog.text
+    other = trained["root"] / "other.json"
+    save_tokenizer(train_bpe(SENTENCES_EN, 290, 1), other)
+    with pytest.raises(DataError, match=r"other.json: sha256 .* the checkpoints in .* were "
+                                        "trained with: the vocabulary changed since training"):
+        average_into_folder(trained["folder"], other, trained["root"] / "a")
+    with pytest.raises(DataError, match="none of the 3 checkpoints in .* has a validation BLEU"):
+        average_into_folder(trained["folder"], trained["tokenizer"], trained["root"] / "b",
+                            how="best")
+    path = checkpoint_path(trained["folder"], 200)
+    state = load_checkpoint(path)
+    state["meta"]["model_config"]["d_ff"] = 64
+    torch.save(state, path)
+    with pytest.raises(DataError, match=r"step-00000200.pt and .*step-00000300.pt differ in "
+                                        "model_config"):
+        average_into_folder(trained["folder"], trained["tokenizer"], trained["root"] / "c")
+    assert average_into_folder(trained["folder"], trained["tokenizer"], trained["root"] / "d",
+                               last=1)["averaged_steps"] == [300]  # 200 not among them
+    with pytest.raises(DataError, match=r"no checkpoints in .*empty; run `aiayn train`"):
+        average_into_folder(trained["root"] / "empty", trained["tokenizer"],
+                            trained["root"] / "e")
+    assert not any((trained["root"] / name).exists() for name in "abce")
+
+
 def rewrite_checkpoints(trained: dict, config: TransformerConfig, drop: tuple[str, ...] = ()
                         ) -> dict[int, dict]:
     """The fixture's checkpoints again, of models built from ``config``, their recorded

@@ -6,6 +6,7 @@
 - ``schedule``: the learning rate (warmup, inverse square root, cooldown), without torch;
 - ``clock``: the run's clock and its checkpoint rule;
 - ``checkpoint``: checkpoint files, their averaging and the model folder written from them;
+- ``averaging``: a run's last (or best) checkpoints, checked and averaged into a model folder;
 - ``run_store``: a run's checkpoint folder and its policy (identity, recovery, space);
 - ``run_log``: a run's log rows (training steps and validation passes);
 - ``resume``: going on from a checkpoint;
