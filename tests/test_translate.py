@@ -183,6 +183,59 @@ def test_translate_command_decodes_with_the_beam_config_from_decode_builds(
     ) == expected
 
 
+@pytest.fixture
+def checkpoint(toy_workspace, tmp_path) -> tuple[Path, Transformer]:
+    """A training checkpoint of an (untrained, deterministic) tiny model, as `aiayn train`
+    writes one, and that model."""
+    from aiayn.data.tokenizer import load_tokenizer
+    from aiayn.io import file_sha256
+    from aiayn.training.checkpoint import save_checkpoint
+
+    tok_path = toy_workspace / "data/vocab/tokenizer.json"
+    torch.manual_seed(5)
+    model = Transformer(TransformerConfig(
+        vocab_size=load_tokenizer(tok_path).get_vocab_size(), d_model=32, heads=4,
+        encoder_layers=1, decoder_layers=1, d_ff=64, max_positions=40)).eval()
+    path = save_checkpoint(tmp_path / "checkpoints", 7, {
+        "model": model.state_dict(), "step": 7,
+        "meta": {"model_config": model.cfg.to_dict(), "vocab_size": model.cfg.vocab_size,
+                 "tokenizer_sha256": file_sha256(tok_path), "step": 7}}, keep=1)
+    return path, model
+
+
+def test_a_checkpoint_translates_as_its_model_loaded_by_hand(checkpoint, toy_workspace):
+    from aiayn.data.tokenizer import load_tokenizer
+    from aiayn.decoding.translation import Translator, load_checkpoint_translator
+
+    path, model = checkpoint
+    tok_path = toy_workspace / "data/vocab/tokenizer.json"
+    translator = load_checkpoint_translator(path, tok_path, device="cpu")
+    cfg = BeamConfig(beam=3, max_len_b=8)
+    by_hand = Translator(model, load_tokenizer(tok_path), torch.device("cpu"))
+    expected = by_hand.translate(LINES, cfg, batch_size=2)
+    assert any(expected), "every translation is empty: the comparison proves little"
+    assert translator.translate(LINES, cfg, batch_size=2) == expected
+    assert translator.model.cfg == model.cfg and not translator.model.training
+    state = translator.model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    bf16 = load_checkpoint_translator(path, tok_path, device="cpu", precision="bf16")
+    assert bf16.model.embedding.weight.dtype == torch.bfloat16
+
+
+def test_a_checkpoint_refuses_another_tokenizer(checkpoint, tmp_path):
+    from aiayn.data.tokenizer import save_tokenizer, train_bpe
+    from aiayn.decoding.translation import load_checkpoint_translator
+
+    path, _ = checkpoint
+    other = tmp_path / "other.json"
+    save_tokenizer(train_bpe(iter(["completely different text"] * 20), 300, 1), other)
+    with pytest.raises(DataError, match=r"other.json: sha256 .*/step-00000007.pt was trained "
+                                        "with: the vocabulary changed since training"):
+        load_checkpoint_translator(path, other)
+    with pytest.raises(DataError, match="missing.json: no tokenizer"):
+        load_checkpoint_translator(path, tmp_path / "missing.json")
+
+
 def test_attention_command_writes_a_picture_per_kind_and_layer(model_dir, tmp_path):
     from stages.cli import app
 

@@ -28,7 +28,7 @@ from aiayn.fast import avoid_cudnn_attention
 from aiayn.io import file_sha256
 from aiayn.model import Transformer, TransformerConfig
 from aiayn.precision import autocast_dtype, slow_bf16_warning
-from aiayn.training.checkpoint import load_model_files
+from aiayn.training.checkpoint import load_checkpoint, load_model_files
 
 log = logging.getLogger("aiayn")
 
@@ -210,6 +210,26 @@ def load_translator(model_dir: Path, device: str = "auto", precision: str = "fp3
     if tok.get_vocab_size() != cfg.vocab_size:
         raise DataError(f"{tok_path} has {tok.get_vocab_size()} tokens but the model in "
                         f"{model_dir} has {cfg.vocab_size}; they do not belong together")
+    return _translator(cfg, state, tok, device, precision)
+
+
+def load_checkpoint_translator(checkpoint: Path, tokenizer: Path, device: str = "auto",
+                               precision: str = "fp32") -> Translator:
+    """One training checkpoint (``step-*.pt``: its own weights, not an average) with the
+    tokenizer it was trained with (its sha256 is checked against the checkpoint's record),
+    as :func:`load_translator` opens a model folder."""
+    from aiayn.training.averaging import check_tokenizer, checkpoint_meta
+
+    checkpoint, tokenizer = Path(checkpoint), Path(tokenizer)
+    state = load_checkpoint(checkpoint, mmap=True)
+    meta = checkpoint_meta(checkpoint, state)
+    check_tokenizer(tokenizer, meta["tokenizer_sha256"], f"{checkpoint} was trained with")
+    cfg = TransformerConfig(**meta["model_config"])
+    return _translator(cfg, state["model"], load_tokenizer(tokenizer), device, precision)
+
+
+def _translator(cfg: TransformerConfig, state: dict[str, Tensor], tok: Tokenizer, device: str,
+                precision: str) -> Translator:
     dev = decode_device(device)
     model = Transformer(cfg)
     model.load_state_dict(state)
