@@ -459,6 +459,30 @@ def test_pre_ln_cannot_become_marian_but_can_become_ctranslate2(toy_workspace, t
     assert result.max_logprob_difference < 1e-4
 
 
+def test_load_engine_passes_the_engines_own_options_on(toy_workspace, tmp_path):
+    """load_engine(..., patience=...) opens a CTranslate2 export with that patience, which
+    then goes to every translate_batch; the engines without such options refuse them."""
+    from aiayn.export.engines import load_engine
+
+    torch.manual_seed(2)
+    tok = load_tokenizer(toy_workspace / "data/vocab/tokenizer.json")
+    cfg = TransformerConfig(vocab_size=tok.get_vocab_size(), d_model=16, heads=2,
+                            encoder_layers=1, decoder_layers=1, d_ff=32, max_positions=32)
+    folder = save_model_folder(Transformer(cfg).eval(), toy_workspace, tmp_path / "model")
+    ct2_dir = export(folder, tmp_path / "ct2", "ctranslate2").directory
+    assert load_engine("ctranslate2", ct2_dir, device="cpu").patience == 1.0
+    engine = load_engine("ctranslate2", ct2_dir, device="cpu", patience=7.0, threads=1)
+    assert engine.patience == 7.0
+    calls = []
+    real = engine.translator.translate_batch
+    engine.translator = type("Spy", (), {"translate_batch": staticmethod(
+        lambda *a, **kw: calls.append(kw["patience"]) or real(*a, **kw))})()
+    engine.translate(["The dog runs."], BeamConfig(beam=2, alpha=0, max_len_b=5))
+    assert calls == [7.0]
+    with pytest.raises(TypeError, match="patience"):
+        load_engine("aiayn", folder, device="cpu", patience=7.0)
+
+
 def test_a_failed_export_leaves_the_old_folder_as_it_was(model_dir, tmp_path, monkeypatch):
     import aiayn.export.convert as export_module
 

@@ -171,11 +171,13 @@ def strip_generated(row: list[int]) -> list[int]:
 
 
 def load_engine(engine: str, model_dir: Path, device: str = "auto",
-                precision: str = "fp32") -> BatchTranslator:
-    """The translator of ``engine`` ("aiayn", "ctranslate2" or "transformers")."""
+                precision: str = "fp32", **engine_options: Any) -> BatchTranslator:
+    """The translator of ``engine`` ("aiayn", "ctranslate2" or "transformers").
+    ``engine_options`` go to the engine's ``from_folder``: for ctranslate2 ``patience``,
+    ``compute_type`` and ``threads`` (:meth:`CTranslate2Translator.from_folder`); aiayn and
+    transformers take none."""
     if engine == "aiayn":
-
-        return load_translator(model_dir, device=device, precision=precision)
+        return load_translator(model_dir, device=device, precision=precision, **engine_options)
     if precision != "fp32":
         raise DataError(f"--precision {precision} applies to --engine aiayn; a ctranslate2 "
                         "export runs at the type it was exported with (aiayn export "
@@ -184,9 +186,9 @@ def load_engine(engine: str, model_dir: Path, device: str = "auto",
         if device == "auto":
             ct2 = require("ctranslate2", "--engine ctranslate2")
             device = "cuda" if ct2.get_cuda_device_count() > 0 else "cpu"
-        return CTranslate2Translator.from_folder(model_dir, device=device)
+        return CTranslate2Translator.from_folder(model_dir, device=device, **engine_options)
     if engine == "transformers":
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        return TransformersTranslator.from_folder(model_dir, device=device)
+        return TransformersTranslator.from_folder(model_dir, device=device, **engine_options)
     raise DataError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
