@@ -4,8 +4,9 @@ Every ```python block of the page runs in a fresh namespace (each must stand alo
 page says), in the page's order, in one temporary folder: section 2 writes ``toy/``, sections
 3 and 4 read it. What the blocks print and leave behind is checked against expectations
 computed here, not by the page: the parameter count against the formula of the model's
-dimensions, a falling training loss and the averaged weights against the checkpoints, the
-translations against `aiayn translate`'s, BLEU against sacreBLEU called directly, and the
+dimensions, a falling training loss, the averaged weights against the checkpoints and the
+model folder against `aiayn average`'s, the translations against `aiayn translate`'s (a
+checkpoint's against its model built here), BLEU against sacreBLEU called directly, and the
 exported models' outputs against our own decoder's.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import io
+import json
 import os
 import re
 from collections.abc import Iterator
@@ -157,12 +159,31 @@ def test_section_2_trains_through_the_library_and_the_loss_falls(trained):
         work / "checkpoints")]
     assert steps == [50, 100]
     # The model folder holds the mean of the last two checkpoints, as `aiayn average` would.
-    assert listed == ["['config.json', 'model.safetensors', 'tokenizer.json']"]
+    assert listed == ["[50, 100] ['config.json', 'model.safetensors', 'tokenizer.json']"]
     saved = load_file(work / "model/model.safetensors")
     a, b = (load_checkpoint(work / f"checkpoints/step-{s:08d}.pt")["model"] for s in steps)
     assert saved.keys() == a.keys()
     for name, tensor in saved.items():
         torch.testing.assert_close(tensor, (a[name] + b[name]) / 2, rtol=0, atol=1e-6)
+    assert average_ns["config"] == json.loads((work / "model/config.json").read_text())
+    assert (work / "model/tokenizer.json").read_bytes() == (work / "tokenizer.json").read_bytes()
+
+
+def test_section_2_writes_the_model_folder_the_average_command_writes(trained):
+    from typer.testing import CliRunner
+
+    from stages.cli import app
+
+    folder, _ = trained
+    with inside(folder):
+        result = CliRunner().invoke(app, [
+            "average", "--params", f"{WORK}/params.yaml", "--checkpoints",
+            f"{WORK}/checkpoints", "--tokenizer", f"{WORK}/tokenizer.json", "--out",
+            "cli-model", "--metrics", "average.json", "--no-mlflow", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert (folder / "cli-model" / name).read_bytes() == (
+            folder / WORK / "model" / name).read_bytes(), name
 
 
 def test_section_3_translates_as_the_translate_command_and_scores_as_sacrebleu(trained):
@@ -203,14 +224,22 @@ def test_section_3_translates_as_the_translate_command_and_scores_as_sacrebleu(t
     assert scores["bleu"]["sys_len"] == bleu.sys_len and scores["bleu"]["ref_len"] == bleu.ref_len
     assert printed[1].startswith(f"sacreBLEU {bleu.score:.2f} (nrefs:1|")
 
-    # The checkpoint's translator decodes the last checkpoint's weights.
+    # The checkpoint's translator decodes the last checkpoint's weights, as that model
+    # built by hand does.
+    from aiayn.data.tokenizer import load_tokenizer
+    from aiayn.decoding.translation import Translator
+    from aiayn.model import Transformer, TransformerConfig
     from aiayn.training.checkpoint import load_checkpoint
 
-    last = load_checkpoint(folder / WORK / "checkpoints/step-00000100.pt")["model"]
+    last = load_checkpoint(folder / WORK / "checkpoints/step-00000100.pt")
     state = ckpt_ns["translator"].model.state_dict()
-    assert all(torch.equal(state[name], tensor) for name, tensor in last.items())
-    [line] = printed_list(ckpt_printed[0])
-    assert isinstance(line, str)
+    assert state.keys() == last["model"].keys()
+    assert all(torch.equal(state[name], tensor) for name, tensor in last["model"].items())
+    model = Transformer(TransformerConfig(**last["meta"]["model_config"]))
+    model.load_state_dict(last["model"])
+    by_hand = Translator(model.eval(), load_tokenizer(folder / WORK / "tokenizer.json"),
+                         torch.device("cpu"))
+    assert printed_list(ckpt_printed[0]) == by_hand.translate(SENTENCES[:1], BeamConfig())
 
 
 @pytest.fixture
