@@ -19,6 +19,7 @@ from aiayn.training import checkpoint as ckpt
 from aiayn.training.checkpoint import (
     average_checkpoints,
     checkpoint_path,
+    checkpoint_step,
     export_model,
     file_sha256,
     latest_checkpoint,
@@ -534,6 +535,16 @@ def test_average_into_folder_fails_as_the_stage_does(trained, caplog):
         average_into_folder(trained["root"] / "empty", trained["tokenizer"],
                             trained["root"] / "e")
     assert not any((trained["root"] / name).exists() for name in "abce")
+
+
+def test_run_checkpoints_average_only_what_they_checked(trained):
+    from aiayn.training.averaging import RunCheckpoints
+
+    run = RunCheckpoints.open(trained["folder"], trained["tokenizer"], most=2)
+    assert [checkpoint_step(p) for p in run.choose(2)[0]] == [200, 300]
+    with pytest.raises(ValueError, match="3 checkpoints asked for, but only the 2"):
+        run.write(trained["root"] / "out", 3)  # step 100 was never checked
+    assert not (trained["root"] / "out").exists()
 
 
 def rewrite_checkpoints(trained: dict, config: TransformerConfig, drop: tuple[str, ...] = ()

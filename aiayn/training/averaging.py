@@ -44,13 +44,15 @@ class RunCheckpoints:
     one model configuration and tokenizer hash, and to have been trained with ``tokenizer``.
 
     ``how``: ``last`` takes the newest checkpoints, ``best`` those with the best validation
-    BLEU recorded at training time (``train.valid_bleu_every``). ``meta`` is the `meta` of
-    the newest checkpoint checked, ``newest`` its path.
+    BLEU recorded at training time (``train.valid_bleu_every``); ``most``: how many were
+    checked, the largest count :meth:`choose` takes. ``meta`` is the `meta` of the newest
+    checkpoint checked, ``newest`` its path.
     """
 
     folder: Path
     tokenizer: Path
     how: str
+    most: int
     found: list[Path]
     newest: Path
     meta: dict
@@ -77,10 +79,13 @@ class RunCheckpoints:
                         f"the stale checkpoints from {folder} or re-run `aiayn train`")
         check_tokenizer(tokenizer, newest["tokenizer_sha256"],
                         f"the checkpoints in {folder} were trained with")
-        return cls(folder, tokenizer, how, found, newest_path, newest)
+        return cls(folder, tokenizer, how, most, found, newest_path, newest)
 
     def choose(self, n: int) -> tuple[list[Path], dict[Path, dict]]:
         """The (at most) ``n`` checkpoints ``how`` takes, in step order, and their metas."""
+        if n > self.most:
+            raise ValueError(f"{n} checkpoints asked for, but only the {self.most} that "
+                             f"{self.how!r} takes were checked; open with most={n}")
         return choose_checkpoints(self.found, n, self.how, self.folder)
 
     @functools.cached_property
