@@ -241,17 +241,22 @@ def measure(name: str, args, device: torch.device) -> dict:
     return result
 
 
-def profile(run_step, group: list[Batch], device: torch.device, title: str) -> None:
-    """One step under torch.profiler: where host and device time go, top operators."""
+def profiled(run_step, group: list[Batch], device: torch.device):
+    """One step under torch.profiler (host, and the GPU where there is one)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
-                                           if device.type == "cuda" else [])
-    with torch_profile(activities=activities) as prof:
+    cuda = device.type == "cuda"
+    with torch_profile(activities=[ProfilerActivity.CPU]
+                       + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         run_step(group)
-        if device.type == "cuda":
+        if cuda:
             torch.cuda.synchronize(device)
-    table = prof.key_averages()
+    return prof
+
+
+def profile(run_step, group: list[Batch], device: torch.device, title: str) -> None:
+    """One step's top operators: where host and device time go."""
+    table = profiled(run_step, group, device).key_averages()
     print(f"\nprofile of one step ({title}):")
     print(table.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50))
     if device.type == "cuda":
@@ -262,16 +267,8 @@ def profile(run_step, group: list[Batch], device: torch.device, title: str) -> N
 def count_launches(run_step, group: list[Batch], device: torch.device) -> dict:
     """One step under torch.profiler: {"kernels": CUDA kernels launched, "copies": CUDA memory
     copies and sets} on a GPU; {"ops": the aten operators called from Python} on a CPU."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-    cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with torch_profile(activities=activities) as prof:
-        run_step(group)
-        if cuda:
-            torch.cuda.synchronize(device)
-    events = prof.events()
-    if cuda:
+    events = profiled(run_step, group, device).events()
+    if device.type == "cuda":
         from torch.autograd import DeviceType
         on_gpu = [e for e in events if e.device_type == DeviceType.CUDA]
         copies = sum(1 for e in on_gpu if e.name.startswith(("Memcpy", "Memset")))

@@ -147,6 +147,18 @@ def test_agreement_counts_identical_outputs_between_the_methods_that_ran():
 # --------------------------------------------------------------------------- summary
 
 
+def test_profile_shows_where_one_cached_search_spends_its_time(capsys):
+    """--profile: cProfile's functions, then torch.profiler's operators, of one cached search."""
+    model = tiny_model(60)
+    cfg = BeamConfig(beam=2, max_len_a=1.0, max_len_b=3)
+    batch = ds.cut_batches([[5, 6, 7], [8, 9, 10, 11]], 2, cfg, 40)[0]
+    out = ds.profile_cached(model, batch, cfg)
+    printed = capsys.readouterr().out
+    assert printed.index("-- cProfile, cached beam search") < printed.index(
+        "-- torch.profiler, same batch")
+    assert "function calls" in printed and "aten::" in out["profiler_table"]
+
+
 def test_summary_takes_medians_and_ratios_of_the_same_rounds():
     """summarize against medians and per-round ratios computed by hand (not ratios of medians)."""
     # Figures are medians over rounds; a speed ratio is the median over rounds of that round's time

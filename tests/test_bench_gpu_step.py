@@ -92,6 +92,20 @@ def test_tiny_config_measures_on_the_cpu_and_writes_its_json(tmp_path, capsys):
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
 
 
+def test_profile_and_kernel_count_on_the_cpu(capsys):
+    """--profile prints the first and the last step's operators (those two steps left out of
+    the figures); --count-kernels records one more step's operators called from Python."""
+    result = gpu_step.main(["--device", "cpu", "--configs", "tiny", "--steps", "2",
+                            "--warmup", "1", "--tokens-per-step", "1200", "--max-tokens", "600",
+                            "--precision", "fp32", "--profile", "--count-kernels"])
+    printed = capsys.readouterr().out
+    assert "profile of one step (first step, shapes new)" in printed
+    assert "profile of one step (last step, shapes new)" in printed
+    (r,) = result["measured"]
+    assert set(r["launches_per_step"]) == {"ops"} and r["launches_per_step"]["ops"] > 0
+    assert "per step " in printed and r["step_s"] > 0
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="measures when a GPU is there")
 def test_without_a_gpu_it_says_so_and_prints_the_estimate_only(capsys):
     result = gpu_step.main([])
