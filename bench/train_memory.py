@@ -21,6 +21,7 @@ from pathlib import Path
 
 from aiayn.training.memory import ALLOCATORS, allocator_env, allocator_library, install_hint
 from bench import harness
+from bench.train_throughput import add_preset_options, prepare_data
 
 MODES = ("notrim", "trim", "jemalloc", "tcmalloc")
 DEFAULT_MODES = "notrim,trim"
@@ -112,8 +113,6 @@ def prepare(args: argparse.Namespace) -> dict:
     ``prepare_data``), its params with ``--seed`` and ``--precision``, a scratch folder."""
     import yaml
 
-    from bench.train_throughput import prepare_data
-
     data_args = argparse.Namespace(set=args.set, workdir=args.workdir, preset=args.preset,
                                    corpus=args.corpus, shards=None, tokenizer=None)
     params, shards, tokenizer = prepare_data(data_args, args.max_tokens)
@@ -137,21 +136,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="comma-separated, the first the baseline of the ratios: notrim "
                          "(glibc malloc as it is), trim (glibc with the trainer's "
                          "malloc_trim), jemalloc, tcmalloc (LD_PRELOAD, no trim; e.g. "
-                         f"{install_hint()}); default {DEFAULT_MODES}"),
+                         f"{install_hint()}); default {DEFAULT_MODES}")
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="positions per batch side (default: the preset's shard.max_tokens)")
     ap.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
                     help="as train.precision (default auto)")
     ap.add_argument("--seed", type=int, default=0, help="the batch sampler's seed (0)")
-    ap.add_argument("--preset", default="multi30k", help="conf/experiment preset (multi30k)")
-    ap.add_argument("--set", "-S", action="append", default=[], metavar="KEY=VALUE",
-                    help="Hydra override of the preset, as `dvc exp run -S` (repeatable)")
-    ap.add_argument("--corpus", type=Path, default=None,
-                    help="the preset's corpus as text files in DIR (data.source: local), "
-                         "not from the hub")
-    ap.add_argument("--workdir", type=Path,
-                    default=Path(tempfile.gettempdir()) / "aiayn-bench-train",
-                    help="where the data stages write (shared with bench.train_throughput)")
+    add_preset_options(ap)
     ap.add_argument("--trim-every", type=int, default=None, metavar="N",
                     help="the trim mode trims every N steps (default: the trainer's, "
                          "aiayn.training.memory.TRIM_EVERY_STEPS)")

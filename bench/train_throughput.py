@@ -403,6 +403,18 @@ def round_batches(params: Path, shards: Path, steps: int, skip: int) -> list[tup
 # =========================================================================== coordinator
 
 
+def add_preset_options(ap: argparse.ArgumentParser) -> None:
+    """The options of the data the trainers step through (shared with bench.train_memory)."""
+    ap.add_argument("--preset", default="multi30k", help="conf/experiment preset (multi30k)")
+    ap.add_argument("--set", "-S", action="append", default=[], metavar="KEY=VALUE",
+                    help="override of the preset, as `dvc exp run -S` (repeatable)")
+    ap.add_argument("--corpus", type=Path, default=None,
+                    help="the preset's corpus as text files in DIR, not from the hub")
+    ap.add_argument("--workdir", type=Path,
+                    default=Path(tempfile.gettempdir()) / "aiayn-bench-train",
+                    help="where the data stages write and workers keep scratch files")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = harness.parser(__doc__)
     ap.add_argument("--contenders", default=None,
@@ -414,19 +426,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "ff512:model.d_ff=512 (repeatable; name it in --contenders)")
     ap.add_argument("--baseline", default=None, metavar="REF",
                     help="git commit whose trainer runs as contender main")
-    ap.add_argument("--preset", default="multi30k", help="conf/experiment preset (multi30k)")
-    ap.add_argument("--set", "-S", action="append", default=[], metavar="KEY=VALUE",
-                    help="override of the preset for every contender, as `dvc exp run -S` "
-                         "(repeatable)")
+    add_preset_options(ap)
     ap.add_argument("--precision", default=None, choices=("auto", "fp32", "bf16"),
                     help="train.precision for every contender (default: the preset's)")
-    ap.add_argument("--corpus", type=Path, default=None,
-                    help="the preset's corpus as text files in DIR, not from the hub")
     ap.add_argument("--shards", type=Path, default=None, help="use these shards (train/valid)")
     ap.add_argument("--tokenizer", type=Path, default=None, help="their tokenizer.json")
-    ap.add_argument("--workdir", type=Path,
-                    default=Path(tempfile.gettempdir()) / "aiayn-bench-train",
-                    help="where the data stages write and workers keep scratch files")
     ap.add_argument("--rounds", type=int, default=12, help="measured rounds (default 12)")
     ap.add_argument("--steps", type=int, default=2,
                     help="steps per contender per round (default 2)")
