@@ -68,6 +68,7 @@ def parse_args(argv: list[str] | None):
 
 def worker(spec: dict) -> None:
     """One turn: load, translate once, write {seconds, outputs} to spec["out"]."""
+    harness.import_from_tree()
     import torch
 
     import aiayn

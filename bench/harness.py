@@ -245,11 +245,33 @@ def module_command(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
+TREE_ENV = "AIAYN_BENCH_TREE"
+
+
 def child_env(*first: str | Path) -> dict[str, str]:
     """This process's environment for a child process that runs a bench script from any
     folder: the repository on its import path, after ``first`` (e.g. a baseline commit's
-    tree from ``extract_tree``, whose ``aiayn`` then comes before this checkout's)."""
+    tree from ``extract_tree``, whose ``aiayn`` then comes before this checkout's; the
+    child calls ``import_from_tree`` to keep it that way)."""
     paths = [*map(str, first), str(REPO)]
     if os.environ.get("PYTHONPATH"):
         paths.append(os.environ["PYTHONPATH"])
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    env.pop(TREE_ENV, None)
+    if first:
+        env[TREE_ENV] = str(first[0])
+    return env
+
+
+def import_from_tree() -> None:
+    """In a child process started on a baseline tree (``child_env(tree)``): import aiayn's
+    modules from that tree alone. An editable install (``pip install -e``, as ``make``
+    installs) adds an import finder that finds aiayn's subpackages in this checkout
+    whatever folder aiayn itself came from, so a package the baseline lacks (``aiayn.data``
+    in a tree of the flat layout) would load from this checkout instead of raising the
+    ImportError on which the workers fall back to the baseline's own module names."""
+    if not os.environ.get(TREE_ENV):
+        return
+    sys.meta_path[:] = [finder for finder in sys.meta_path
+                        if not (getattr(finder, "__module__", None)
+                                or type(finder).__module__).startswith("__editable__")]

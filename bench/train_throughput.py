@@ -185,6 +185,7 @@ def timed_run(worker, n: int) -> dict:
 
 def worker_main(spec: dict) -> None:
     """Serve 'run N' requests on stdin with one JSON line each on stdout."""
+    harness.import_from_tree()
     import torch
 
     torch.set_num_threads(spec["threads"])

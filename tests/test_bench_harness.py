@@ -180,6 +180,40 @@ def test_a_child_imports_the_baseline_trees_library_before_this_checkouts(tmp_pa
     assert harness.module_command("bench.x", "--a") == [sys.executable, "-m", "bench.x", "--a"]
 
 
+def test_a_child_on_a_tree_of_the_flat_layout_falls_back_to_its_module_names(tmp_path):
+    """A baseline tree from before the package per concern has aiayn/tokenizer.py, not
+    aiayn/data/: after import_from_tree, importing aiayn.data fails in the child (even under
+    an editable install, whose finder would find this checkout's), so the workers' fallback
+    imports the tree's own aiayn.tokenizer; aiayn.config comes from the tree too."""
+    tree = tmp_path / "flat"
+    (tree / "aiayn").mkdir(parents=True)
+    for name in ("__init__", "tokenizer", "config"):
+        (tree / "aiayn" / f"{name}.py").write_text(f"WHO = 'flat {name}'\n")
+    probe = ("from bench import harness\n"
+             "harness.import_from_tree()\n"
+             "import aiayn.config\n"
+             "try:\n"
+             "    from aiayn.data import tokenizer\n"
+             "except ImportError:\n"
+             "    from aiayn import tokenizer\n"
+             "print(aiayn.config.WHO, '|', getattr(tokenizer, 'WHO', tokenizer.__file__))\n")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path,
+                          env=harness.child_env(tree), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "flat config | flat tokenizer"
+    # A child of this checkout (no tree) is left as it is, and imports the new layout.
+    env = harness.child_env()
+    assert harness.TREE_ENV not in env
+    probe = ("from bench import harness\n"
+             "harness.import_from_tree()\n"
+             "from aiayn.data import tokenizer\n"
+             "print(tokenizer.__file__)\n")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert Path(done.stdout.strip()) == REPO / "aiayn" / "data" / "tokenizer.py"
+
+
 def test_a_ref_git_does_not_know_stops_with_gits_message(tmp_path):
     with pytest.raises(SystemExit, match="--baseline no-such-ref: git archive failed: .+"):
         harness.extract_tree("no-such-ref", tmp_path / "baseline")
