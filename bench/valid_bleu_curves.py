@@ -15,7 +15,8 @@ steps`` lines them up by step instead (runs with a budget in steps, ``train.max_
 0``, whose minutes say more of the machine's load than of the run), and ``--x tokens`` by
 the target tokens trained on (runs with other batch sizes, on other machines: how far a
 budget is from convergence). ``--mark 64=published`` draws a labelled vertical line there
-(in millions of tokens with ``--x tokens``). Prints each run's last and best validation
+(in millions of tokens with ``--x tokens``), ``--level 41.02=published`` a labelled
+horizontal one at that BLEU. Prints each run's last and best validation
 BLEU, and writes one picture: BLEU above, lr below.
 
     python -m bench.valid_bleu_curves --x tokens --mark "64=published 41.02 (8k x 8,000)" \
@@ -58,13 +59,14 @@ AXES = {"minutes": ("minutes", "training minutes", "time"),
         "tokens": ("mtokens", "target tokens trained on (millions)", "target tokens")}
 
 
-def parse_mark(text: str) -> tuple[float, str]:
+def parse_mark(text: str, option: str = "--mark", axis: str = "X") -> tuple[float, str]:
     where, sep, label = text.partition("=")
     try:
         return float(where), label if sep else ""
     except ValueError:
-        raise SystemExit(f"error: --mark {text!r}: write it X=LABEL, X a number on the "
-                         "horizontal axis") from None
+        place = "on the horizontal axis" if axis == "X" else "of BLEU"
+        raise SystemExit(f"error: {option} {text!r}: write it {axis}=LABEL, {axis} a number "
+                         f"{place}") from None
 
 
 def run_style(i: int) -> tuple[str, str, str]:
@@ -85,12 +87,16 @@ def main(argv: list[str] | None = None) -> None:
                          "tokens trained on (millions)")
     ap.add_argument("--mark", action="append", default=[], metavar="X=LABEL",
                     help="a labelled vertical line at X on the horizontal axis (repeatable)")
+    ap.add_argument("--level", action="append", default=[], metavar="Y=LABEL",
+                    help="a labelled horizontal line at BLEU Y, e.g. a published figure "
+                         "(repeatable)")
     ap.add_argument("--title", default=None,
                     help="default: greedy validation BLEU against training time (or steps, "
                          "or tokens)")
     args = ap.parse_args(argv)
     x, x_label, x_words = AXES[args.x]
     marks = [parse_mark(m) for m in args.mark]
+    levels = [parse_mark(m, "--level", "Y") for m in args.level]
     title = args.title or f"greedy validation BLEU against training {x_words}"
 
     import matplotlib
@@ -123,6 +129,10 @@ def main(argv: list[str] | None = None) -> None:
             ax.axvline(where, color="grey", linestyle="--", linewidth=1)
         bleu_ax.annotate(label, (where, 0.02), xycoords=("data", "axes fraction"),
                          rotation=90, ha="right", va="bottom", fontsize=8, color="grey")
+    for where, label in levels:
+        bleu_ax.axhline(where, color="black", linestyle=":", linewidth=1)
+        bleu_ax.annotate(label, (0.01, where), xycoords=("axes fraction", "data"),
+                         ha="left", va="bottom", fontsize=8)
     bleu_ax.set(ylabel="valid sacreBLEU (greedy)", title=title)
     bleu_ax.grid(alpha=0.3)
     bleu_ax.legend(loc="lower center", fontsize=8)  # curves rise at the left and stay high

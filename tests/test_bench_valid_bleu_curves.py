@@ -184,3 +184,18 @@ def test_a_mark_that_is_not_a_number_stops_with_the_form(runs, tmp_path):
     with pytest.raises(SystemExit, match="write it X=LABEL"):
         curves.main(["--run", f"fast={runs['fast']}", "--out", str(tmp_path / "c.png"),
                      "--mark", "lots=budget"])
+
+
+def test_a_level_draws_a_labelled_horizontal_line_on_the_bleu_panel_only(runs, tmp_path,
+                                                                        drawn):
+    curves.main(["--run", f"fast={runs['fast']}", "--out", str(tmp_path / "c.png"),
+                 "--level", "41.02=published best"])
+    (fig,) = drawn
+    bleu_ax, lr_ax = fig.axes
+    run, level = bleu_ax.get_lines()
+    assert list(level.get_ydata()) == [41.02, 41.02] and len(lr_ax.get_lines()) == 1
+    assert [t.get_text() for t in bleu_ax.texts] == ["published best"]
+    with pytest.raises(SystemExit, match="--level 'high=x': write it Y=LABEL, Y a number of "
+                                         "BLEU"):
+        curves.main(["--run", f"fast={runs['fast']}", "--out", str(tmp_path / "d.png"),
+                     "--level", "high=x"])
