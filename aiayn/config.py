@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from types import UnionType
-from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -29,9 +29,6 @@ from pydantic import (
 )
 
 from aiayn.errors import ParamsError
-
-if TYPE_CHECKING:
-    from aiayn.model import TransformerConfig
 
 # Languages the corpus sources know how to name. WMT14 pairs English with these.
 Language = Literal["cs", "de", "en", "fr", "hi", "ru"]
@@ -434,20 +431,6 @@ class Params(Strict):
                 f"{self.model.max_positions - 2}"
             )
         return self
-
-    def transformer_config(self, vocab_size: int) -> TransformerConfig:
-        """The model these parameters describe (``model.*`` and ``train``'s two extra
-        dropouts), for a vocabulary of ``vocab_size`` tokens (the tokenizer's)."""
-        from aiayn.model import TransformerConfig
-
-        m = self.model
-        return TransformerConfig(
-            vocab_size=vocab_size, d_model=m.d_model, heads=m.heads,
-            encoder_layers=m.encoder_layers, decoder_layers=m.decoder_layers, d_ff=m.d_ff,
-            dropout=m.dropout, attention_dropout=self.train.attention_dropout,
-            activation_dropout=self.train.activation_dropout, norm=m.norm,
-            max_positions=m.max_positions, output_vocab=m.output_vocab, d_k=m.d_k, d_v=m.d_v,
-            positions=m.positions, position_init_std=m.position_init_std)
 
 
 # --------------------------------------------------------------------------- what each affects

@@ -456,7 +456,7 @@ def test_params_names_the_multi30k_preset_for_this_cpus_kind(tmp_path, monkeypat
 
 
 def test_the_params_name_every_setting_of_the_model_they_describe():
-    """Params.transformer_config against the model written out by hand, with every setting
+    """model_config against the model written out by hand, with every setting
     away from its default (so that one not passed on would show)."""
     import dataclasses
 
@@ -475,8 +475,7 @@ def test_the_params_name_every_setting_of_the_model_they_describe():
         dropout=0.2, attention_dropout=0.05, activation_dropout=0.15, norm="pre",
         max_positions=80, d_k=8, d_v=12, positions="learned", position_init_std=0.5,
         output_vocab="target")
-    assert p.transformer_config(321) == expected
-    assert model_config(p, 321) == expected  # the trainer's name for it
+    assert model_config(p, 321) == expected
     default = TransformerConfig(vocab_size=0)
     assert [f.name for f in dataclasses.fields(TransformerConfig)
             if getattr(expected, f.name) == getattr(default, f.name)] == ["pad_id"]

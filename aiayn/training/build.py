@@ -38,8 +38,18 @@ log = logging.getLogger("aiayn")
 
 
 def model_config(p: Params, vocab_size: int) -> TransformerConfig:
-    """The model ``p`` describes (:meth:`aiayn.config.Params.transformer_config`)."""
-    return p.transformer_config(vocab_size)
+    """The model ``p`` describes (``model.*`` and ``train``'s two extra dropouts), for a
+    vocabulary of ``vocab_size`` tokens (the tokenizer's). It lives here, not on ``Params``:
+    the params schema stays free of the model, so that a stage reading params does not
+    depend on the model's code (tests/test_dvc_deps.py)."""
+    m = p.model
+    return TransformerConfig(
+        vocab_size=vocab_size, d_model=m.d_model, heads=m.heads,
+        encoder_layers=m.encoder_layers, decoder_layers=m.decoder_layers, d_ff=m.d_ff,
+        dropout=m.dropout, attention_dropout=p.train.attention_dropout,
+        activation_dropout=p.train.activation_dropout, norm=m.norm,
+        max_positions=m.max_positions, output_vocab=m.output_vocab, d_k=m.d_k, d_v=m.d_v,
+        positions=m.positions, position_init_std=m.position_init_std)
 
 
 def device_kind(choice: str) -> str:
