@@ -15,6 +15,23 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+# torch's compiler keeps the kernels it builds in one folder per user and hands them to later
+# runs; a run under instruction caps (to test as an AVX2-only CPU would, bench/README.md)
+# was handed kernels built without them and failed. Under caps, the tests' compiled
+# trainings (and the processes they start, which inherit the variable) get a folder of their
+# own per set of caps.
+_CAPS = " ".join(f"{name}={os.environ[name]}" for name in (
+    "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+    if os.environ.get(name))
+if _CAPS and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    import getpass
+    import hashlib
+    import tempfile
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(
+        Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
+        / f"caps-{hashlib.sha256(_CAPS.encode()).hexdigest()[:12]}")
+
 # Real sentences with the things lossless tokenization must survive.
 SENTENCES_EN = [
     "The house is small.",
