@@ -13,6 +13,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from aiayn.precision import instruction_caps_text
+
 REPO = Path(__file__).resolve().parents[1]
 
 # torch's compiler keeps the kernels it builds in one folder per user and hands them to later
@@ -20,9 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 # was handed kernels built without them and failed. Under caps, the tests' compiled
 # trainings (and the processes they start, which inherit the variable) get a folder of their
 # own per set of caps.
-_CAPS = " ".join(f"{name}={os.environ[name]}" for name in (
-    "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
-    if os.environ.get(name))
+_CAPS = instruction_caps_text()
 if _CAPS and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     import getpass
     import hashlib
