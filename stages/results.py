@@ -25,6 +25,7 @@ def results(
     model: Annotated[Path, typer.Option(help="The averaged model folder.")] = Path("data/model"),
     table3: Annotated[bool, typer.Option("--table3", help="Instead: the paper's Table 3 from the `table3-*` DVC experiments of this commit (`aiayn table3 --queue`), beside the paper's values; written to METRICS/table3.md and printed, and drawn as each row's change from the base in METRICS/table3.png.")] = False,
     runs: Annotated[list[Path] | None, typer.Option("--runs", help="With --table3: read these run folders (`table3-<row>/` with params.yaml and metrics/, as bench/gpu_session.sh runs them without DVC, or as --save-runs writes them) instead of the DVC experiments.")] = None,
+    min_bleu: Annotated[float | None, typer.Option("--min-bleu", help="Exit 1 (after printing) when the test sacreBLEU is below MIN_BLEU: a check that the run learned. `make demo` gives 60 (the demo preset reaches ~86-89 on a CPU; far below it, something in the install or the code is broken).")] = None,
     save_runs: Annotated[Path | None, typer.Option("--save-runs", help="With --table3, from the DVC experiments: also write each finished row as a run folder SAVE_RUNS/table3-<row>/ (params.yaml, metrics/ with the table's metrics and the training curves, copied from the experiment's commit), to be committed as a record or put in one table with rows run on other days or machines: `aiayn results --table3 --runs SAVE_RUNS/table3-*/`. A row whose folder exists stops it before anything is written.")] = None,
 ) -> None:
     """Print the last run's results and where everything is (not a DVC stage; reads only).
@@ -32,7 +33,7 @@ def results(
     Reads: METRICS/bleu.json, METRICS/bleu_valid.json, METRICS/train.json,
     METRICS/average.json, CHECKPOINTS/mlflow_run.json. Writes:
     nothing (standard output only). Exits non-zero when there are no scores yet (run
-    `dvc repro` first).
+    `dvc repro` first), or when the test sacreBLEU is below --min-bleu.
 
     With --table3: reads the experiments of HEAD (DVC's Python API, and each finished
     one's params.yaml and metrics from its commit) and writes
@@ -121,6 +122,12 @@ def results(
                  "(then http://127.0.0.1:5000/#/experiments?workflowType=machine_learning, experiment 'aiayn': MLflow's model-training view)")
     else:
         echo("  MLflow run      none recorded (trained with --no-mlflow?)")
+    if min_bleu is not None and (score := bleu["sacrebleu"]["score"]) < min_bleu:
+        typer.secho(f"error: {metrics / 'bleu.json'}: test sacreBLEU {score:.2f} is below "
+                    f"--min-bleu {min_bleu:g}: this run did not learn what it should. Look at "
+                    f"{metrics}/training_curves.png (does the loss fall?) and "
+                    "docs/troubleshooting.md", fg=typer.colors.RED, err=True)
+        raise typer.Exit(code=1)
 
 
 def _stale(train: dict | None, average: dict | None) -> str | None:

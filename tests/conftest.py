@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -125,8 +126,7 @@ def save_model_folder(model, tokenizer: Path, out: Path, **config) -> Path:
     return out
 
 
-@pytest.fixture
-def cli_env() -> dict[str, str]:
+def command_env() -> dict[str, str]:
     """Environment for running the project's commands in a subprocess, offline."""
     env = dict(os.environ)
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
@@ -134,6 +134,12 @@ def cli_env() -> dict[str, str]:
     env["HF_DATASETS_OFFLINE"] = "1"
     env.pop("MLFLOW_TRACKING_URI", None)
     return env
+
+
+@pytest.fixture
+def cli_env() -> dict[str, str]:
+    """Environment for running the project's commands in a subprocess, offline."""
+    return command_env()
 
 
 TINY_PARAMS = {
@@ -263,3 +269,77 @@ def copy_project(root: Path, env: dict, preset_changes: dict | None = None) -> P
     run(["git", "add", "-A"], root, env)
     run(["git", "commit", "-q", "-m", "test repository"], root, env)
     return root
+
+
+# --------------------------------------------------------------------------- one pipeline run
+
+# The pipeline the end-to-end tests run: the copy's demo preset shrunk so that a whole
+# `dvc repro` takes seconds. Written into the copy's conf/experiment/demo.yaml, so that
+# `dvc exp run` (which composes params.yaml again from conf/) sees it too.
+E2E_PRESET = {"data": {"toy": {"train_pairs": 1000, "valid_pairs": 60, "test_pairs": 60}},
+              "vocab": {"vocab_size": 500}, "shard": {"max_tokens": 512, "max_len": 64},
+              "model": {"d_model": 32, "d_ff": 64, "encoder_layers": 1, "decoder_layers": 1},
+              "train": {"steps": 8, "tokens_per_step": 1024, "warmup_steps": 4, "log_every": 2,
+                        "valid_every": 4, "checkpoint_every_steps": 2, "keep_checkpoints": 3,
+                        "average_last": 2, "valid_bleu_every": 4}}
+
+
+@dataclass(frozen=True)
+class PipelineRun:
+    """A repository after its first `dvc repro`, results committed; ``log`` is that run's."""
+
+    root: Path
+    log: str
+
+
+@pytest.fixture(scope="session")
+def e2e_baseline(tmp_path_factory) -> PipelineRun:
+    """A copy of the project shrunk by E2E_PRESET, run once by `dvc repro` and committed:
+    where a user stands after their first run. MLflow logs to the default store, mlflow.db
+    in the repository. Shared by the whole session: a test that changes anything takes
+    ``e2e_repo``, a copy of it, instead."""
+    env = {**command_env(), **GIT_IDENTITY}
+    root = copy_project(tmp_path_factory.mktemp("e2e") / "repo", env, E2E_PRESET)
+    result = run(["dvc", "repro"], root, env)
+    run(["git", "add", "-A"], root, env)
+    run(["git", "commit", "-q", "-m", "baseline run"], root, env)
+    return PipelineRun(root, result.stdout + result.stderr)
+
+
+@pytest.fixture
+def e2e_repo(e2e_baseline, tmp_path, cli_env) -> tuple[Path, dict]:
+    """A copy of ``e2e_baseline`` of the test's own (git, DVC cache, outputs, mlflow.db),
+    and the environment to run commands in it."""
+    root, env = tmp_path / "repo", {**cli_env, **GIT_IDENTITY}
+    shutil.copytree(e2e_baseline.root, root, symlinks=True)
+    relocate_mlflow_store(root, e2e_baseline.root, env)
+    return root, env
+
+
+def relocate_mlflow_store(root: Path, old: Path, env: dict) -> None:
+    """Make a copy of a repository at ``old`` log where its first run would have, had it
+    run at ``root``: MLflow writes artifact locations as absolute paths (a copy must not log
+    into the folder it was copied from), and the train stage saved its run id for the store
+    at ``old`` (later stages log into that run only for the same store)."""
+    import json
+    import sqlite3
+
+    from aiayn.tracking import RUN_FILE
+
+    run_file = root / "data/checkpoints" / RUN_FILE
+    saved = json.loads(run_file.read_text())
+    saved["tracking_uri"] = f"sqlite:///{root / 'mlflow.db'}"
+    run_file.write_text(json.dumps(saved, indent=2) + "\n")
+    # the outputs as they are now, and the deps of the stages after them
+    run(["dvc", "commit", "--force", "dvc.yaml"], root, env)
+    run(["git", "commit", "-q", "-am", "the baseline's MLflow run, here"], root, env)
+    db = root / "mlflow.db"
+
+    with sqlite3.connect(db) as con:
+        for table, column in (("experiments", "artifact_location"), ("runs", "artifact_uri")):
+            con.execute(f"UPDATE {table} SET {column} = replace({column}, ?, ?)",
+                        (str(old), str(root)))
+        moved = con.execute("SELECT count(*) FROM experiments WHERE artifact_location LIKE ?",
+                            (f"%{old}%",)).fetchone()[0]
+    con.close()
+    assert moved == 0, f"{db}: artifact locations still under {old}"

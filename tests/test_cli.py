@@ -144,6 +144,25 @@ def test_results_say_when_the_scores_are_not_those_of_the_last_training(
         assert "note: " + note in " ".join(result.output.split())
 
 
+@pytest.mark.parametrize("min_bleu,code", [(None, 0), ("39.2", 0), ("39.3", 1)])
+def test_results_fail_below_the_bleu_a_run_must_reach(tmp_path, min_bleu, code):
+    from aiayn.io import write_json
+
+    metrics = tmp_path / "metrics"
+    write_json(metrics / "bleu.json", {
+        "direction": "en-de", "split": "test", "sentences": 10, "hypotheses": "h",
+        "sacrebleu": {"score": 39.2188, "signature": "s"}, "chrf": {"score": 50.0,
+                                                                    "signature": "c"},
+        "tokenized_bleu": {"score": 30.0}})
+    args = ["results", "--metrics", str(metrics), "--checkpoints", str(tmp_path / "none"),
+            "--model", str(tmp_path / "none")]
+    result = CliRunner().invoke(app, args + (["--min-bleu", min_bleu] if min_bleu else []))
+    assert result.exit_code == code, result.output
+    assert re.search(r"sacreBLEU\s+39\.22", result.output)  # printed either way
+    said = "test sacreBLEU 39.22 is below --min-bleu 39.3"
+    assert (said in " ".join(result.output.split())) == (code == 1)
+
+
 def test_results_before_any_run_says_what_to_run(tmp_path):
     result = CliRunner().invoke(app, ["results", "--metrics", str(tmp_path)])
     assert result.exit_code == 1
