@@ -39,12 +39,13 @@ export PATH := $(BIN):$(PATH)
 # repository) land in this repository's store.
 export MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlflow.db
 
-.PHONY: install demo test test-fast params lint bench clean-data help
+.PHONY: install demo test test-fast coverage params lint bench clean-data help
 
 help:
 	@echo "make demo    - set up .venv and run the pipeline on the built-in toy corpus (CPU, offline)"
 	@echo "make test    - set up .venv and run the test suite (slow end-to-end tests included)"
 	@echo "make test-fast - the test suite without the slow end-to-end tests"
+	@echo "make coverage - the test suite under coverage.py: line coverage of aiayn/ and stages/"
 	@echo "make install - set up .venv only: torch, then the project with its dev and export extras"
 	@echo "make params EXPERIMENT=multi30k - compose params.yaml from conf/: demo, multi30k,"
 	@echo "               multi30k_rdrop (CPUs with AMX), wmt14_base, wmt14_big"
@@ -142,6 +143,14 @@ test: install
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# Line coverage of aiayn/ and stages/ over the whole suite, the processes the tests start
+# included ([tool.coverage] in pyproject.toml); about twice the suite's time.
+coverage: install
+	$(BIN)/python -m coverage erase
+	$(BIN)/python -m coverage run -m pytest -q
+	$(BIN)/python -m coverage combine -q
+	$(BIN)/python -m coverage report
 
 params: install
 	aiayn params $(EXPERIMENT)
