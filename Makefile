@@ -138,11 +138,16 @@ demo: install
 	@echo
 	aiayn results --min-bleu 60
 
+# One test process per CPU core (pytest-xdist); the end-to-end tests that share one pipeline
+# run stay in one of them (--dist loadgroup). PYTEST_WORKERS=1 runs them in this process.
+PYTEST_WORKERS ?= auto
+PYTEST_PARALLEL := $(if $(filter 1,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)
+
 test: install
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) --durations=15
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m "not slow"
 
 # Line coverage of aiayn/ and stages/ over the whole suite, the processes the tests start
 # included ([tool.coverage] in pyproject.toml); about twice the suite's time.

@@ -21,7 +21,8 @@ import yaml
 
 from tests.conftest import GIT_IDENTITY, REPO, run
 
-pytestmark = pytest.mark.slow
+# One worker runs them all under `pytest -n` (make test): they share the session's pipeline run.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("e2e")]
 
 OUTS = ("data/raw", "data/vocab", "data/survey", "data/shards", "data/checkpoints", "data/model",
         "data/translations")

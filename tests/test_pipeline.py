@@ -19,7 +19,8 @@ import yaml
 
 from tests.conftest import E2E_PRESET, GIT_IDENTITY, copy_project, run
 
-pytestmark = pytest.mark.slow
+# One worker runs them all under `pytest -n` (make test): they share the session's pipeline run.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("e2e")]
 STAGES = ("download", "vocab", "survey", "shard", "train", "average", "translate", "score")
 DATA_STAGES = STAGES[:4]
 
