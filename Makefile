@@ -138,10 +138,10 @@ demo: install
 	@echo
 	aiayn results --min-bleu 60
 
-# One test process per CPU core (pytest-xdist); the end-to-end tests that share one pipeline
-# run stay in one of them (--dist loadgroup). PYTEST_WORKERS=1 runs them in this process.
+# One test process per CPU core (pytest-xdist); each process that runs an end-to-end test
+# makes the session's pipeline run once. PYTEST_WORKERS=1 runs the suite in this process.
 PYTEST_WORKERS ?= auto
-PYTEST_PARALLEL := $(if $(filter 1,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)
+PYTEST_PARALLEL := $(if $(filter 1,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS))
 
 test: install
 	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) --durations=15

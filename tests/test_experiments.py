@@ -21,8 +21,7 @@ import yaml
 
 from tests.conftest import GIT_IDENTITY, REPO, run
 
-# One worker runs them all under `pytest -n` (make test): they share the session's pipeline run.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("e2e")]
+pytestmark = pytest.mark.slow
 
 OUTS = ("data/raw", "data/vocab", "data/survey", "data/shards", "data/checkpoints", "data/model",
         "data/translations")

@@ -19,8 +19,7 @@ import yaml
 
 from tests.conftest import E2E_PRESET, GIT_IDENTITY, copy_project, run
 
-# One worker runs them all under `pytest -n` (make test): they share the session's pipeline run.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("e2e")]
+pytestmark = pytest.mark.slow
 STAGES = ("download", "vocab", "survey", "shard", "train", "average", "translate", "score")
 DATA_STAGES = STAGES[:4]
 
