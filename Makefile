@@ -138,10 +138,11 @@ demo: install
 	@echo
 	aiayn results --min-bleu 60
 
-# One test process per CPU core (pytest-xdist); each process that runs an end-to-end test
-# makes the session's pipeline run once. PYTEST_WORKERS=1 runs the suite in this process.
+# One test process per CPU core (pytest-xdist), each given whole test modules
+# (--dist loadfile): a module's fixtures are made once, and the end-to-end tests, one module,
+# share one pipeline run. PYTEST_WORKERS=1 runs the suite in this process.
 PYTEST_WORKERS ?= auto
-PYTEST_PARALLEL := $(if $(filter 1,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS))
+PYTEST_PARALLEL := $(if $(filter 1,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 
 test: install
 	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) --durations=15
@@ -153,7 +154,7 @@ test-fast: install
 # included ([tool.coverage] in pyproject.toml); about twice the suite's time.
 coverage: install
 	$(BIN)/python -m coverage erase
-	$(BIN)/python -m coverage run -m pytest -q
+	$(BIN)/python -m coverage run -m pytest -q $(PYTEST_PARALLEL)
 	$(BIN)/python -m coverage combine -q
 	$(BIN)/python -m coverage report
 

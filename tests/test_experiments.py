@@ -1,27 +1,184 @@
-"""Experiments as users run them: one pipeline run as one MLflow run, a queued
-`dvc exp` sweep compared with `dvc exp show` / `metrics diff` / `plots diff`, and outputs
-pushed to a DVC remote and pulled into a fresh clone, and a `dvc exp run` whose training
-failed before DVC committed it, run again.
+"""End to end, as users run the pipeline: `dvc repro` runs every stage and re-runs only
+what changed, `dvc exp run` composes presets and overrides, one pipeline run is one MLflow
+run, a queued `dvc exp` sweep is compared with `dvc exp show` / `metrics diff` / `plots
+diff`, outputs are pushed to a DVC remote and pulled into a fresh clone, a `dvc exp run`
+whose training failed before DVC committed it is run again, and Table 3's rows are queued.
 
 All of them start from the session's one shrunk pipeline run (``e2e_baseline`` in
-tests/conftest.py), each that changes anything in a copy of its own (slow, and run in CI).
+tests/conftest.py), each that changes anything in a copy of its own. One module, so that
+`pytest -n` (make test, `--dist loadfile`) runs them in one process and that run is made
+once (slow, and run in CI).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from tests.conftest import GIT_IDENTITY, REPO, run
+from tests.conftest import E2E_PRESET, GIT_IDENTITY, REPO, copy_project, run
 
 pytestmark = pytest.mark.slow
+
+STAGES = ("download", "vocab", "survey", "shard", "train", "average", "translate", "score")
+DATA_STAGES = STAGES[:4]
+
+
+def set_params(repo: Path, **changes) -> None:
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    for dotted, value in changes.items():
+        node = params
+        *path, last = dotted.split("__")
+        for key in path:
+            node = node[key]
+        node[last] = value
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def repro(root: Path, env: dict) -> str:
+    result = run(["dvc", "repro"], root, env)
+    return result.stdout + result.stderr
+
+
+def ran(log: str, stage: str) -> bool:
+    return f"Running stage '{stage}'" in log
+
+
+def status(root: Path, env: dict) -> set[str]:
+    """The stages of dvc.yaml whose own params or deps changed (not those downstream)."""
+    return set(json.loads(run(["dvc", "status", "dvc.yaml", "--json"], root, env).stdout))
+
+
+def test_dvc_repro_runs_every_stage_and_reruns_only_what_changed(e2e_baseline, e2e_repo):
+    log, first = e2e_baseline.log, e2e_baseline.root
+    assert all(ran(log, s) for s in STAGES), log
+
+    # Outputs declared in dvc.yaml exist and agree with each other.
+    for split in ("train", "valid", "test"):
+        assert pq.read_schema(first / "data/raw" / f"{split}.parquet").names == ["de", "en"]
+    download = json.loads((first / "metrics/download.json").read_text())
+    assert download["splits"]["valid"]["kept"] == E2E_PRESET["data"]["toy"]["valid_pairs"]
+    vocab = json.loads((first / "metrics/vocab.json").read_text())
+    assert vocab["size"] <= 500 and vocab["en"]["unknown_rate"] == 0.0
+    survey = json.loads((first / "metrics/survey.json").read_text())
+    assert survey["splits"]["train"]["pairs"] == download["splits"]["train"]["kept"]
+    shard = json.loads((first / "metrics/shard.json").read_text())
+    train = shard["splits"]["train"]
+    assert train["pairs"] + train["dropped_over_max_len"] == survey["splits"]["train"]["pairs"]
+    assert 0 <= train["padding_ratio"] < 0.5
+    assert (first / "data/shards/train/meta.json").is_file()
+    assert (first / "metrics/survey_hist.png").read_bytes()[:4] == b"\x89PNG"
+
+    train = json.loads((first / "metrics/train.json").read_text())
+    assert train["steps"] == 8 and train["valid_loss"] > 0
+    model_config = json.loads((first / "data/model/config.json").read_text())
+    assert model_config["averaged_steps"] == [6, 8] and model_config["model"]["d_model"] == 32
+    assert (first / "data/model/model.safetensors").is_file()
+    assert json.loads((first / "data/checkpoints/mlflow_run.json").read_text())["run_id"]
+    hyps = (first / "data/translations/test.de").read_text(encoding="utf-8").splitlines()
+    assert len(hyps) == E2E_PRESET["data"]["toy"]["test_pairs"]
+    bleu = json.loads((first / "metrics/bleu.json").read_text())
+    assert bleu["sentences"] == len(hyps) and 0 <= bleu["sacrebleu"]["score"] <= 100
+    assert bleu["sacrebleu"]["signature"].startswith("nrefs:1|case:mixed")
+
+    # Everything is cached, in a copy too: nothing to run. (`dvc status` alone also lists
+    # the optional export pipeline until it has run: see export/dvc.yaml.)
+    root, env = e2e_repo
+    assert status(root, env) == set()
+    check_the_export_pipeline(root, env, bleu)
+
+    # A training parameter touches no data stage; a decoding one, translate and score (an
+    # experiment that only decodes is scored, and logged, even if its output is the same);
+    # averaging more re-runs average and what follows it.
+    lr = yaml.safe_load((root / "params.yaml").read_text())["train"]["lr_scale"]
+    set_params(root, train__lr_scale=lr + 2.0)
+    assert status(root, env) == {"train"}
+    set_params(root, train__lr_scale=lr, decode__beam=8)
+    assert status(root, env) == {"translate", "score"}
+    set_params(root, decode__beam=4, train__average_last=3)
+    assert status(root, env) == {"average", "score"}
+    log = repro(root, env)
+    assert [s for s in STAGES if ran(log, s)] == ["average", "translate", "score"]
+
+    # A vocabulary change re-runs vocab and what depends on it, never download.
+    set_params(root, vocab__vocab_size=450)
+    log = repro(root, env)
+    assert not ran(log, "download") and ran(log, "vocab") and ran(log, "shard"), log
+    assert ran(log, "train") and ran(log, "average")
+    assert json.loads((root / "metrics/vocab.json").read_text())["size"] <= 450
+
+    # A batch-size change touches shard alone of the data stages (what follows it re-runs
+    # because shard's output changed, as the vocabulary change above showed).
+    set_params(root, shard__max_tokens=256)
+    assert status(root, env) == {"shard"}
+    log = run(["dvc", "repro", "--single-item", "shard"], root, env).stdout
+    assert [s for s in STAGES if ran(log, s)] == ["shard"]
+    batches = np.load(root / "data/shards/train/batches.npy")
+    shard = json.loads((root / "metrics/shard.json").read_text())
+    assert len(batches) == shard["splits"]["train"]["batches"] and shard["max_tokens"] == 256
+
+
+def check_the_export_pipeline(root: Path, env: dict, bleu: dict) -> None:
+    """`dvc repro export/dvc.yaml` exports the model for both engines, with the BLEU of
+    metrics/bleu.json in its card, and runs nothing of dvc.yaml that is up to date."""
+    if not all(importlib.util.find_spec(m) for m in ("ctranslate2", "transformers")):
+        return  # the export extras are not installed: tests/test_export.py says so
+    log = run(["dvc", "repro", "export/dvc.yaml"], root, env).stdout
+    assert ran(log, "export/dvc.yaml:export") and not any(ran(log, s) for s in STAGES), log
+    for fmt, name in (("ctranslate2", "model.bin"), ("transformers", "model.safetensors")):
+        folder = root / "data/export" / fmt
+        assert (folder / name).is_file() and (folder / "tokenizer.json").is_file()
+        card = (folder / "README.md").read_text(encoding="utf-8")
+        assert f"| sacreBLEU | {bleu['sacrebleu']['score']:.1f} |" in card
+        assert bleu["sacrebleu"]["signature"].replace("|", "\\|") in card
+    # Now every pipeline is up to date, and `dvc repro` alone leaves the export alone.
+    assert json.loads(run(["dvc", "status", "--json"], root, env).stdout) == {}
+    assert not ran(repro(root, env), "export/dvc.yaml:export")
+
+
+def test_dvc_exp_run_composes_presets_and_overrides(e2e_repo):
+    root, env = e2e_repo
+    tiny = ["model.d_model=32", "model.d_ff=64", "model.encoder_layers=1",
+            "model.decoder_layers=1", "train.steps=2", "train.log_every=1",
+            "train.valid_every=2", "train.checkpoint_every_minutes=0", "train.average_last=1"]
+    overrides = ["experiment=demo", "data.toy.train_pairs=1200", "vocab.vocab_size=450",
+                 "shard.max_tokens=512", "shard.max_len=64", *tiny]
+    run(["dvc", "exp", "run", "-n", "small-vocab", *(a for o in overrides for a in ("-S", o))],
+        root, env)
+    shown = json.loads(run(["dvc", "exp", "show", "--json"], root, env).stdout)
+    text = json.dumps(shown)
+    assert "small-vocab" in text
+    # The experiment's params are the Hydra composition: preset values plus the overrides.
+    exp_params = run(["dvc", "exp", "show", "--json", "--only-changed"], root, env).stdout
+    assert "450" in exp_params
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    assert params["vocab"]["vocab_size"] == 450 and params["data"]["toy"]["train_pairs"] == 1200
+    assert params["model"]["d_model"] == 32  # an override
+    # from the (shrunk) conf/experiment/demo.yaml, over conf/config.yaml:
+    assert params["train"]["warmup_steps"] == E2E_PRESET["train"]["warmup_steps"]
+    assert params["data"]["source"] == "toy"
+    vocab = json.loads((root / "metrics/vocab.json").read_text())
+    assert vocab["requested_size"] == 450
+
+
+def test_a_bad_param_stops_dvc_repro_before_any_work(tmp_path, cli_env):
+    env = {**cli_env, **GIT_IDENTITY}
+    root = copy_project(tmp_path / "repo", env, E2E_PRESET)
+    set_params(root, model__heads=5)
+    result = run(["dvc", "repro"], root, env, check=False)
+    assert result.returncode != 0
+    assert "model: d_model (32) must be divisible by heads (5)" in result.stderr
+    assert not (root / "data/raw").exists()
+
 
 OUTS = ("data/raw", "data/vocab", "data/survey", "data/shards", "data/checkpoints", "data/model",
         "data/translations")
@@ -154,14 +311,14 @@ def test_a_queued_sweep_reruns_only_training_onwards_and_compares(e2e_repo):
     from mlflow import MlflowClient
 
     root, env = e2e_repo
-    run(["dvc", "exp", "run", "--queue", "-S", "train.lr_scale=0.5,1,2"], root, env)
+    run(["dvc", "exp", "run", "--queue", "-S", "train.lr_scale=1,2"], root, env)
     # Decoding only: it reuses the baseline's training, and must not write into its run.
     run(["dvc", "exp", "run", "--queue", "-n", "wide-beam", "-S", "decode.beam=6"], root, env)
     queued = run(["dvc", "queue", "status"], root, env).stdout
-    assert queued.count("Queued") == 4, queued
+    assert queued.count("Queued") == 3, queued
     # Two at a time, as the README suggests: both write the one mlflow.db at once.
     status = run_queue(root, env, jobs=2, timeout=900)
-    assert status.count("Success") == 4, status
+    assert status.count("Success") == 3, status
 
     # dvc exp show: one row per lr_scale, each with its own BLEU, chrF and losses.
     shown = json.loads(run(["dvc", "exp", "show", "--json"], root, env).stdout)
@@ -181,7 +338,7 @@ def test_a_queued_sweep_reruns_only_training_onwards_and_compares(e2e_repo):
                                "bleu": metrics["metrics/bleu.json"]["data"]["sacrebleu"]["score"],
                                "chrf": metrics["metrics/bleu.json"]["data"]["chrf"]["score"],
                                "loss": metrics["metrics/train.json"]["data"]["train_loss"]}
-    assert sorted(exps) == [0.5, 1.0, 2.0], shown
+    assert sorted(exps) == [1.0, 2.0], shown
 
     # The sweep's table (bench/sweep_table.py), read from this repository through DVC's
     # Python API; the same from the experiments it saved.
@@ -200,7 +357,7 @@ def test_a_queued_sweep_reruns_only_training_onwards_and_compares(e2e_repo):
         assert row[2] == f"{exp['valid']:.2f}"
         assert (row[7] == f"{exp['bleu']:.2f}") if exp["name"] == chosen else row[7] == "not read"
     losses = {e["loss"] for e in exps.values()}
-    assert len(losses) == 3, "each learning rate must train its own model"
+    assert len(losses) == 2, "each learning rate must train its own model"
 
     # Only training onwards ran: the data stages came from the baseline's cache; the
     # experiment whose lr_scale is the baseline's ran nothing at all.
@@ -213,7 +370,7 @@ def test_a_queued_sweep_reruns_only_training_onwards_and_compares(e2e_repo):
             assert (f"Running stage '{stage}'" in logs) == (lr != baseline_lr), logs
 
     # Side by side: metrics and plots of two experiments.
-    a, b = exps[0.5]["name"], exps[2.0]["name"]
+    a, b = exps[1.0]["name"], exps[2.0]["name"]
     diff = json.loads(run(["dvc", "metrics", "diff", a, b, "--all", "--json"], root,
                           env).stdout)
     assert "sacrebleu.score" in diff["metrics/bleu.json"]
@@ -228,8 +385,8 @@ def test_a_queued_sweep_reruns_only_training_onwards_and_compares(e2e_repo):
     client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("aiayn")
     by_name = {r.info.run_name: r for r in client.search_runs([experiment.experiment_id])}
-    # the baseline, the two new learning rates, and the decoding experiment (a child run)
-    assert len(by_name) == 4
+    # the baseline, the new learning rate, and the decoding experiment (a child run)
+    assert len(by_name) == 3
     for lr, exp in exps.items():
         if lr == baseline_lr:
             assert exp["name"] not in by_name
@@ -316,20 +473,20 @@ def test_table3_queues_rows_once_and_a_tiny_row_runs_into_the_table(e2e_repo):
     """`aiayn table3 --queue` in a real git + DVC repository on the toy task: named
     experiments whose params are the rows built on the current params, not queued twice;
     one row (learned positions) run end to end by `dvc queue start`, then shown by
-    `aiayn results --table3` and skipped by a later --queue. Three groups of rows, not all
-    twenty: each queued row costs DVC seconds, and every row's params are checked without
-    DVC in tests/test_table3.py."""
+    `aiayn results --table3` and skipped by a later --queue. Four rows, not all twenty:
+    each queued row costs DVC seconds, and every row's params are checked without DVC in
+    tests/test_table3.py."""
     from mlflow import MlflowClient
 
     from aiayn.config import flatten
     from aiayn.experiments import table3 as t3
 
     root, env = e2e_repo
-    rows = "A,E,big"
+    rows = "A-h1,A-h4,E,big"
     queued = run(["aiayn", "table3", "--queue", "--rows", rows, "--budget-steps", "4"], root,
                  env)
     # The toy model has 4 heads: its A-h4 is the base, not trained twice.
-    assert "queued 5 experiment(s)" in queued.stdout, queued.stdout + queued.stderr
+    assert "queued 3 experiment(s)" in queued.stdout, queued.stdout + queued.stderr
     assert "table3-A-h4: " in queued.stderr and "is the base on these params" in queued.stderr
     status = run(["dvc", "queue", "status"], root, env).stdout
     names = {line.split()[1] for line in status.splitlines() if line.endswith("Queued")}
@@ -354,7 +511,7 @@ def test_table3_queues_rows_once_and_a_tiny_row_runs_into_the_table(e2e_repo):
     again = run(["aiayn", "table3", "--queue", "--rows", rows, "--budget-steps", "4"], root,
                 env)
     assert "queued 0 experiment(s)" in again.stdout
-    assert "table3-A-h16 already queued" in again.stderr
+    assert "table3-A-h1 already queued" in again.stderr
 
     # Run one row: the others leave the queue.
     others = sorted(names - {"table3-E-learned"})

@@ -368,7 +368,13 @@ def test_subword_split_trains_on_more_target_tokens_of_the_same_batches(toy_work
 
 
 def test_a_changed_model_or_training_setting_starts_a_new_run_and_keeps_the_old(
-        toy_workspace, tmp_path, caplog):
+        toy_workspace, tmp_path, caplog, monkeypatch):
+    from types import SimpleNamespace
+
+    from aiayn.training import run_store
+
+    # Both set-asides below in the same second of the clock: two folders all the same.
+    monkeypatch.setattr(run_store, "time", SimpleNamespace(strftime=lambda _: "20261206-120000"))
     make_trainer(toy_workspace, tmp_path, {"train": {"steps": 3}}).fit()
     fresh = make_trainer(toy_workspace, tmp_path, {"model": {"d_model": 48},
                                                    "train": {"steps": 3}})
@@ -387,6 +393,8 @@ def test_a_changed_model_or_training_setting_starts_a_new_run_and_keeps_the_old(
     aside = [f for f in (tmp_path / "checkpoints.replaced").rglob("*") if f.is_file()]
     assert (f"checkpoints.replaced holds 2 set-aside folder(s), "
             f"{human_bytes(sum(f.stat().st_size for f in aside))} in all") in caplog.text
+    assert sorted(d.name for d in (tmp_path / "checkpoints.replaced").iterdir()) == [
+        "20261206-120000", "20261206-120000-2"]
 
 
 def test_more_steps_or_other_logging_continue_the_same_run(toy_workspace, tmp_path):
