@@ -5,9 +5,7 @@ diff`, outputs are pushed to a DVC remote and pulled into a fresh clone, a `dvc 
 whose training failed before DVC committed it is run again, and Table 3's rows are queued.
 
 All of them start from the session's one shrunk pipeline run (``e2e_baseline`` in
-tests/conftest.py), each that changes anything in a copy of its own. One module, so that
-`pytest -n` (make test, `--dist loadfile`) runs them in one process and that run is made
-once (slow, and run in CI).
+tests/conftest.py), each that changes anything in a copy of its own (slow, and run in CI).
 """
 
 from __future__ import annotations
