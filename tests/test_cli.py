@@ -144,6 +144,28 @@ def test_results_say_when_the_scores_are_not_those_of_the_last_training(
         assert "note: " + note in " ".join(result.output.split())
 
 
+@pytest.mark.parametrize("uri,how", [
+    ("http://tracker:5000", "open http://tracker:5000 in a browser"),
+    ("sqlite:////work/mlflow.db", "mlflow ui --backend-store-uri sqlite:////work/mlflow.db"),
+])
+def test_results_say_where_the_mlflow_run_is_and_how_to_open_it(tmp_path, uri, how):
+    from aiayn.io import write_json
+    from aiayn.tracking import RUN_FILE
+
+    metrics = tmp_path / "metrics"
+    write_json(metrics / "bleu.json", {
+        "direction": "en-de", "split": "test", "sentences": 10, "hypotheses": "h",
+        "sacrebleu": {"score": 30.0, "signature": "s"}, "chrf": {"score": 50.0, "signature": "c"},
+        "tokenized_bleu": {"score": 30.0}})
+    write_json(tmp_path / "checkpoints" / RUN_FILE, {"run_id": "0123abcd", "tracking_uri": uri})
+    result = CliRunner().invoke(app, ["results", "--metrics", str(metrics), "--checkpoints",
+                                      str(tmp_path / "checkpoints"), "--model",
+                                      str(tmp_path / "none")])
+    assert result.exit_code == 0, result.output
+    assert f"MLflow run      0123abcd in {uri}" in result.output
+    assert how in result.output
+
+
 @pytest.mark.parametrize("min_bleu,code", [(None, 0), ("39.2", 0), ("39.3", 1)])
 def test_results_fail_below_the_bleu_a_run_must_reach(tmp_path, min_bleu, code):
     from aiayn.io import write_json

@@ -1251,6 +1251,22 @@ def test_the_train_stage_depends_on_the_kernels_source():
     assert str(extension.SOURCE.relative_to(repo)) in deps
 
 
+def test_a_build_is_announced_and_a_load_from_the_cache_is_not(tmp_path, monkeypatch, capsys):
+    """Before torch builds the kernels (~30 s) one line says why the pause; where the built
+    library is already in torch's cache, nothing is said."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    name = extension.build_name("int x;", "AVX2", ["-O3"])
+    extension._say_if_building(cpp_extension, name, "AVX2", extension.SOURCE)
+    said = capsys.readouterr().err
+    assert said.startswith("aiayn: building the CPU kernels cpu_kernels.cpp for AVX2")
+    assert str(tmp_path / name) in said
+    (tmp_path / name / f"{name}.so").write_bytes(b"")
+    extension._say_if_building(cpp_extension, name, "AVX2", extension.SOURCE)
+    assert capsys.readouterr().err == ""
+
+
 def test_a_build_is_named_by_what_it_is_built_from():
     """One cache folder per source, flags and environment: a checkout elsewhere (a queued
     DVC experiment's temporary copy) finds the same build; an edited source gets a new one."""
