@@ -333,13 +333,9 @@ def relocate_mlflow_store(root: Path, old: Path, env: dict) -> None:
     # the outputs as they are now, and the deps of the stages after them
     run(["dvc", "commit", "--force", "dvc.yaml"], root, env)
     run(["git", "commit", "-q", "-am", "the baseline's MLflow run, here"], root, env)
-    db = root / "mlflow.db"
-
-    with sqlite3.connect(db) as con:
+    con = sqlite3.connect(root / "mlflow.db")
+    with con:  # one transaction
         for table, column in (("experiments", "artifact_location"), ("runs", "artifact_uri")):
             con.execute(f"UPDATE {table} SET {column} = replace({column}, ?, ?)",
                         (str(old), str(root)))
-        moved = con.execute("SELECT count(*) FROM experiments WHERE artifact_location LIKE ?",
-                            (f"%{old}%",)).fetchone()[0]
     con.close()
-    assert moved == 0, f"{db}: artifact locations still under {old}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import typer
@@ -144,6 +145,17 @@ def test_results_say_when_the_scores_are_not_those_of_the_last_training(
         assert "note: " + note in " ".join(result.output.split())
 
 
+def write_scores(metrics: Path, sacrebleu: float) -> Path:
+    """A METRICS/bleu.json with this test sacreBLEU (the rest as the score stage writes it)."""
+    from aiayn.io import write_json
+
+    write_json(metrics / "bleu.json", {
+        "direction": "en-de", "split": "test", "sentences": 10, "hypotheses": "h",
+        "sacrebleu": {"score": sacrebleu, "signature": "s"},
+        "chrf": {"score": 50.0, "signature": "c"}, "tokenized_bleu": {"score": 30.0}})
+    return metrics
+
+
 @pytest.mark.parametrize("uri,how", [
     ("http://tracker:5000", "open http://tracker:5000 in a browser"),
     ("sqlite:////work/mlflow.db", "mlflow ui --backend-store-uri sqlite:////work/mlflow.db"),
@@ -152,11 +164,7 @@ def test_results_say_where_the_mlflow_run_is_and_how_to_open_it(tmp_path, uri, h
     from aiayn.io import write_json
     from aiayn.tracking import RUN_FILE
 
-    metrics = tmp_path / "metrics"
-    write_json(metrics / "bleu.json", {
-        "direction": "en-de", "split": "test", "sentences": 10, "hypotheses": "h",
-        "sacrebleu": {"score": 30.0, "signature": "s"}, "chrf": {"score": 50.0, "signature": "c"},
-        "tokenized_bleu": {"score": 30.0}})
+    metrics = write_scores(tmp_path / "metrics", 30.0)
     write_json(tmp_path / "checkpoints" / RUN_FILE, {"run_id": "0123abcd", "tracking_uri": uri})
     result = CliRunner().invoke(app, ["results", "--metrics", str(metrics), "--checkpoints",
                                       str(tmp_path / "checkpoints"), "--model",
@@ -168,14 +176,7 @@ def test_results_say_where_the_mlflow_run_is_and_how_to_open_it(tmp_path, uri, h
 
 @pytest.mark.parametrize("min_bleu,code", [(None, 0), ("39.2", 0), ("39.3", 1)])
 def test_results_fail_below_the_bleu_a_run_must_reach(tmp_path, min_bleu, code):
-    from aiayn.io import write_json
-
-    metrics = tmp_path / "metrics"
-    write_json(metrics / "bleu.json", {
-        "direction": "en-de", "split": "test", "sentences": 10, "hypotheses": "h",
-        "sacrebleu": {"score": 39.2188, "signature": "s"}, "chrf": {"score": 50.0,
-                                                                    "signature": "c"},
-        "tokenized_bleu": {"score": 30.0}})
+    metrics = write_scores(tmp_path / "metrics", 39.2188)
     args = ["results", "--metrics", str(metrics), "--checkpoints", str(tmp_path / "none"),
             "--model", str(tmp_path / "none")]
     result = CliRunner().invoke(app, args + (["--min-bleu", min_bleu] if min_bleu else []))
