@@ -357,9 +357,18 @@ class TrainConfig(Strict):
         "batch goes through the model twice with independent dropout, and the loss adds "
         "alpha/4 times the two passes' KL divergences, both ways, per target token "
         "(aiayn/training/objective.py, rdrop_loss); a step costs about twice as much; 0: off")
+    rdrop_start: float = Field(
+        0.0, ge=0.0, lt=1.0, description="with train.rdrop, the fraction of training after "
+        "which R-Drop is on, measured as train.cooldown measures it (the steps of train.steps "
+        "or, with train.max_minutes, the time budget, whichever is further on): the steps "
+        "before it are plain ones at half the cost; 0: R-Drop from the first step")
 
     @model_validator(mode="after")
     def _average(self) -> TrainConfig:
+        if self.rdrop_start > 0 and self.rdrop == 0:
+            raise ValueError(f"rdrop_start is {self.rdrop_start:g} but rdrop is 0: R-Drop is "
+                             "off, so there is nothing to start; set train.rdrop (e.g. 5) or "
+                             "leave rdrop_start at 0")
         if not self.average_candidates and self.average_last > self.keep_checkpoints:
             raise ValueError(
                 f"average_last ({self.average_last}) exceeds keep_checkpoints "
@@ -509,6 +518,7 @@ PARAM_EFFECTS: dict[str, Affects] = {
     "train.activation_dropout": TRAINS,
     "train.subword_split": TRAINS,
     "train.rdrop": TRAINS,
+    "train.rdrop_start": TRAINS,
     "decode": Affects(("translate", "score")),
     # validation BLEU while training and the average's candidates decode in batches of it
     "decode.batch_size": VALIDATION_BLEU,

@@ -141,6 +141,13 @@ def test_wrong_type_names_key_and_value():
     assert "vocab.vocab_size" in msg and "'big'" in msg and "integer" in msg
 
 
+def test_rdrop_start_without_rdrop_is_refused():
+    msg = bad(lambda r: r["train"].update(rdrop_start=0.5))
+    assert "rdrop_start is 0.5 but rdrop is 0" in msg and "set train.rdrop" in msg
+    msg = bad(lambda r: r["train"].update(rdrop=5, rdrop_start=1.0))
+    assert "train.rdrop_start" in msg and "less than 1" in msg
+
+
 def test_negative_sizes_are_refused():
     msg = bad(lambda r: r["shard"].update(max_tokens=-5))
     assert "shard.max_tokens" in msg and "-5" in msg and "greater than 0" in msg

@@ -45,6 +45,27 @@ def test_cooldown_falls_linearly_to_zero_over_the_last_fraction(progress, cooldo
     assert cooldown_factor(progress, cooldown) == pytest.approx(expected)
 
 
+@pytest.mark.parametrize("steps, max_minutes, step, elapsed_s, started", [
+    (10, 0, 5, 0.0, False), (10, 0, 6, 0.0, True),     # past half of 10 steps: from step 7
+    (10, 0, 9, 1e9, True),                             # no time budget: the clock is not read
+    (100, 1, 5, 30.0, False), (100, 1, 5, 31.0, True),  # the time spent, further on than steps
+    (100, 1, 60, 1.0, True),                           # the steps, further on than the time
+])
+def test_rdrop_starts_past_its_fraction_of_steps_or_time(steps, max_minutes, step, elapsed_s,
+                                                         started):
+    from types import SimpleNamespace
+
+    from aiayn.training.loop import schedule_at
+
+    t = SimpleNamespace(steps=steps, max_minutes=max_minutes, cooldown=0.0, rdrop=5.0,
+                        rdrop_start=0.5)
+    assert schedule_at(t, step, elapsed_s) == {"lr_factor": 1.0, "rdrop_started": started}
+    # from the first step (rdrop_start 0) or off (rdrop 0), nothing depends on the end
+    for rdrop, start in ((5.0, 0.0), (0.0, 0.5)):
+        t.rdrop, t.rdrop_start = rdrop, start
+        assert schedule_at(t, step, elapsed_s)["rdrop_started"] is False
+
+
 def brute_force(logits, labels, eps, pad):
     V = logits.shape[-1]
     total, nll_total, n = 0.0, 0.0, 0

@@ -141,13 +141,17 @@ def test_a_run_writes_logs_metrics_and_checkpoints(toy_workspace, tmp_path):
     assert summary["tokens_seen"] == load_checkpoint(ckpts[-1])["meta"]["tokens_seen"]
 
 
-@pytest.mark.parametrize("split,precision,rdrop",
-                         [(0.0, "auto", 0.0), (0.3, "auto", 0.0), (0.0, "fp16", 0.0),
-                          (0.0, "auto", 2.0)],
-                         ids=["plain", "subword_split", "fp16", "rdrop"])
-def test_an_interrupted_run_resumes_bitwise(toy_workspace, tmp_path, split, precision, rdrop):
-    # fp16: the loss scale (its value and growth tracker) resumes with the run too
-    changes = {"train": {"subword_split": split, "precision": precision, "rdrop": rdrop}}
+@pytest.mark.parametrize("split,precision,rdrop,rdrop_start",
+                         [(0.0, "auto", 0.0, 0.0), (0.3, "auto", 0.0, 0.0),
+                          (0.0, "fp16", 0.0, 0.0), (0.0, "auto", 2.0, 0.0),
+                          (0.0, "auto", 2.0, 0.5)],
+                         ids=["plain", "subword_split", "fp16", "rdrop", "rdrop_late"])
+def test_an_interrupted_run_resumes_bitwise(toy_workspace, tmp_path, split, precision, rdrop,
+                                            rdrop_start):
+    # fp16: the loss scale (its value and growth tracker) resumes with the run too;
+    # rdrop_late: stopped before R-Drop begins (step 8 of 12), it begins there after the resume
+    changes = {"train": {"subword_split": split, "precision": precision, "rdrop": rdrop,
+                         "rdrop_start": rdrop_start}}
     full = make_trainer(toy_workspace, tmp_path / "full", changes)
     full.fit()
     part = make_trainer(toy_workspace, tmp_path / "part", changes)
@@ -1049,6 +1053,47 @@ def test_a_longer_end_after_the_cooldown_began_goes_on_from_before_it_as_a_fresh
     assert_bitwise_equal(a["model"], b["model"])  # the 24-step run from scratch, exactly
     assert [r[:6] for r in a["run"]["train_rows"]] == [r[:6] for r in b["run"]["train_rows"]]
     assert a["run"]["valid_rows"] == b["run"]["valid_rows"]
+
+
+def test_rdrop_start_trains_plain_steps_then_rdrop_ones(toy_workspace, tmp_path, caplog):
+    """rdrop_start 0.5 of 12 steps: steps 1-7 (at most half done before them) are the plain
+    run's, bit for bit; R-Drop trains steps 8-12, which then differ from the plain run's."""
+    caplog.set_level(logging.INFO, logger="aiayn")
+    late = make_trainer(toy_workspace, tmp_path / "late",
+                        {"train": {"rdrop": 2.0, "rdrop_start": 0.5, "log_every": 1}})
+    active = []
+    step = late.train_step
+    late.train_step = lambda batches: (step(batches), active.append(late.criterion.active))
+    assert late.fit()["rdrop_start"] == 0.5
+    assert active == [False] * 7 + [True] * 5
+    assert "R-Drop on from step 8" in caplog.text
+    plain = make_trainer(toy_workspace, tmp_path / "plain", {"train": {"log_every": 1}})
+    plain.fit()
+    a, b = late.log.train, plain.log.train
+    assert [r.loss for r in a[:7]] == [r.loss for r in b[:7]]
+    assert all(x.loss != y.loss for x, y in zip(a[7:], b[7:], strict=True))
+    assert_bitwise_equal(model_tensors(tmp_path / "late/checkpoints/step-00000006.pt"),
+                         model_tensors(tmp_path / "plain/checkpoints/step-00000006.pt"))
+
+
+def test_a_longer_end_after_rdrop_began_goes_on_from_before_it_as_a_fresh_run_would(
+        toy_workspace, tmp_path, caplog):
+    """R-Drop's start moves with the end as the cooldown does: a run whose end moved after
+    R-Drop began goes on from its last checkpoint before it, and ends as the longer run from
+    scratch ends."""
+    late = {"rdrop": 2.0, "rdrop_start": 0.5, "keep_checkpoints": 2, "average_last": 2}
+    make_trainer(toy_workspace, tmp_path / "ext", {"train": {**late, "steps": 12}}).fit()
+    assert checkpoint_steps(tmp_path / "ext/checkpoints") == [6, 9, 12]  # 6 kept for this
+    longer = make_trainer(toy_workspace, tmp_path / "ext", {"train": {**late, "steps": 24}})
+    assert longer.state.step == 6 and longer.store.branched_from["step"] == 6
+    assert "goes on from step 6" in caplog.text
+    longer.fit()
+    fresh = make_trainer(toy_workspace, tmp_path / "fresh", {"train": {**late, "steps": 24}})
+    fresh.fit()
+    last = "checkpoints/step-00000024.pt"
+    a, b = load_checkpoint(tmp_path / "ext" / last), load_checkpoint(tmp_path / "fresh" / last)
+    assert_bitwise_equal(a["model"], b["model"])
+    assert [r[:6] for r in a["run"]["train_rows"]] == [r[:6] for r in b["run"]["train_rows"]]
 
 
 def test_an_unchanged_end_or_one_that_changes_no_rate_resumes_from_the_newest_checkpoint(

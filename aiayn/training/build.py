@@ -26,7 +26,7 @@ from aiayn.model import Transformer, TransformerConfig
 from aiayn.precision import autocast_dtype, slow_bf16_warning
 from aiayn.training import distributed
 from aiayn.training.distributed import World
-from aiayn.training.loop import RunState, Trainer, TrainingListener, TrainPaths, lr_multiplier
+from aiayn.training.loop import RunState, Trainer, TrainingListener, TrainPaths, schedule_at
 from aiayn.training.memory import HeapTrimmer, loaded_allocator
 from aiayn.training.objective import make_criterion, make_optimizer
 from aiayn.training.resume import restore
@@ -175,7 +175,7 @@ def build_trainer(p: Params, vocab_size: int, tokenizer_sha256: str, paths: Trai
     check_tokenizer(paths.shards, tokenizer_sha256)
     identity = run_identity(p, cfg, tokenizer_sha256, paths.shards)
     store = RunStore(paths.checkpoints, world, device, identity,
-                     lr_factor=functools.partial(lr_multiplier, t),
+                     schedule=functools.partial(schedule_at, t),
                      end={"steps": t.steps, "max_minutes": t.max_minutes}, run_files=run_files)
     if world.is_main:  # the weights and Adam's two moments
         store.check_room(3 * sum(q.numel() * q.element_size() for q in model.parameters()),

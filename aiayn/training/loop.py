@@ -80,7 +80,9 @@ class RunState:
     tokens_seen: int = 0
     elapsed_s: float = 0.0  # training wall time summed over all sessions of this run
     bleu_seconds: float = 0.0  # time spent in validation BLEU (inside elapsed_s)
-    stable_step: int | None = None  # the newest checkpoint taken at the full rate (no cooldown)
+    # the newest checkpoint whose steps no end of the run decided: taken at the full rate (no
+    # cooldown) and before train.rdrop_start switched R-Drop on
+    stable_step: int | None = None
     stopped_by: str | None = None  # "steps", "time budget" or "interrupted"
     # The open log row: [target tokens, loss sum, NLL sum] read since the last row and its
     # training seconds, saved with each checkpoint so that the row after a resume holds what
@@ -102,14 +104,37 @@ class TrainingListener:
     def on_checkpoint(self, step: int, path: Path | None) -> None: ...
 
 
-def lr_multiplier(t, step: int, elapsed_s: float) -> float:
-    """train.cooldown's lr multiplier for the step after ``step`` steps and ``elapsed_s``
-    seconds of training: how much is done is the steps taken of train.steps, or the time
-    spent of train.max_minutes if further on."""
+def training_progress(t, step: int, elapsed_s: float) -> float:
+    """How much of the run is done after ``step`` steps and ``elapsed_s`` seconds: the steps
+    taken of train.steps, or the time spent of train.max_minutes if further on."""
     progress = step / t.steps
     if t.max_minutes:
         progress = max(progress, elapsed_s / (60 * t.max_minutes))
-    return cooldown_factor(progress, t.cooldown)
+    return progress
+
+
+def schedule_at(t, step: int, elapsed_s: float) -> dict:
+    """What the run's end decides for the step after ``step`` steps and ``elapsed_s``
+    seconds: ``lr_factor``, train.cooldown's lr multiplier, and ``rdrop_started``, whether
+    the run is past train.rdrop_start, so that the step trains with R-Drop (always False
+    when R-Drop is off or runs from the first step: nothing then depends on the end). Like
+    the cooldown's fall, R-Drop begins with the first step taken past its point."""
+    progress = training_progress(t, step, elapsed_s)
+    return {"lr_factor": cooldown_factor(progress, t.cooldown),
+            "rdrop_started": bool(t.rdrop > 0 and t.rdrop_start > 0
+                                  and progress > t.rdrop_start)}
+
+
+def lr_multiplier(t, step: int, elapsed_s: float) -> float:
+    """train.cooldown's lr multiplier for the step after ``step`` steps and ``elapsed_s``
+    seconds of training (:func:`schedule_at`)."""
+    return cooldown_factor(training_progress(t, step, elapsed_s), t.cooldown)
+
+
+def end_independent(schedule: dict) -> bool:
+    """Whether a run's steps so far are those any end would give it: its cooldown has not
+    begun and R-Drop has not been switched on by train.rdrop_start."""
+    return schedule["lr_factor"] == 1.0 and not schedule["rdrop_started"]
 
 
 @torch.no_grad()
@@ -197,6 +222,7 @@ class Trainer:
     def train_step(self, batches: list[Batch]) -> None:
         """Accumulate gradients over this rank's micro-batches and take one Adam step; the
         step's token count and loss sums go to device-side totals (:meth:`flush`)."""
+        self._switch_rdrop()
         local_tokens = sum(b.tgt_tokens for b in batches)
         if self.world.distributed:  # the global count, as a device tensor (no host sync)
             global_tokens = distributed.all_sum_(
@@ -242,6 +268,25 @@ class Trainer:
         rank agrees (a budgeted run's rates depend on the machine's speed, as its last step
         already does)."""
         return lr_multiplier(self.p.train, self.state.step, self.state.elapsed_s)
+
+    def _switch_rdrop(self) -> None:
+        """With train.rdrop_start, R-Drop trains the steps after that point of the run only
+        (the criterion's ``active``; every rank decides alike, from rank 0's clock)."""
+        t = self.p.train
+        if not (t.rdrop > 0 and t.rdrop_start > 0):
+            return
+        on = self.schedule()["rdrop_started"]
+        if on != self.criterion.active:
+            self.criterion.active = on
+            if on and self.world.is_main:
+                log.info("train: R-Drop on from step %d, %.0f%% of the run done "
+                         "(train.rdrop_start %g)", self.state.step + 1,
+                         100 * training_progress(t, self.state.step, self.state.elapsed_s),
+                         t.rdrop_start)
+
+    def schedule(self) -> dict:
+        """:func:`schedule_at` for the next step, from rank 0's clock like the cooldown."""
+        return schedule_at(self.p.train, self.state.step, self.state.elapsed_s)
 
     def _logs_at(self, step: int) -> bool:
         return step % self.p.train.log_every == 0 or step == self.p.train.steps
@@ -319,18 +364,18 @@ class Trainer:
         # refuses to write after a non-finite loss; the sums go on in the open log row
         s.window = [a + b for a, b in zip(s.window, self.flush(), strict=True)]
         rngs = gather_rng_states(self.world)
-        factor = self.cooldown_factor()  # the next step's, under the end that made this one
-        if factor == 1.0:
+        schedule = self.schedule()  # the next step's, under the end that made this one
+        if end_independent(schedule):
             s.stable_step = s.step
         if not self.world.is_main:
             return None
-        state = checkpoint_state(self, rngs, interim, factor)
+        state = checkpoint_state(self, rngs, interim, schedule)
         # train.average "best": the best-BLEU checkpoints stay for the average stage (it may
         # try up to max(train.average_candidates) of them); with a cooldown, the last
         # checkpoint before it stays: a run whose end moves later goes on from there.
         wanted = max(t.average_candidates or [t.average_last])
         protect = self.log.best_bleu_steps(wanted) if t.average == "best" else set()
-        if t.cooldown > 0 and s.stable_step is not None:
+        if (t.cooldown > 0 or t.rdrop_start > 0) and s.stable_step is not None:
             protect |= {s.stable_step}
         replaced, s.interim = s.interim - {s.step}, {s.step} if interim else set()
         path = self.store.save(s.step, state, t.keep_checkpoints, protect, replaced)
@@ -437,10 +482,10 @@ class Trainer:
             write_json(self.paths.metrics, summary)
 
 
-def checkpoint_state(trainer: Trainer, rngs: list[dict], interim: bool, factor: float) -> dict:
+def checkpoint_state(trainer: Trainer, rngs: list[dict], interim: bool, schedule: dict) -> dict:
     """What a checkpoint holds: everything a resumed run needs to end where an unbroken one
-    ends, and the meta the run store and the average stage read (``factor``: the cooldown's
-    lr multiplier for the next step under the end that made this one)."""
+    ends, and the meta the run store and the average stage read (``schedule``: what the end
+    that made this one decides for the next step, :func:`schedule_at`)."""
     s, t, log_ = trainer.state, trainer.p.train, trainer.log
     return {
         "model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
@@ -453,8 +498,7 @@ def checkpoint_state(trainer: Trainer, rngs: list[dict], interim: bool, factor: 
         "meta": {**trainer.checkpoint_meta, "step": s.step, "tokens_seen": s.tokens_seen,
                  "world_size": trainer.world.size, "batch_tokens": trainer.plan.batch_tokens,
                  "valid_bleu": log_.bleu_at(s.step), "interim": interim,
-                 "schedule": {"steps": t.steps, "max_minutes": t.max_minutes,
-                              "lr_factor": factor}},
+                 "schedule": {"steps": t.steps, "max_minutes": t.max_minutes, **schedule}},
     }
 
 
@@ -466,7 +510,8 @@ def log_plan(trainer: Trainer) -> None:
              f"{precision_name(t.amp_dtype)} autocast" if t.amp_dtype else "fp32", p.kernels,
              (", compiled" if p.compile else "")
              + (f", subword split {p.subword_split:g}" if p.subword_split else "")
-             + (f", R-Drop alpha {p.rdrop:g}" if p.rdrop else ""),
+             + (f", R-Drop alpha {p.rdrop:g}" if p.rdrop else "")
+             + (f" from {p.rdrop_start:.0%} of the run" if p.rdrop and p.rdrop_start else ""),
              f", time budget {p.max_minutes:g} min" if p.max_minutes else "")
     # what the budget holds once padding is counted: the plan's mean micro-batch
     real = (t.train_data.target_tokens() / t.train_data.num_batches
@@ -507,6 +552,7 @@ def run_summary(trainer: Trainer) -> dict:
         "compile": t.compile,
         "subword_split": t.subword_split,
         "rdrop": t.rdrop,
+        "rdrop_start": t.rdrop_start,
         "max_minutes": t.max_minutes,
         "stopped_by": s.stopped_by,
         **trainer.log.bleu_summary(s.bleu_seconds, s.elapsed_s),

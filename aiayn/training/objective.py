@@ -175,10 +175,12 @@ class RDrop:
     """R-Drop on top of ``base``: with gradients on, the batch goes through the net twice in
     one call, stacked on itself so that each copy draws its own dropout, and the loss is
     :func:`rdrop_loss` of the two passes (``alpha``: train.rdrop). Without gradients
-    (validation, where dropout is off) ``base``'s loss."""
+    (validation, where dropout is off) or while not ``active`` (train.rdrop_start's point not
+    yet reached) ``base``'s loss."""
 
     base: LabelSmoothedCrossEntropy
     alpha: float
+    active: bool = True
 
     def doubled(self, batch) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The batch stacked on itself, the positions of both copies' labels (the second
@@ -191,7 +193,7 @@ class RDrop:
                 labels.reshape(-1).index_select(0, positions))
 
     def __call__(self, net: nn.Module, batch) -> LossSums:
-        if not torch.is_grad_enabled():
+        if not (self.active and torch.is_grad_enabled()):
             return self.base(net, batch)
         src, tgt_in, both, kept = self.doubled(batch)
         n = kept.numel()
@@ -211,7 +213,7 @@ class FusedRDrop(RDrop):
     base: FusedLabelSmoothedCrossEntropy
 
     def __call__(self, net: nn.Module, batch) -> LossSums:
-        if not torch.is_grad_enabled():
+        if not (self.active and torch.is_grad_enabled()):
             return self.base(net, batch)
         src, tgt_in, both, kept = self.doubled(batch)
         with self.base.autocast(batch):

@@ -9,12 +9,12 @@ save; everything else about the folder is decided here:
 * **recovery**: ``dvc exp run`` checks the last committed outputs out before it runs a
   stage, so a run it interrupted finds another run's checkpoints in its folder; its own
   come back from the hard links in ``<folder>.progress`` (``aiayn.training.checkpoint``);
-* **branch point**: with ``train.cooldown``, a run whose end (``train.steps``,
-  ``train.max_minutes``) moved after its cooldown began goes on from its last checkpoint
-  taken at the full rate, where the longer run from scratch would be (the warmup-stable-
-  decay branching of Hagele et al. 2024); the store keeps that checkpoint for it. A run
-  whose ``train.steps`` was lowered below its checkpoints goes back to its last checkpoint
-  within the new end in the same way;
+* **branch point**: with ``train.cooldown`` (or ``train.rdrop_start``), a run whose end
+  (``train.steps``, ``train.max_minutes``) moved after its cooldown (or R-Drop) began goes
+  on from its last checkpoint taken at the full rate and without R-Drop, where the longer
+  run from scratch would be (the warmup-stable-decay branching of Hagele et al. 2024); the
+  store keeps that checkpoint for it. A run whose ``train.steps`` was lowered below its
+  checkpoints goes back to its last checkpoint within the new end in the same way;
 * **rotation**: the newest ``train.keep_checkpoints`` stay, plus the ones the loop protects;
   a checkpoint written only to stop a run (Ctrl-C, SIGTERM) goes when the next is written.
 
@@ -107,18 +107,19 @@ def identity_changes(saved: dict, now: dict) -> list[str]:
 class RunStore:
     """One run's checkpoint folder (see the module's docstring).
 
-    ``lr_factor(step, elapsed_s)`` is the cooldown's multiplier that this run's end gives a
-    step (aiayn.training.loop.lr_multiplier); ``end`` describes that end for messages.
+    ``schedule(step, elapsed_s)`` is what this run's end decides for a step: the cooldown's
+    lr multiplier and whether train.rdrop_start has switched R-Drop on
+    (aiayn.training.loop.schedule_at); ``end`` describes that end for messages.
     ``run_files``: names of files beside the checkpoints that belong to the run (a
     tracker's record of it): a branch moves them aside with the checkpoints after the
     branch point, as setting a run aside moves the whole folder.
     """
 
     def __init__(self, folder: Path, world: World, device: torch.device, identity: dict,
-                 lr_factor: Callable[[int, float], float], end: dict,
+                 schedule: Callable[[int, float], dict], end: dict,
                  run_files: tuple[str, ...] = ()):
         self.folder, self.world, self.device = Path(folder), world, device
-        self.identity, self.lr_factor, self.end = identity, lr_factor, end
+        self.identity, self.schedule, self.end = identity, schedule, end
         self.run_files = tuple(run_files)
         # After a branch: {"step": the branch point, "aside": where the run's later
         # checkpoints and its run files went}; else None.
@@ -290,25 +291,27 @@ class RunStore:
     # -- the branch point of a moved end -----------------------------------------------------
 
     def _schedule_moved(self, ckpt: dict) -> bool:
-        """Whether a checkpoint took rates that this run's end would not give: the lr
-        multiplier it recorded for its next step is not the one this run's end gives now at
-        its step and time. (Checkpoints written before the multiplier was recorded: no.)"""
-        recorded = (ckpt["meta"].get("schedule") or {}).get("lr_factor")
-        if recorded is None:
-            return False
+        """Whether a checkpoint took a schedule that this run's end would not give: the lr
+        multiplier (or the R-Drop switch) it recorded for its next step is not the one this
+        run's end gives now at its step and time. (What a checkpoint did not record: no.)"""
+        recorded = ckpt["meta"].get("schedule") or {}
         run = ckpt["run"]
-        return abs(self.lr_factor(run["step"], run["elapsed_s"]) - recorded) > 1e-9
+        now = self.schedule(run["step"], run["elapsed_s"])
+        if "lr_factor" in recorded and abs(now["lr_factor"] - recorded["lr_factor"]) > 1e-9:
+            return True
+        return "rdrop_started" in recorded and now["rdrop_started"] != recorded["rdrop_started"]
 
     def _branch_point(self, path: Path, ckpt: dict) -> tuple[Path, dict] | None:
-        """The checkpoint a run goes on from when its end moved after its cooldown began.
+        """The checkpoint a run goes on from when its end moved after its cooldown (or
+        train.rdrop_start's R-Drop) began.
 
-        Its checkpoints since the cooldown began took rates for the old end, so they are not
-        part of the run the new end makes. Up to the cooldown the rate did not depend on the
-        end: the newest checkpoint taken at the full rate under both ends (the loop protects
-        one for this) is where the longer run from scratch would have been, and the run goes
-        on from it, as a new run that repeats its history. The later checkpoints (and the
-        run's files, ``run_files``) are moved aside. None: no such checkpoint, the run is set
-        aside and a new one starts.
+        Its checkpoints since took rates (or R-Drop) for the old end, so they are not part of
+        the run the new end makes. Up to then the steps did not depend on the end: the newest
+        checkpoint taken at the full rate and before the R-Drop switch under both ends (the
+        loop protects one for this) is where the longer run from scratch would have been, and
+        the run goes on from it, as a new run that repeats its history. The later
+        checkpoints (and the run's files, ``run_files``) are moved aside. None: no such
+        checkpoint, the run is set aside and a new one starts.
         """
         step = checkpoint_step(path)
         last = self.end.get("steps")
@@ -328,8 +331,9 @@ class RunStore:
             except DataError as exc:
                 log.warning("skipping checkpoint: %s", exc)
                 continue
-            factor = (found["meta"].get("schedule") or {}).get("lr_factor")
-            if factor != 1.0 or self._schedule_moved(found):
+            recorded = found["meta"].get("schedule") or {}
+            if (recorded.get("lr_factor") != 1.0 or recorded.get("rdrop_started")
+                    or self._schedule_moved(found)):
                 continue
             later = [q for q in list_checkpoints(self.folder) if checkpoint_step(q) > at]
             run_files = [q for q in (self.folder / n for n in self.run_files) if q.exists()]
@@ -344,9 +348,10 @@ class RunStore:
                     dest)
             elif self.world.is_main:
                 log.warning(
-                    "train: the end of the run in %s moved (%s) after its cooldown began, "
-                    "so its checkpoints since took rates for the old end. It goes on from "
-                    "step %d, its last checkpoint before the cooldown, where the longer run "
+                    "train: the end of the run in %s moved (%s) after its cooldown (or "
+                    "train.rdrop_start's R-Drop) began, so its checkpoints since took rates "
+                    "for the old end. It goes on from step %d, its last checkpoint before "
+                    "then, where the longer run "
                     "from scratch would be; the %d later checkpoint(s) were moved to %s "
                     "(delete them when no longer needed), and it goes on as a new run (a new "
                     "MLflow run too).", self.folder, ends, at, len(later), dest)
