@@ -140,8 +140,9 @@ demo: install
 
 # One test process per CPU core (pytest-xdist), tests handed out a few at a time: each
 # process that runs an end-to-end test makes the session's pipeline run once. (Whole modules
-# per process, --dist loadfile, made it once but took 11.1 min against 8.5–8.9 on 2 cores: the
-# training and end-to-end modules then end the run alone.) PYTEST_WORKERS=1: one process.
+# per process, --dist loadfile, made it once but took 11.1 min against 8.5–8.9 on 2 cores
+# capped to AVX2, docs/results/README.md#make-test: the training and end-to-end modules then
+# end the run alone.) PYTEST_WORKERS=1: one process.
 PYTEST_WORKERS ?= auto
 PYTEST_PARALLEL := $(if $(filter 1,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS))
 
