@@ -14,7 +14,11 @@ each train-log step, so runs at different speeds line up by the time they cost; 
 steps`` lines them up by step instead (runs with a budget in steps, ``train.max_minutes:
 0``, whose minutes say more of the machine's load than of the run), and ``--x tokens`` by
 the target tokens trained on (runs with other batch sizes, on other machines: how far a
-budget is from convergence). ``--mark 64=published`` draws a labelled vertical line there
+budget is from convergence); ``--x passes`` counts the tokens of R-Drop's steps twice (each
+batch goes through the model twice; ``train.json``'s ``rdrop_from_step`` says from which step,
+and a run without it trained with R-Drop from its first step if its ``rdrop`` is above 0),
+so that runs that switch R-Drop on late line up by the compute they cost on any machine
+whose step cost is its passes'. ``--mark 64=published`` draws a labelled vertical line there
 (in millions of tokens with ``--x tokens``), ``--level 41.02=published`` a labelled
 horizontal one at that BLEU. Prints each run's last and best validation
 BLEU, and writes one picture: BLEU above, lr below.
@@ -27,6 +31,7 @@ BLEU, and writes one picture: BLEU above, lr below.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -49,14 +54,29 @@ def load_run(folder: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
                          "the metrics folder of a training with train.valid_bleu_every > 0")
     train["minutes"] = train["elapsed_s"] / 60
     train["mtokens"] = train["tokens"] / 1e6
-    for column in ("minutes", "mtokens"):
+    train["mpasses"] = train["mtokens"] + rdrop_mtokens(folder, train)
+    for column in ("minutes", "mtokens", "mpasses"):
         bleu[column] = np.interp(bleu["step"], train["step"], train[column])
     return train, bleu
 
 
+def rdrop_mtokens(folder: Path, train: pd.DataFrame) -> np.ndarray:
+    """At each train-log row, the target tokens (millions) of the steps R-Drop trained so far
+    (from ``train.json`` beside the logs; none without it)."""
+    summary = folder / "train.json"
+    run = json.loads(summary.read_text()) if summary.is_file() else {}
+    first = run.get("rdrop_from_step", 1 if run.get("rdrop") else None)
+    if not first:
+        return np.zeros(len(train))
+    before = np.interp(first - 1, np.r_[0, train["step"]], np.r_[0.0, train["mtokens"]])
+    return np.clip(train["mtokens"].to_numpy() - before, 0.0, None)
+
+
 AXES = {"minutes": ("minutes", "training minutes", "time"),
         "steps": ("step", "training steps", "steps"),
-        "tokens": ("mtokens", "target tokens trained on (millions)", "target tokens")}
+        "tokens": ("mtokens", "target tokens trained on (millions)", "target tokens"),
+        "passes": ("mpasses", "target tokens through the model (millions; R-Drop's twice)",
+                   "passes")}
 
 
 def parse_mark(text: str, option: str = "--mark", axis: str = "X") -> tuple[float, str]:
@@ -83,8 +103,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="a training's metrics folder, with the label it gets (repeatable)")
     ap.add_argument("--out", type=Path, required=True, help="the picture (.png)")
     ap.add_argument("--x", choices=tuple(AXES), default="minutes",
-                    help="the horizontal axis: training minutes (default), steps, or target "
-                         "tokens trained on (millions)")
+                    help="the horizontal axis: training minutes (default), steps, target "
+                         "tokens trained on (millions), or passes: those tokens with R-Drop's "
+                         "counted twice")
     ap.add_argument("--mark", action="append", default=[], metavar="X=LABEL",
                     help="a labelled vertical line at X on the horizontal axis (repeatable)")
     ap.add_argument("--level", action="append", default=[], metavar="Y=LABEL",

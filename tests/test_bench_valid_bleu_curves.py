@@ -3,6 +3,7 @@ steps-to-minutes interpolation, the printed last/best BLEU and the data of the d
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import matplotlib.figure
@@ -178,6 +179,29 @@ def test_by_tokens_with_a_marked_budget(tmp_path, drawn):
     assert list(mark.get_xdata()) == [8.0, 8.0] and list(lr_ax.get_lines()[1].get_xdata()) == [
         8.0, 8.0]
     assert [t.get_text() for t in bleu_ax.texts] == ["published budget"]
+
+
+@pytest.mark.parametrize("summary, expected", [
+    # R-Drop from step 21: by step 30 its 4M tokens (6M -> 10M) went through twice
+    ({"rdrop": 5.0, "rdrop_from_step": 21}, [4.0, 14.0]),
+    ({"rdrop": 5.0}, [8.0, 20.0]),                          # a run from before the key: all
+    ({"rdrop": 5.0, "rdrop_from_step": None}, [4.0, 10.0]),  # never reached its start
+    ({"rdrop": 0.0, "rdrop_from_step": None}, [4.0, 10.0]),  # no R-Drop
+    (None, [4.0, 10.0]),                                     # no train.json
+])
+def test_by_passes_r_drop_tokens_count_twice(tmp_path, drawn, summary, expected):
+    folder = metrics_folder(tmp_path / "m", [(10, 1e-3, 60.0), (20, 1e-3, 120.0),
+                                             (30, 1e-3, 180.0)], [(15, 9.0), (30, 10.0)])
+    log = folder / "train_log.tsv"  # cumulative tokens 2M, 6M, 10M at steps 10, 20, 30
+    log.write_text(log.read_text().replace("\t900\t", "\t{}\t").format(
+        2_000_000, 6_000_000, 10_000_000))
+    if summary is not None:
+        (folder / "train.json").write_text(json.dumps(summary))
+    curves.main(["--run", f"r={folder}", "--out", str(tmp_path / "c.png"), "--x", "passes"])
+    (fig,) = drawn
+    bleu_ax, lr_ax = fig.axes
+    assert lr_ax.get_xlabel().startswith("target tokens through the model (millions")
+    assert list(bleu_ax.get_lines()[0].get_xdata()) == pytest.approx(expected)
 
 
 def test_a_mark_that_is_not_a_number_stops_with_the_form(runs, tmp_path):

@@ -1064,7 +1064,8 @@ def test_rdrop_start_trains_plain_steps_then_rdrop_ones(toy_workspace, tmp_path,
     active = []
     step = late.train_step
     late.train_step = lambda batches: (step(batches), active.append(late.criterion.active))
-    assert late.fit()["rdrop_start"] == 0.5
+    summary = late.fit()
+    assert (summary["rdrop_start"], summary["rdrop_from_step"]) == (0.5, 8)
     assert active == [False] * 7 + [True] * 5
     assert "R-Drop on from step 8" in caplog.text
     plain = make_trainer(toy_workspace, tmp_path / "plain", {"train": {"log_every": 1}})
@@ -1094,6 +1095,7 @@ def test_a_longer_end_after_rdrop_began_goes_on_from_before_it_as_a_fresh_run_wo
     a, b = load_checkpoint(tmp_path / "ext" / last), load_checkpoint(tmp_path / "fresh" / last)
     assert_bitwise_equal(a["model"], b["model"])
     assert [r[:6] for r in a["run"]["train_rows"]] == [r[:6] for r in b["run"]["train_rows"]]
+    assert a["run"]["rdrop_from_step"] == b["run"]["rdrop_from_step"] == 14
 
 
 def test_an_unchanged_end_or_one_that_changes_no_rate_resumes_from_the_newest_checkpoint(

@@ -83,6 +83,7 @@ class RunState:
     # the newest checkpoint whose steps no end of the run decided: taken at the full rate (no
     # cooldown) and before train.rdrop_start switched R-Drop on
     stable_step: int | None = None
+    rdrop_from_step: int | None = None  # the first step train.rdrop_start gave R-Drop
     stopped_by: str | None = None  # "steps", "time budget" or "interrupted"
     # The open log row: [target tokens, loss sum, NLL sum] read since the last row and its
     # training seconds, saved with each checkpoint so that the row after a resume holds what
@@ -278,6 +279,8 @@ class Trainer:
         on = self.schedule()["rdrop_started"]
         if on != self.criterion.active:
             self.criterion.active = on
+            if on and self.state.rdrop_from_step is None:
+                self.state.rdrop_from_step = self.state.step + 1
             if on and self.world.is_main:
                 log.info("train: R-Drop on from step %d, %.0f%% of the run done "
                          "(train.rdrop_start %g)", self.state.step + 1,
@@ -494,7 +497,8 @@ def checkpoint_state(trainer: Trainer, rngs: list[dict], interim: bool, schedule
         "data": trainer.loader.state_dict(), "rng": rngs,
         "run": {"step": s.step, "tokens_seen": s.tokens_seen, "elapsed_s": s.elapsed_s,
                 **log_.to_saved(), "window": list(s.window), "window_s": s.window_s,
-                "bleu_seconds": s.bleu_seconds, "stable_step": s.stable_step},
+                "bleu_seconds": s.bleu_seconds, "stable_step": s.stable_step,
+                "rdrop_from_step": s.rdrop_from_step},
         "meta": {**trainer.checkpoint_meta, "step": s.step, "tokens_seen": s.tokens_seen,
                  "world_size": trainer.world.size, "batch_tokens": trainer.plan.batch_tokens,
                  "valid_bleu": log_.bleu_at(s.step), "interim": interim,
@@ -553,6 +557,8 @@ def run_summary(trainer: Trainer) -> dict:
         "subword_split": t.subword_split,
         "rdrop": t.rdrop,
         "rdrop_start": t.rdrop_start,
+        # the first step trained with R-Drop (None: none was): where a plot counts passes twice
+        "rdrop_from_step": (s.rdrop_from_step if t.rdrop_start else 1) if t.rdrop else None,
         "max_minutes": t.max_minutes,
         "stopped_by": s.stopped_by,
         **trainer.log.bleu_summary(s.bleu_seconds, s.elapsed_s),

@@ -73,6 +73,7 @@ def restore(ckpt: dict, path: Path, *, model, optimizer, scheduler, scaler, load
     state = RunState(step=run["step"], tokens_seen=run["tokens_seen"],
                      elapsed_s=run["elapsed_s"], bleu_seconds=run.get("bleu_seconds", 0.0),
                      stable_step=run.get("stable_step"),
+                     rdrop_from_step=run.get("rdrop_from_step"),
                      window=[float(x) for x in run.get("window", [0.0, 0.0, 0.0])],
                      window_s=float(run.get("window_s", 0.0)),
                      interim={run["step"]} if ckpt["meta"].get("interim") else set())
