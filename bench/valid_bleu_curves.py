@@ -60,12 +60,26 @@ def load_run(folder: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     return train, bleu
 
 
+def first_rdrop_step(run: dict) -> int | None:
+    """The first R-Drop step of a ``train.json`` written before it said so: 1 with R-Drop from
+    the start; with ``rdrop_start`` and a budget in steps that ended the run, the first step
+    past that fraction of them (the trainer's rule); None otherwise."""
+    if not run.get("rdrop"):
+        return None
+    start = run.get("rdrop_start") or 0.0
+    if not start:
+        return 1
+    if not run.get("max_minutes") and run.get("stopped_by") == "steps":
+        return int(start * run["steps"]) + 2  # the first s with s - 1 > start * steps
+    return None
+
+
 def rdrop_mtokens(folder: Path, train: pd.DataFrame) -> np.ndarray:
     """At each train-log row, the target tokens (millions) of the steps R-Drop trained so far
     (from ``train.json`` beside the logs; none without it)."""
     summary = folder / "train.json"
     run = json.loads(summary.read_text()) if summary.is_file() else {}
-    first = run.get("rdrop_from_step", 1 if run.get("rdrop") else None)
+    first = run.get("rdrop_from_step", first_rdrop_step(run))
     if not first:
         return np.zeros(len(train))
     before = np.interp(first - 1, np.r_[0, train["step"]], np.r_[0.0, train["mtokens"]])

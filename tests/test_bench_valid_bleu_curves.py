@@ -185,6 +185,9 @@ def test_by_tokens_with_a_marked_budget(tmp_path, drawn):
     # R-Drop from step 21: by step 30 its 4M tokens (6M -> 10M) went through twice
     ({"rdrop": 5.0, "rdrop_from_step": 21}, [4.0, 14.0]),
     ({"rdrop": 5.0}, [8.0, 20.0]),                          # a run from before the key: all
+    # from before the key, with rdrop_start and a budget of 30 steps: past 0.6 of them, from 20
+    ({"rdrop": 5.0, "rdrop_start": 0.6, "max_minutes": 0, "stopped_by": "steps",
+      "steps": 30}, [4.2, 14.4]),  # 5.6M at step 19 (interpolated): 4.4M twice
     ({"rdrop": 5.0, "rdrop_from_step": None}, [4.0, 10.0]),  # never reached its start
     ({"rdrop": 0.0, "rdrop_from_step": None}, [4.0, 10.0]),  # no R-Drop
     (None, [4.0, 10.0]),                                     # no train.json
