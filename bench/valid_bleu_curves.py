@@ -63,15 +63,23 @@ def load_run(folder: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
 def first_rdrop_step(run: dict) -> int | None:
     """The first R-Drop step of a ``train.json`` written before it said so: 1 with R-Drop from
     the start; with ``rdrop_start`` and a budget in steps that ended the run, the first step
-    past that fraction of them (the trainer's rule); None otherwise."""
+    the trainer's rule (:func:`aiayn.training.schedule.schedule_at`) gives R-Drop; None
+    otherwise (a time budget's switch depends on the clock)."""
+    from types import SimpleNamespace
+
+    from aiayn.training.schedule import schedule_at
+
     if not run.get("rdrop"):
         return None
     start = run.get("rdrop_start") or 0.0
     if not start:
         return 1
-    if not run.get("max_minutes") and run.get("stopped_by") == "steps":
-        return int(start * run["steps"]) + 2  # the first s with s - 1 > start * steps
-    return None
+    if run.get("max_minutes") or run.get("stopped_by") != "steps":
+        return None
+    t = SimpleNamespace(steps=run["steps"], max_minutes=0, cooldown=0.0, rdrop=run["rdrop"],
+                        rdrop_start=start)
+    return next((s for s in range(1, t.steps + 1)
+                 if schedule_at(t, s - 1, 0.0)["rdrop_started"]), None)
 
 
 def rdrop_mtokens(folder: Path, train: pd.DataFrame) -> np.ndarray:

@@ -55,7 +55,7 @@ def test_rdrop_starts_past_its_fraction_of_steps_or_time(steps, max_minutes, ste
                                                          started):
     from types import SimpleNamespace
 
-    from aiayn.training.loop import schedule_at
+    from aiayn.training.schedule import schedule_at
 
     t = SimpleNamespace(steps=steps, max_minutes=max_minutes, cooldown=0.0, rdrop=5.0,
                         rdrop_start=0.5)

@@ -26,13 +26,13 @@ from aiayn.model import Transformer, TransformerConfig
 from aiayn.precision import autocast_dtype, slow_bf16_warning
 from aiayn.training import distributed
 from aiayn.training.distributed import World
-from aiayn.training.loop import RunState, Trainer, TrainingListener, TrainPaths, schedule_at
+from aiayn.training.loop import RunState, Trainer, TrainingListener, TrainPaths
 from aiayn.training.memory import HeapTrimmer, loaded_allocator
 from aiayn.training.objective import make_criterion, make_optimizer
 from aiayn.training.resume import restore
 from aiayn.training.run_log import RunLog
 from aiayn.training.run_store import RunStore, run_identity
-from aiayn.training.schedule import deep_post_ln_warning
+from aiayn.training.schedule import deep_post_ln_warning, schedule_at
 
 log = logging.getLogger("aiayn")
 

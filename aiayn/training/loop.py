@@ -45,7 +45,7 @@ from aiayn.training.memory import HeapTrimmer
 from aiayn.training.resume import gather_rng_states
 from aiayn.training.run_log import RunLog, TrainRow, ValidRow
 from aiayn.training.run_store import RunStore
-from aiayn.training.schedule import cooldown_factor
+from aiayn.training.schedule import end_independent, schedule_at, training_progress
 
 log = logging.getLogger("aiayn")
 
@@ -103,39 +103,6 @@ class TrainingListener:
     def on_valid_row(self, row: ValidRow) -> None: ...
 
     def on_checkpoint(self, step: int, path: Path | None) -> None: ...
-
-
-def training_progress(t, step: int, elapsed_s: float) -> float:
-    """How much of the run is done after ``step`` steps and ``elapsed_s`` seconds: the steps
-    taken of train.steps, or the time spent of train.max_minutes if further on."""
-    progress = step / t.steps
-    if t.max_minutes:
-        progress = max(progress, elapsed_s / (60 * t.max_minutes))
-    return progress
-
-
-def schedule_at(t, step: int, elapsed_s: float) -> dict:
-    """What the run's end decides for the step after ``step`` steps and ``elapsed_s``
-    seconds: ``lr_factor``, train.cooldown's lr multiplier, and ``rdrop_started``, whether
-    the run is past train.rdrop_start, so that the step trains with R-Drop (always False
-    when R-Drop is off or runs from the first step: nothing then depends on the end). Like
-    the cooldown's fall, R-Drop begins with the first step taken past its point."""
-    progress = training_progress(t, step, elapsed_s)
-    return {"lr_factor": cooldown_factor(progress, t.cooldown),
-            "rdrop_started": bool(t.rdrop > 0 and t.rdrop_start > 0
-                                  and progress > t.rdrop_start)}
-
-
-def lr_multiplier(t, step: int, elapsed_s: float) -> float:
-    """train.cooldown's lr multiplier for the step after ``step`` steps and ``elapsed_s``
-    seconds of training (:func:`schedule_at`)."""
-    return cooldown_factor(training_progress(t, step, elapsed_s), t.cooldown)
-
-
-def end_independent(schedule: dict) -> bool:
-    """Whether a run's steps so far are those any end would give it: its cooldown has not
-    begun and R-Drop has not been switched on by train.rdrop_start."""
-    return schedule["lr_factor"] == 1.0 and not schedule["rdrop_started"]
 
 
 @torch.no_grad()
@@ -268,7 +235,7 @@ class Trainer:
         """train.cooldown's lr multiplier for the next step, from rank 0's clock, so every
         rank agrees (a budgeted run's rates depend on the machine's speed, as its last step
         already does)."""
-        return lr_multiplier(self.p.train, self.state.step, self.state.elapsed_s)
+        return self.schedule()["lr_factor"]
 
     def _switch_rdrop(self) -> None:
         """With train.rdrop_start, R-Drop trains the steps after that point of the run only

@@ -49,6 +49,7 @@ from aiayn.training.checkpoint import (
     unsaved_checkpoints,
 )
 from aiayn.training.distributed import World
+from aiayn.training.schedule import end_independent
 
 log = logging.getLogger("aiayn")
 
@@ -109,7 +110,7 @@ class RunStore:
 
     ``schedule(step, elapsed_s)`` is what this run's end decides for a step: the cooldown's
     lr multiplier and whether train.rdrop_start has switched R-Drop on
-    (aiayn.training.loop.schedule_at); ``end`` describes that end for messages.
+    (aiayn.training.schedule.schedule_at); ``end`` describes that end for messages.
     ``run_files``: names of files beside the checkpoints that belong to the run (a
     tracker's record of it): a branch moves them aside with the checkpoints after the
     branch point, as setting a run aside moves the whole folder.
@@ -331,8 +332,7 @@ class RunStore:
             except DataError as exc:
                 log.warning("skipping checkpoint: %s", exc)
                 continue
-            recorded = found["meta"].get("schedule") or {}
-            if (recorded.get("lr_factor") != 1.0 or recorded.get("rdrop_started")
+            if (not end_independent(found["meta"].get("schedule") or {})
                     or self._schedule_moved(found)):
                 continue
             later = [q for q in list_checkpoints(self.folder) if checkpoint_step(q) > at]

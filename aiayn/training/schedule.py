@@ -8,7 +8,10 @@ scaled by ``lr_scale`` (1 in the paper). Steps count from 1, as in the paper.
 ``train.cooldown`` (0 in the paper) multiplies it by a linear fall to zero over the last
 part of training (a "cooldown": Hagele et al. 2024, "Scaling Laws and Compute-Optimal
 Training Beyond Fixed Training Durations"), which suits runs stopped by a step count or a
-time budget long before the inverse square root has brought the rate down.
+time budget long before the inverse square root has brought the rate down. With
+``train.rdrop_start`` the end also decides from which step R-Drop trains: :func:`schedule_at`
+says both for a step, and :func:`end_independent` whether a run's steps so far are the same
+under any end (where a run whose end moved goes on from).
 
 :func:`aiayn.training.objective.make_optimizer` drives Adam with it.
 """
@@ -70,3 +73,31 @@ def cooldown_factor(progress: float, cooldown: float) -> float:
     if cooldown <= 0:
         return 1.0
     return min(1.0, max(0.0, (1.0 - progress) / cooldown))
+
+
+def training_progress(t, step: int, elapsed_s: float) -> float:
+    """How much of the run is done after ``step`` steps and ``elapsed_s`` seconds: the steps
+    taken of train.steps, or the time spent of train.max_minutes if further on."""
+    progress = step / t.steps
+    if t.max_minutes:
+        progress = max(progress, elapsed_s / (60 * t.max_minutes))
+    return progress
+
+
+def schedule_at(t, step: int, elapsed_s: float) -> dict:
+    """What the run's end decides for the step after ``step`` steps and ``elapsed_s``
+    seconds: ``lr_factor``, train.cooldown's lr multiplier, and ``rdrop_started``, whether
+    the run is past train.rdrop_start, so that the step trains with R-Drop (always False
+    when R-Drop is off or runs from the first step: nothing then depends on the end). Like
+    the cooldown's fall, R-Drop begins with the first step taken past its point."""
+    progress = training_progress(t, step, elapsed_s)
+    return {"lr_factor": cooldown_factor(progress, t.cooldown),
+            "rdrop_started": bool(t.rdrop > 0 and t.rdrop_start > 0
+                                  and progress > t.rdrop_start)}
+
+
+def end_independent(schedule: dict) -> bool:
+    """Whether a run's steps so far are those any end would give it: its cooldown has not
+    begun and R-Drop has not been switched on by train.rdrop_start (a checkpoint's recorded
+    ``schedule`` without the lr multiplier: no)."""
+    return schedule.get("lr_factor") == 1.0 and not schedule.get("rdrop_started")
