@@ -64,8 +64,14 @@ def default_run_name() -> str | None:
 
 
 def save_run_id(path: Path, run_id: str | None, tracking_uri: str | None = None) -> None:
-    """Record the run id (and where it lives) so that a restarted stage can resume the run."""
-    write_json(path, {"run_id": run_id, "tracking_uri": resolve_tracking_uri(tracking_uri)})
+    """Record the run id (and where it lives) so that a restarted stage can resume the run.
+    A SQLite store's file is also recorded relative to ``path``'s folder, so that the link
+    holds when the repository (run file and ``mlflow.db`` together) is moved or copied."""
+    uri = resolve_tracking_uri(tracking_uri)
+    record = {"run_id": run_id, "tracking_uri": uri}
+    if (db := sqlite_path(uri)) is not None:
+        record["sqlite_from_run_file"] = os.path.relpath(db.resolve(), Path(path).parent.resolve())
+    write_json(path, record)
 
 
 def load_run_id(path: Path, tracking_uri: str | None = None) -> str | None:
@@ -82,8 +88,11 @@ def load_run_id(path: Path, tracking_uri: str | None = None) -> str | None:
         return None
     run_id, saved = data.get("run_id"), data.get("tracking_uri")
     if tracking_uri is not None and saved and saved != tracking_uri:  # the same SQLite file?
-        a, b = sqlite_path(saved), sqlite_path(tracking_uri)
-        if a is None or b is None or a.resolve() != b.resolve():
+        now = sqlite_path(tracking_uri)
+        was = [sqlite_path(saved)]  # as saved, and as seen from the run file (a moved repository)
+        if isinstance(relative := data.get("sqlite_from_run_file"), str):
+            was.append(Path(path).parent / relative)
+        if now is None or not any(w is not None and w.resolve() == now.resolve() for w in was):
             return None
     return run_id if isinstance(run_id, str) and run_id else None
 

@@ -229,6 +229,36 @@ def test_a_run_id_saved_for_the_absolute_sqlite_uri_is_found_by_the_relative_one
     assert load_run_id(path, tracking_uri="sqlite:///other.db") is None
 
 
+def test_a_moved_repository_keeps_its_link_to_the_training_run(tmp_path, monkeypatch) -> None:
+    # Under `dvc repro` the run file records the absolute path of the repository's mlflow.db
+    # (DVC_ROOT). Once the repository is moved (or copied with its store), the later stages
+    # must still log into the training run there, not start an unlinked one.
+    import shutil
+
+    from aiayn.tracking import log_into_run
+
+    old = tmp_path / "old-home"
+    run_file = old / "data" / "checkpoints" / "mlflow_run.json"
+    run_file.parent.mkdir(parents=True)
+    monkeypatch.setenv("DVC_ROOT", str(old))
+    train = Tracker()
+    run_id = train.start("train", {})
+    train.end()
+    save_run_id(run_file, run_id)
+    assert f"sqlite:///{old}" in run_file.read_text(encoding="utf-8")
+
+    new = tmp_path / "moved"
+    shutil.move(old, new)
+    monkeypatch.setenv("DVC_ROOT", str(new))
+    moved_file = new / "data" / "checkpoints" / "mlflow_run.json"
+    assert log_into_run(moved_file, "score", {"test/sacrebleu": 30.0}) == run_id
+    assert MlflowClient(f"sqlite:///{new}/mlflow.db").get_run(run_id).data.metrics == {
+        "test/sacrebleu": 30.0}
+    # Another store is still another store: no run id for it.
+    assert load_run_id(moved_file, f"sqlite:///{tmp_path}/elsewhere.db") is None
+    assert load_run_id(moved_file, "http://elsewhere:5000") is None
+
+
 def test_disabled_tracker_is_a_no_op(tmp_path: Path) -> None:
     tracker = Tracker(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", enabled=False)
     assert tracker.start("run", PARAMS, tags={"a": "b"}) is None
