@@ -76,8 +76,10 @@ CPU_KINDS = (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "A
              ("avx2", "AVX2-only"), ("bf16", "Arm BF16"), ("asimd", "Arm"))
 
 
-def cpu_kind(cpuinfo: Path = CPUINFO) -> str:
-    """The CPU's kind (CPU_KINDS) from the flags of ``cpuinfo``; "unknown" without any."""
+def cpu_hardware_kind(cpuinfo: Path = CPUINFO) -> str:
+    """The CPU's kind (CPU_KINDS) from the flags of ``cpuinfo``; "unknown" without any: the
+    hardware, whatever caps are in force (``aiayn.precision.cpu_kind`` says what a step
+    computes in under them; ``instruction_caps`` in a record names the caps)."""
     from aiayn.precision import _cpuinfo_flags
 
     flags = _cpuinfo_flags(cpuinfo)
@@ -90,8 +92,9 @@ def machine_facts() -> dict:
 
     from aiayn.precision import cpu_has_native_bf16, cpu_model, instruction_caps
 
-    return {"cpu": cpu_model(), "cpu_kind": cpu_kind(), "native_bf16": cpu_has_native_bf16(),
-            "instruction_caps": instruction_caps(), "logical_cpus": os.cpu_count(),
+    return {"cpu": cpu_model(), "cpu_kind": cpu_hardware_kind(),
+            "native_bf16": cpu_has_native_bf16(), "instruction_caps": instruction_caps(),
+            "logical_cpus": os.cpu_count(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "python": platform.python_version(),
