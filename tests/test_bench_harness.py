@@ -145,7 +145,7 @@ def test_the_cpus_kind_is_its_best_bf16_or_vector_flag(tmp_path, flags, kind):
 
 def test_an_arm_cpus_kind_comes_from_its_features(tmp_path):
     assert harness.cpu_hardware_kind(cpuinfo(tmp_path, "fp asimd evtstrm aes sve i8mm bf16",
-                                    "Features")) == "Arm BF16"
+                                             "Features")) == "Arm BF16"
     assert harness.cpu_hardware_kind(cpuinfo(tmp_path, "fp asimd evtstrm aes", "Features")) == "Arm"
     assert harness.cpu_hardware_kind(tmp_path / "no-such-file") == "unknown"
 
