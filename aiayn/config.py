@@ -362,6 +362,11 @@ class TrainConfig(Strict):
         "which R-Drop is on, measured as train.cooldown measures it (the steps of train.steps "
         "or, with train.max_minutes, the time budget, whichever is further on): the steps "
         "before it are plain ones at half the cost; 0: R-Drop from the first step")
+    rdrop_fraction: float = Field(
+        1.0, gt=0.0, le=1.0, description="with train.rdrop, the share of each batch's "
+        "sentences that go through the model a second time (a new random draw each step): "
+        "their tokens get R-Drop's loss, the others the plain one; a step costs about "
+        "1 + rdrop_fraction plain ones; 1: the whole batch, as in the paper")
 
     @model_validator(mode="after")
     def _average(self) -> TrainConfig:
@@ -369,6 +374,10 @@ class TrainConfig(Strict):
             raise ValueError(f"rdrop_start is {self.rdrop_start:g} but rdrop is 0: R-Drop is "
                              "off, so there is nothing to start; set train.rdrop (e.g. 5) or "
                              "leave rdrop_start at 0")
+        if self.rdrop_fraction < 1 and self.rdrop == 0:
+            raise ValueError(f"rdrop_fraction is {self.rdrop_fraction:g} but rdrop is 0: R-Drop "
+                             "is off, so no sentence goes through twice; set train.rdrop "
+                             "(e.g. 5) or leave rdrop_fraction at 1")
         if not self.average_candidates and self.average_last > self.keep_checkpoints:
             raise ValueError(
                 f"average_last ({self.average_last}) exceeds keep_checkpoints "
@@ -519,6 +528,7 @@ PARAM_EFFECTS: dict[str, Affects] = {
     "train.subword_split": TRAINS,
     "train.rdrop": TRAINS,
     "train.rdrop_start": TRAINS,
+    "train.rdrop_fraction": TRAINS,
     "decode": Affects(("translate", "score")),
     # validation BLEU while training and the average's candidates decode in batches of it
     "decode.batch_size": VALIDATION_BLEU,

@@ -83,15 +83,17 @@ def first_rdrop_step(run: dict) -> int | None:
 
 
 def rdrop_mtokens(folder: Path, train: pd.DataFrame) -> np.ndarray:
-    """At each train-log row, the target tokens (millions) of the steps R-Drop trained so far
-    (from ``train.json`` beside the logs; none without it)."""
+    """At each train-log row, the target tokens (millions) that R-Drop's steps sent through
+    the model a second time so far: all of their tokens, or ``rdrop_fraction`` of them, the
+    share of sentences it drew (from ``train.json`` beside the logs; none without it)."""
     summary = folder / "train.json"
     run = json.loads(summary.read_text()) if summary.is_file() else {}
     first = run.get("rdrop_from_step", first_rdrop_step(run))
     if not first:
         return np.zeros(len(train))
     before = np.interp(first - 1, np.r_[0, train["step"]], np.r_[0.0, train["mtokens"]])
-    return np.clip(train["mtokens"].to_numpy() - before, 0.0, None)
+    share = run.get("rdrop_fraction", 1.0)
+    return share * np.clip(train["mtokens"].to_numpy() - before, 0.0, None)
 
 
 AXES = {"minutes": ("minutes", "training minutes", "time"),

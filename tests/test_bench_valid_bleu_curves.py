@@ -184,6 +184,8 @@ def test_by_tokens_with_a_marked_budget(tmp_path, drawn):
 @pytest.mark.parametrize("summary, expected", [
     # R-Drop from step 21: by step 30 its 4M tokens (6M -> 10M) went through twice
     ({"rdrop": 5.0, "rdrop_from_step": 21}, [4.0, 14.0]),
+    # the same on half of each batch's sentences: half of those 4M a second time
+    ({"rdrop": 5.0, "rdrop_from_step": 21, "rdrop_fraction": 0.5}, [4.0, 12.0]),
     ({"rdrop": 5.0}, [8.0, 20.0]),                          # a run from before the key: all
     # from before the key, with rdrop_start and a budget of 30 steps: past 0.6 of them, from 20
     ({"rdrop": 5.0, "rdrop_start": 0.6, "max_minutes": 0, "stopped_by": "steps",

@@ -148,6 +148,14 @@ def test_rdrop_start_without_rdrop_is_refused():
     assert "train.rdrop_start" in msg and "less than 1" in msg
 
 
+def test_rdrop_fraction_is_checked():
+    msg = bad(lambda r: r["train"].update(rdrop_fraction=0.5))
+    assert "rdrop_fraction is 0.5 but rdrop is 0" in msg and "set train.rdrop" in msg
+    for wrong, says in ((0.0, "greater than 0"), (1.5, "less than or equal to 1")):
+        msg = bad(lambda r, f=wrong: r["train"].update(rdrop=5, rdrop_fraction=f))
+        assert "train.rdrop_fraction" in msg and says in msg
+
+
 def test_negative_sizes_are_refused():
     msg = bad(lambda r: r["shard"].update(max_tokens=-5))
     assert "shard.max_tokens" in msg and "-5" in msg and "greater than 0" in msg

@@ -184,9 +184,10 @@ def test_the_criteria_compute_one_loss_four_ways(toy_workspace, output_vocab):
         ids = torch.unique(torch.cat([batch.tgt_out.reshape(-1), torch.tensor([0])]))
         output = OutputVocab.of(ids, vocab, 0)
 
-    def make(kernels, rdrop, model):
+    def make(kernels, rdrop, model, fraction=1.0):
         return make_criterion(kernels=kernels, label_smoothing=0.1, rdrop=rdrop, pad_id=0,
-                              embedding=model.embedding.weight, output=output)
+                              embedding=model.embedding.weight, output=output,
+                              rdrop_fraction=fraction)
 
     kinds = {("plain", 0.0): LabelSmoothedCrossEntropy, ("fast", 0.0):
              FusedLabelSmoothedCrossEntropy, ("plain", 5.0): RDrop, ("fast", 5.0): FusedRDrop}
@@ -194,12 +195,111 @@ def test_the_criteria_compute_one_loss_four_ways(toy_workspace, output_vocab):
         assert type(make(kernels, rdrop, plain_model)) is kind
     want_loss, want_nll, want_n = make("plain", 0.0, plain_model)(plain_model, batch)
     assert int(want_n) == batch.tgt_tokens
-    for kernels, rdrop, model in (("fast", 0.0, fast_model), ("plain", 5.0, plain_model),
-                                  ("fast", 5.0, fast_model)):
-        loss, nll, n = make(kernels, rdrop, model)(model, batch)
+    for kernels, rdrop, fraction, model in (
+            ("fast", 0.0, 1.0, fast_model), ("plain", 5.0, 1.0, plain_model),
+            ("fast", 5.0, 1.0, fast_model), ("plain", 5.0, 0.5, plain_model),
+            ("fast", 5.0, 0.3, fast_model)):
+        loss, nll, n = make(kernels, rdrop, model, fraction)(model, batch)
         assert int(n) == int(want_n), (kernels, rdrop)
         torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(nll, want_nll, rtol=1e-5, atol=1e-4)
         with torch.no_grad():  # validation: R-Drop is its base
-            again = make(kernels, rdrop, model)(model, batch)
+            again = make(kernels, rdrop, model, fraction)(model, batch)
         torch.testing.assert_close(again[0], want_loss, rtol=1e-5, atol=1e-4)
+
+
+# --------------------------------------------------------------------------- R-Drop on a share
+
+
+class CopyAwareNet(torch.nn.Module):
+    """Decoder outputs that depend on the token, the source and the row of the stacked batch,
+    so that a sentence's second copy (a later row) scores differently from its first; the
+    logits are those outputs times the tied matrix ``embedding``, as the model's."""
+
+    def __init__(self, vocab: int, rows: int, d: int = 5):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.token = torch.nn.Parameter(torch.randn(vocab, d, generator=g))
+        self.embedding = torch.nn.Parameter(torch.randn(vocab, d, generator=g))
+        self.source = torch.randn(d, generator=g)
+        self.row = torch.randn(rows, d, generator=g)
+
+    def hidden_of(self, src_row: torch.Tensor, tgt_token: int, row: int) -> torch.Tensor:
+        return self.token[tgt_token] + 0.1 * src_row.sum() * self.source + self.row[row]
+
+    def forward(self, src, tgt_in, packed=None):
+        hidden = (self.token[tgt_in] + 0.1 * src.sum(1)[:, None, None] * self.source
+                  + self.row[: src.shape[0]].unsqueeze(1))                  # (B', T, d)
+        if packed is not None:  # the fast model's packed rows
+            return hidden.reshape(-1, hidden.shape[-1]).index_select(0, packed)
+        return hidden @ self.embedding.t()
+
+
+def toy_batch(seed: int = 0):
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([5, 3, 6, 2, 4, 6, 1, 3])
+    tgt_out = torch.randint(1, 9, (8, 6), generator=g) * (torch.arange(6) < lengths[:, None])
+    return SimpleNamespace(src=torch.randint(1, 9, (8, 4), generator=g),
+                           tgt_in=torch.randint(1, 9, (8, 6), generator=g), tgt_out=tgt_out,
+                           tgt_positions=None)
+
+
+@pytest.mark.parametrize("kernels", ["plain", "fast"])
+@pytest.mark.parametrize("fraction", [0.25, 0.5, 0.9])
+def test_rdrop_on_a_share_of_the_batch_is_rdrop_on_the_drawn_sentences_alone(kernels, fraction):
+    """Brute force, label by label: a drawn sentence's labels get R-Drop's loss of its two
+    rows' logits, every other label the plain label-smoothed loss of its one row; the
+    loss, the NLL and the gradients, on the full logits and fused."""
+    from aiayn.training.objective import make_criterion
+
+    eps, alpha = 0.1, 4.0
+    batch = toy_batch()
+    net = CopyAwareNet(vocab=9, rows=16)
+    crit = make_criterion(kernels=kernels, label_smoothing=eps, rdrop=alpha, pad_id=0,
+                          embedding=net.embedding, rdrop_fraction=fraction)
+    torch.manual_seed(7)
+    drawn = crit.subset(batch)
+    assert drawn is not None and drawn.numel() == max(1, round(fraction * 8))
+    torch.manual_seed(7)
+    loss, nll, n = crit(net, batch)
+    grads = torch.autograd.grad(loss, [net.token, net.embedding])
+
+    want_loss = want_nll = 0.0
+    for b in range(8):
+        slot = (drawn == b).nonzero()
+        for t in range(6):
+            label = int(batch.tgt_out[b, t])
+            if label == 0:
+                continue
+            target = torch.tensor([label])
+            rows = [b] + ([8 + int(slot)] if slot.numel() else [])
+            logits = [(net.hidden_of(batch.src[b], int(batch.tgt_in[b, t]), r)
+                       @ net.embedding.t())[None] for r in rows]
+            want_loss = want_loss + sum(F.cross_entropy(z, target, label_smoothing=eps)
+                                        for z in logits) / len(rows)
+            want_nll += sum(float(F.cross_entropy(z.detach(), target)) for z in logits) / len(rows)
+            if len(rows) == 2:
+                p, q = (F.log_softmax(z, -1) for z in logits)
+                want_loss = want_loss + alpha / 4 * ((p.exp() - q.exp()) * (p - q)).sum()
+    want_grads = torch.autograd.grad(want_loss, [net.token, net.embedding])
+    assert int(n) == int((batch.tgt_out != 0).sum())
+    assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
+    assert float(nll) == pytest.approx(want_nll, rel=1e-5)
+    for got, want in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_rdrop_draws_a_new_share_each_step_and_all_of_the_batch_at_one():
+    from aiayn.training.objective import LabelSmoothedCrossEntropy, RDrop
+
+    batch = toy_batch()
+    base = LabelSmoothedCrossEntropy(label_smoothing=0.1, pad_id=0)
+    torch.manual_seed(0)
+    draws = {tuple(RDrop(base=base, alpha=1.0, fraction=0.5).subset(batch).tolist())
+             for _ in range(20)}
+    assert len(draws) > 5 and all(len(d) == 4 and list(d) == sorted(d) for d in draws)
+    assert RDrop(base=base, alpha=1.0, fraction=1.0).subset(batch) is None
+    assert RDrop(base=base, alpha=1.0, fraction=0.99).subset(batch) is None  # rounds to 8 of 8
+    assert RDrop(base=base, alpha=1.0, fraction=0.01).subset(batch).numel() == 1

@@ -141,17 +141,19 @@ def test_a_run_writes_logs_metrics_and_checkpoints(toy_workspace, tmp_path):
     assert summary["tokens_seen"] == load_checkpoint(ckpts[-1])["meta"]["tokens_seen"]
 
 
-@pytest.mark.parametrize("split,precision,rdrop,rdrop_start",
-                         [(0.0, "auto", 0.0, 0.0), (0.3, "auto", 0.0, 0.0),
-                          (0.0, "fp16", 0.0, 0.0), (0.0, "auto", 2.0, 0.0),
-                          (0.0, "auto", 2.0, 0.5)],
-                         ids=["plain", "subword_split", "fp16", "rdrop", "rdrop_late"])
+@pytest.mark.parametrize("split,precision,rdrop,rdrop_start,share",
+                         [(0.0, "auto", 0.0, 0.0, 1.0), (0.3, "auto", 0.0, 0.0, 1.0),
+                          (0.0, "fp16", 0.0, 0.0, 1.0), (0.0, "auto", 2.0, 0.0, 1.0),
+                          (0.0, "auto", 2.0, 0.5, 1.0), (0.0, "auto", 2.0, 0.0, 0.5)],
+                         ids=["plain", "subword_split", "fp16", "rdrop", "rdrop_late",
+                              "rdrop_share"])
 def test_an_interrupted_run_resumes_bitwise(toy_workspace, tmp_path, split, precision, rdrop,
-                                            rdrop_start):
+                                            rdrop_start, share):
     # fp16: the loss scale (its value and growth tracker) resumes with the run too;
-    # rdrop_late: stopped before R-Drop begins (step 8 of 12), it begins there after the resume
+    # rdrop_late: stopped before R-Drop begins (step 8 of 12), it begins there after the resume;
+    # rdrop_share: the resumed run draws the same sentences for their second pass
     changes = {"train": {"subword_split": split, "precision": precision, "rdrop": rdrop,
-                         "rdrop_start": rdrop_start}}
+                         "rdrop_start": rdrop_start, "rdrop_fraction": share}}
     full = make_trainer(toy_workspace, tmp_path / "full", changes)
     full.fit()
     part = make_trainer(toy_workspace, tmp_path / "part", changes)

@@ -200,7 +200,8 @@ def build_trainer(p: Params, vocab_size: int, tokenizer_sha256: str, paths: Trai
                                  scheduler=scheduler, scaler=scaler, loader=loader,
                                  train_data=train_data, plan=plan, world=world, seed=p.seed)
     criterion = make_criterion(kernels=t.kernels, label_smoothing=t.label_smoothing,
-                               rdrop=t.rdrop, pad_id=cfg.pad_id, embedding=model.embedding.weight,
+                               rdrop=t.rdrop, rdrop_fraction=t.rdrop_fraction,
+                               pad_id=cfg.pad_id, embedding=model.embedding.weight,
                                amp_dtype=amp_dtype, output=model.output_vocab(),
                                config=kernel_config)
     # Dropout differs between ranks; the seed offset keeps it reproducible per rank.

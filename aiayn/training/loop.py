@@ -482,6 +482,8 @@ def log_plan(trainer: Trainer) -> None:
              (", compiled" if p.compile else "")
              + (f", subword split {p.subword_split:g}" if p.subword_split else "")
              + (f", R-Drop alpha {p.rdrop:g}" if p.rdrop else "")
+             + (f" on {p.rdrop_fraction:.0%} of each batch's sentences"
+                if p.rdrop and p.rdrop_fraction < 1 else "")
              + (f" from {p.rdrop_start:.0%} of the run" if p.rdrop and p.rdrop_start else ""),
              f", time budget {p.max_minutes:g} min" if p.max_minutes else "")
     # what the budget holds once padding is counted: the plan's mean micro-batch
@@ -524,6 +526,7 @@ def run_summary(trainer: Trainer) -> dict:
         "subword_split": t.subword_split,
         "rdrop": t.rdrop,
         "rdrop_start": t.rdrop_start,
+        "rdrop_fraction": t.rdrop_fraction,
         # the first step trained with R-Drop (None: none was): where a plot counts passes twice
         "rdrop_from_step": (s.rdrop_from_step if t.rdrop_start else 1) if t.rdrop else None,
         "max_minutes": t.max_minutes,

@@ -176,67 +176,126 @@ class RDrop:
     one call, stacked on itself so that each copy draws its own dropout, and the loss is
     :func:`rdrop_loss` of the two passes (``alpha``: train.rdrop). Without gradients
     (validation, where dropout is off) or while not ``active`` (train.rdrop_start's point not
-    yet reached) ``base``'s loss."""
+    yet reached) ``base``'s loss.
+
+    ``fraction`` (train.rdrop_fraction) < 1 sends only that share of the batch's sentences
+    through a second time (:meth:`subset`): their labels get :func:`rdrop_loss`, the others
+    ``base``'s plain label-smoothed loss, summed over the batch's labels as before; a step
+    costs about 1 + fraction plain ones instead of 2."""
 
     base: LabelSmoothedCrossEntropy
     alpha: float
     active: bool = True
+    fraction: float = 1.0
 
-    def doubled(self, batch) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The batch stacked on itself, the positions of both copies' labels (the second
-        copy's after the first's) and the labels there."""
+    def subset(self, batch) -> Tensor | None:
+        """The sentences (rows of the batch) that go through twice, in order: None for all
+        of them, else round(fraction x sentences) of them, at least one, drawn anew each
+        step from torch's global generator (dropout's, so a seeded run draws them alike)."""
+        sentences = batch.src.shape[0]
+        m = max(1, round(self.fraction * sentences))
+        if m >= sentences:
+            return None
+        return torch.randperm(sentences)[:m].sort().values.to(batch.src.device)
+
+    def doubled(self, batch, subset: Tensor | None = None
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+        """The batch with ``subset``'s sentences (None: all) stacked under it, the flat
+        positions of the labels the net is to give rows for (every first-copy label, then
+        the second copies'), the first copies' labels (N,), and which of those N have a
+        second copy (None: all; else their indices, in the order of the second copies)."""
         positions = self.base.positions(batch)
-        flat = batch.tgt_out.numel()
         labels, _ = self.base.labels(batch)
-        return (torch.cat([batch.src, batch.src]), torch.cat([batch.tgt_in, batch.tgt_in]),
-                torch.cat([positions, positions + flat]),
-                labels.reshape(-1).index_select(0, positions))
+        kept = labels.reshape(-1).index_select(0, positions)
+        if subset is None:
+            flat = batch.tgt_out.numel()
+            return (torch.cat([batch.src, batch.src]), torch.cat([batch.tgt_in, batch.tgt_in]),
+                    torch.cat([positions, positions + flat]), kept, None)
+        sentences, length = batch.tgt_out.shape
+        sentence = positions // length
+        slot = torch.searchsorted(subset, sentence)            # the sentence's place in subset
+        inside = subset.index_select(0, slot.clamp(max=subset.numel() - 1)) == sentence
+        paired = inside.nonzero().squeeze(1)
+        second = ((sentences + slot.index_select(0, paired)) * length
+                  + positions.index_select(0, paired) % length)
+        return (torch.cat([batch.src, batch.src.index_select(0, subset)]),
+                torch.cat([batch.tgt_in, batch.tgt_in.index_select(0, subset)]),
+                torch.cat([positions, second]), kept, paired)
+
+    @staticmethod
+    def unpaired(paired: Tensor, n: int) -> Tensor:
+        """The indices in [0, n) that ``paired`` leaves out, in order."""
+        alone = torch.ones(n, dtype=torch.bool, device=paired.device)
+        alone[paired] = False
+        return alone.nonzero().squeeze(1)
 
     def __call__(self, net: nn.Module, batch) -> LossSums:
         if not (self.active and torch.is_grad_enabled()):
             return self.base(net, batch)
-        src, tgt_in, both, kept = self.doubled(batch)
+        src, tgt_in, both, kept, paired = self.doubled(batch, self.subset(batch))
         n = kept.numel()
         with self.base.autocast(batch):
-            logits = self.base.logits(net, src, tgt_in)                    # (2B, T, V)
+            logits = self.base.logits(net, src, tgt_in)                    # (B + M, T, V)
             logits = logits.reshape(-1, logits.shape[-1]).index_select(0, both)
-        loss, nll = rdrop_loss(logits.view(2, n, logits.shape[-1]), kept,
-                               self.base.label_smoothing, self.alpha)
-        return loss, nll, n
+        if paired is None:
+            loss, nll = rdrop_loss(logits.view(2, n, logits.shape[-1]), kept,
+                                   self.base.label_smoothing, self.alpha)
+            return loss, nll, n
+        first, alone = logits[:n], self.unpaired(paired, n)
+        loss, nll = rdrop_loss(torch.stack([first.index_select(0, paired), logits[n:]]),
+                               kept.index_select(0, paired), self.base.label_smoothing,
+                               self.alpha)
+        plain, plain_nll, _ = label_smoothed_loss(first.index_select(0, alone),
+                                                  kept.index_select(0, alone),
+                                                  self.base.label_smoothing, pad_id=-1)
+        return loss + plain, nll + plain_nll, n
 
 
 @dataclass(kw_only=True)
 class FusedRDrop(RDrop):
     """R-Drop with the fused loss (:func:`aiayn.fast.projected_rdrop_loss`): the decoder on
-    both copies' real positions, the tied projection inside the loss, the default blocks."""
+    both copies' real positions, the tied projection inside the loss, the default blocks;
+    with ``fraction`` < 1 the unpaired labels through the fused label-smoothed loss."""
 
     base: FusedLabelSmoothedCrossEntropy
 
     def __call__(self, net: nn.Module, batch) -> LossSums:
         if not (self.active and torch.is_grad_enabled()):
             return self.base(net, batch)
-        src, tgt_in, both, kept = self.doubled(batch)
+        src, tgt_in, both, kept, paired = self.doubled(batch, self.subset(batch))
+        n = kept.numel()
+        weight, eps, config = self.base.weight(), self.base.label_smoothing, self.base.config
         with self.base.autocast(batch):
-            rows = net(src, tgt_in, packed=both)                            # (2N, d)
-            return projected_rdrop_loss(rows, self.base.weight(), kept,
-                                        self.base.label_smoothing, self.alpha,
-                                        config=self.base.config)
+            rows = net(src, tgt_in, packed=both)                            # (N + N', d)
+            if paired is None:
+                return projected_rdrop_loss(rows, weight, kept, eps, self.alpha, config=config)
+            first, alone = rows[:n], self.unpaired(paired, n)
+            loss, nll, _ = projected_rdrop_loss(
+                torch.cat([first.index_select(0, paired), rows[n:]]), weight,
+                kept.index_select(0, paired), eps, self.alpha, config=config)
+            plain, plain_nll, _ = projected_label_smoothed_loss(
+                first.index_select(0, alone), weight, kept.index_select(0, alone), eps, -1,
+                positions=torch.arange(alone.numel(), device=rows.device), config=config)
+        return loss + plain, nll + plain_nll, n
 
 
 def make_criterion(*, kernels: str, label_smoothing: float, rdrop: float, pad_id: int,
-                   embedding: Tensor, amp_dtype: torch.dtype | None = None,
+                   embedding: Tensor, rdrop_fraction: float = 1.0,
+                   amp_dtype: torch.dtype | None = None,
                    output: OutputVocab | None = None, blocks: tuple[int, int] | None = None,
                    pack: bool = True, config: KernelConfig | None = None
                    ) -> LabelSmoothedCrossEntropy | RDrop:
     """The criterion of ``train.kernels`` (``fast``: fused, ``plain``: on full logits) and
-    ``train.rdrop`` (> 0: R-Drop on top). ``blocks``, ``pack`` and ``config`` (None: the
-    default :class:`KernelConfig`): the fused loss's (see
-    :class:`FusedLabelSmoothedCrossEntropy`; R-Drop's fused loss takes the default blocks)."""
+    ``train.rdrop`` (> 0: R-Drop on top, on ``rdrop_fraction`` of each batch's sentences).
+    ``blocks``, ``pack`` and ``config`` (None: the default :class:`KernelConfig`): the fused
+    loss's (see :class:`FusedLabelSmoothedCrossEntropy`; R-Drop's fused loss takes the
+    default blocks)."""
     common = {"label_smoothing": label_smoothing, "pad_id": pad_id, "amp_dtype": amp_dtype,
               "output": output}
     if kernels == "fast":
         fused = FusedLabelSmoothedCrossEntropy(**common, embedding=embedding, blocks=blocks,
                                                pack=pack, config=config or KernelConfig())
-        return FusedRDrop(base=fused, alpha=rdrop) if rdrop > 0 else fused
+        return (FusedRDrop(base=fused, alpha=rdrop, fraction=rdrop_fraction) if rdrop > 0
+                else fused)
     plain = LabelSmoothedCrossEntropy(**common)
-    return RDrop(base=plain, alpha=rdrop) if rdrop > 0 else plain
+    return RDrop(base=plain, alpha=rdrop, fraction=rdrop_fraction) if rdrop > 0 else plain
