@@ -16,7 +16,8 @@ steps`` lines them up by step instead (runs with a budget in steps, ``train.max_
 the target tokens trained on (runs with other batch sizes, on other machines: how far a
 budget is from convergence); ``--x passes`` counts the tokens of R-Drop's steps twice (each
 batch goes through the model twice; ``train.json``'s ``rdrop_from_step`` says from which step,
-and a run without it trained with R-Drop from its first step if its ``rdrop`` is above 0),
+and a run without it trained with R-Drop from its first step if its ``rdrop`` is above 0;
+with ``rdrop_fraction`` below 1, that share of them twice),
 so that runs that switch R-Drop on late line up by the compute they cost on any machine
 whose step cost is its passes'. ``--mark 64=published`` draws a labelled vertical line there
 (in millions of tokens with ``--x tokens``), ``--level 41.02=published`` a labelled
@@ -99,7 +100,7 @@ def rdrop_mtokens(folder: Path, train: pd.DataFrame) -> np.ndarray:
 AXES = {"minutes": ("minutes", "training minutes", "time"),
         "steps": ("step", "training steps", "steps"),
         "tokens": ("mtokens", "target tokens trained on (millions)", "target tokens"),
-        "passes": ("mpasses", "target tokens through the model (millions; R-Drop's twice)",
+        "passes": ("mpasses", "target tokens through the model (millions; R-Drop's second passes too)",
                    "passes")}
 
 
@@ -128,8 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, required=True, help="the picture (.png)")
     ap.add_argument("--x", choices=tuple(AXES), default="minutes",
                     help="the horizontal axis: training minutes (default), steps, target "
-                         "tokens trained on (millions), or passes: those tokens with R-Drop's "
-                         "counted twice")
+                         "tokens trained on (millions), or passes: those tokens with the ones "
+                         "R-Drop sent through twice counted twice")
     ap.add_argument("--mark", action="append", default=[], metavar="X=LABEL",
                     help="a labelled vertical line at X on the horizontal axis (repeatable)")
     ap.add_argument("--level", action="append", default=[], metavar="Y=LABEL",
