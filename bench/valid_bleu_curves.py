@@ -100,7 +100,8 @@ def rdrop_mtokens(folder: Path, train: pd.DataFrame) -> np.ndarray:
 AXES = {"minutes": ("minutes", "training minutes", "time"),
         "steps": ("step", "training steps", "steps"),
         "tokens": ("mtokens", "target tokens trained on (millions)", "target tokens"),
-        "passes": ("mpasses", "target tokens through the model (millions; R-Drop's second passes too)",
+        "passes": ("mpasses",
+                   "target tokens through the model (millions; R-Drop's second passes too)",
                    "passes")}
 
 

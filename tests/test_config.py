@@ -70,6 +70,13 @@ def test_the_rdrop_preset_is_multi30k_with_rdrop_alone():
     assert (over.train.rdrop, over.seed) == (1.5, 2)
 
 
+def test_the_half_rdrop_preset_is_multi30k_rdrop_on_half_of_each_batch():
+    full = yaml.safe_load(compose(REPO / "conf", "multi30k_rdrop", []))
+    half = yaml.safe_load(compose(REPO / "conf", "multi30k_rdrop_half", []))
+    assert full["train"].pop("rdrop_fraction") == 1 and half["train"].pop("rdrop_fraction") == 0.5
+    assert half == full
+
+
 def test_overrides_compose_like_dvc_exp_run():
     p = parse_params(yaml.safe_load(compose(REPO / "conf", "demo", ["vocab.vocab_size=777"])))
     assert p.vocab.vocab_size == 777
@@ -436,25 +443,29 @@ def test_yes_no_and_true_false_are_not_numbers(tmp_path):
 @pytest.mark.parametrize("kind, preset, fits, level, says", [
     ("amx", "multi30k_rdrop", True, "INFO", "+2.2 test2016 BLEU"),
     ("amx", "multi30k", False, "INFO", "`aiayn params multi30k_rdrop`"),
-    ("bf16", "multi30k", True, "INFO", "without AMX"),
-    ("bf16", "multi30k_rdrop", False, "WARNING", "`aiayn params multi30k`"),
+    ("amx", "multi30k_rdrop_half", False, "INFO", "`aiayn params multi30k_rdrop`"),
+    ("bf16", "multi30k_rdrop_half", True, "INFO", "without AMX"),
+    ("bf16", "multi30k", False, "INFO", "`aiayn params multi30k_rdrop_half`"),
+    ("bf16", "multi30k_rdrop", False, "WARNING", "`aiayn params multi30k_rdrop_half`"),
     ("fp32", "multi30k_rdrop", False, "WARNING", "31.72 against 38.19-39.52"),
+    ("fp32", "multi30k_rdrop_half", False, "WARNING", "`aiayn params multi30k`"),
     ("fp32", "multi30k", True, "INFO", "no native bf16"),
 ])
 def test_params_names_the_multi30k_preset_for_this_cpus_kind(tmp_path, monkeypatch, caplog,
                                                              kind, preset, fits, level, says):
     """`aiayn params` on a Multi30k preset says whether it is the one recorded for this CPU's
-    kind, and warns only where R-Drop's doubled step would cost the CPU its hour; the record
-    it names exists; other presets, and machines with a GPU, get no such line."""
+    kind, and warns only where a costlier R-Drop step than that preset's would cost the CPU
+    its hour; the records it names exist; other presets, and machines with a GPU, get no
+    such line."""
     import logging
 
     import torch
     from typer.testing import CliRunner
 
     from aiayn import precision
-    from stages.params import RDROP_RECORD, app, cpu_preset_advice
+    from stages.params import RDROP_HALF_RECORD, RDROP_RECORD, app, cpu_preset_advice
 
-    assert (REPO / RDROP_RECORD).is_file()
+    assert (REPO / RDROP_RECORD).is_file() and (REPO / RDROP_HALF_RECORD).is_file()
     monkeypatch.setattr(precision, "cpu_kind", lambda: kind)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     advice = cpu_preset_advice(preset)

@@ -233,7 +233,7 @@ def test_unreachable_hub_fails_fast_and_clearly(tmp_path, cli_env):
 
 # --------------------------------------------------------------------------- Multi30k presets
 
-MULTI30K_PRESETS = ("multi30k", "multi30k_rdrop")
+MULTI30K_PRESETS = ("multi30k", "multi30k_rdrop", "multi30k_rdrop_half")
 
 
 def multi30k_params(preset: str, *overrides: str) -> dict:

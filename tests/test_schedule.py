@@ -35,7 +35,7 @@ def test_the_papers_base_peaks_at_its_published_rate():
 
 
 @pytest.mark.parametrize("name", ["wmt14_base", "wmt14_big", "multi30k", "multi30k_rdrop",
-                                  "demo"])
+                                  "multi30k_rdrop_half", "demo"])
 def test_no_preset_warns(name):
     p = preset(name)
     assert deep_post_ln_warning(p.model, p.train) is None
