@@ -121,7 +121,9 @@ CPU_KIND_ADVICE = {
              f"(2 seeds, screened on an AMX CPU as a stand-in; {RDROP_HALF_RECORD})"),
     "fp32": ("this CPU has no native bf16 (e.g. AVX2 only), so training computes in fp32: "
              "there R-Drop's step runs at 0.51x the plain one's tokens/s, and its hour scored "
-             f"test2016 31.72 against 38.19-39.52 for `multi30k` ({RDROP_RECORD})"),
+             f"test2016 31.72 against 38.19-39.52 for `multi30k` ({RDROP_RECORD}); on a "
+             "quarter of each batch it lost 0.83 valid BLEU to `multi30k` in that hour's "
+             f"steps ({RDROP_HALF_RECORD})"),
 }
 
 
