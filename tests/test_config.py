@@ -444,6 +444,7 @@ def test_yes_no_and_true_false_are_not_numbers(tmp_path):
     ("amx", "multi30k_rdrop", True, "INFO", "+2.2 test2016 BLEU"),
     ("amx", "multi30k", False, "INFO", "`aiayn params multi30k_rdrop`"),
     ("amx", "multi30k_rdrop_half", False, "INFO", "`aiayn params multi30k_rdrop`"),
+    ("amx", "multi30k_rdrop_half", False, "INFO", "42.40 against 42.50"),
     ("bf16", "multi30k_rdrop_half", True, "INFO", "without AMX"),
     ("bf16", "multi30k", False, "INFO", "`aiayn params multi30k_rdrop_half`"),
     ("bf16", "multi30k_rdrop", False, "WARNING", "`aiayn params multi30k_rdrop_half`"),
@@ -463,9 +464,16 @@ def test_params_names_the_multi30k_preset_for_this_cpus_kind(tmp_path, monkeypat
     from typer.testing import CliRunner
 
     from aiayn import precision
-    from stages.params import RDROP_HALF_RECORD, RDROP_RECORD, app, cpu_preset_advice
+    from stages.params import (
+        RDROP_HALF_AMX_RECORD,
+        RDROP_HALF_RECORD,
+        RDROP_RECORD,
+        app,
+        cpu_preset_advice,
+    )
 
-    assert (REPO / RDROP_RECORD).is_file() and (REPO / RDROP_HALF_RECORD).is_file()
+    for record in (RDROP_RECORD, RDROP_HALF_RECORD, RDROP_HALF_AMX_RECORD):
+        assert (REPO / record).is_file(), record
     monkeypatch.setattr(precision, "cpu_kind", lambda: kind)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     advice = cpu_preset_advice(preset)
