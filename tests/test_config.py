@@ -446,6 +446,7 @@ def test_yes_no_and_true_false_are_not_numbers(tmp_path):
     ("amx", "multi30k_rdrop_half", False, "INFO", "`aiayn params multi30k_rdrop`"),
     ("amx", "multi30k_rdrop_half", False, "INFO", "42.40 against 42.50"),
     ("bf16", "multi30k_rdrop_half", True, "INFO", "without AMX"),
+    ("bf16", "multi30k", False, "INFO", "41.28 against 40.87"),
     ("bf16", "multi30k", False, "INFO", "`aiayn params multi30k_rdrop_half`"),
     ("bf16", "multi30k_rdrop", False, "WARNING", "`aiayn params multi30k_rdrop_half`"),
     ("fp32", "multi30k_rdrop", False, "WARNING", "31.72 against 38.19-39.52"),
@@ -466,13 +467,15 @@ def test_params_names_the_multi30k_preset_for_this_cpus_kind(tmp_path, monkeypat
     from aiayn import precision
     from stages.params import (
         RDROP_HALF_AMX_RECORD,
+        RDROP_HALF_AVX512_RECORD,
         RDROP_HALF_RECORD,
         RDROP_RECORD,
         app,
         cpu_preset_advice,
     )
 
-    for record in (RDROP_RECORD, RDROP_HALF_RECORD, RDROP_HALF_AMX_RECORD):
+    for record in (RDROP_RECORD, RDROP_HALF_RECORD, RDROP_HALF_AMX_RECORD,
+                   RDROP_HALF_AVX512_RECORD):
         assert (REPO / record).is_file(), record
     monkeypatch.setattr(precision, "cpu_kind", lambda: kind)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
