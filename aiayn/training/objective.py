@@ -229,6 +229,18 @@ class RDrop:
         alone[paired] = False
         return alone.nonzero().squeeze(1)
 
+    def split(self, rows: Tensor, kept: Tensor, paired: Tensor
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``rows`` as :meth:`doubled` lays them out (one per first-copy label, then one per
+        second copy) split between the two losses: the paired labels' rows, first copies
+        then second copies (2M, ...), their labels (M,), the unpaired labels' rows and
+        their labels."""
+        n = kept.numel()
+        first, alone = rows[:n], self.unpaired(paired, n)
+        return (torch.cat([first.index_select(0, paired), rows[n:]]),
+                kept.index_select(0, paired), first.index_select(0, alone),
+                kept.index_select(0, alone))
+
     def __call__(self, net: nn.Module, batch) -> LossSums:
         if not (self.active and torch.is_grad_enabled()):
             return self.base(net, batch)
@@ -241,12 +253,10 @@ class RDrop:
             loss, nll = rdrop_loss(logits.view(2, n, logits.shape[-1]), kept,
                                    self.base.label_smoothing, self.alpha)
             return loss, nll, n
-        first, alone = logits[:n], self.unpaired(paired, n)
-        loss, nll = rdrop_loss(torch.stack([first.index_select(0, paired), logits[n:]]),
-                               kept.index_select(0, paired), self.base.label_smoothing,
-                               self.alpha)
-        plain, plain_nll, _ = label_smoothed_loss(first.index_select(0, alone),
-                                                  kept.index_select(0, alone),
+        pairs, pair_labels, alone, alone_labels = self.split(logits, kept, paired)
+        loss, nll = rdrop_loss(pairs.view(2, -1, pairs.shape[-1]), pair_labels,
+                               self.base.label_smoothing, self.alpha)
+        plain, plain_nll, _ = label_smoothed_loss(alone, alone_labels,
                                                   self.base.label_smoothing, pad_id=-1)
         return loss + plain, nll + plain_nll, n
 
@@ -269,13 +279,12 @@ class FusedRDrop(RDrop):
             rows = net(src, tgt_in, packed=both)                            # (N + N', d)
             if paired is None:
                 return projected_rdrop_loss(rows, weight, kept, eps, self.alpha, config=config)
-            first, alone = rows[:n], self.unpaired(paired, n)
-            loss, nll, _ = projected_rdrop_loss(
-                torch.cat([first.index_select(0, paired), rows[n:]]), weight,
-                kept.index_select(0, paired), eps, self.alpha, config=config)
+            pairs, pair_labels, alone, alone_labels = self.split(rows, kept, paired)
+            loss, nll, _ = projected_rdrop_loss(pairs, weight, pair_labels, eps, self.alpha,
+                                                config=config)
             plain, plain_nll, _ = projected_label_smoothed_loss(
-                first.index_select(0, alone), weight, kept.index_select(0, alone), eps, -1,
-                positions=torch.arange(alone.numel(), device=rows.device), config=config)
+                alone, weight, alone_labels, eps, -1,
+                positions=torch.arange(alone_labels.numel(), device=rows.device), config=config)
         return loss + plain, nll + plain_nll, n
 
 
