@@ -70,7 +70,11 @@ def save_run_id(path: Path, run_id: str | None, tracking_uri: str | None = None)
     uri = resolve_tracking_uri(tracking_uri)
     record = {"run_id": run_id, "tracking_uri": uri}
     if (db := sqlite_path(uri)) is not None:
-        record["sqlite_from_run_file"] = os.path.relpath(db.resolve(), Path(path).parent.resolve())
+        try:
+            relative = os.path.relpath(db.resolve(), Path(path).parent.resolve())
+            record["sqlite_from_run_file"] = relative
+        except ValueError:  # on Windows, a store on another drive has no relative path
+            pass
     write_json(path, record)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -227,6 +228,23 @@ def test_a_run_id_saved_for_the_absolute_sqlite_uri_is_found_by_the_relative_one
     save_run_id(path, "abc123", tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
     assert load_run_id(path, tracking_uri="sqlite:///mlflow.db") == "abc123"
     assert load_run_id(path, tracking_uri="sqlite:///other.db") is None
+
+
+def test_a_store_with_no_relative_path_saves_the_absolute_one(tmp_path, monkeypatch) -> None:
+    # On Windows a store on another drive than the run file has no relative path
+    # (os.path.relpath raises ValueError): the run id is saved with the absolute URI alone.
+    import aiayn.tracking
+
+    def no_relpath(*args):
+        raise ValueError("path is on mount 'D:', start on mount 'C:'")
+
+    monkeypatch.setattr(aiayn.tracking.os.path, "relpath", no_relpath)
+    path = tmp_path / "run" / "mlflow_run.json"
+    uri = f"sqlite:///{tmp_path}/store/mlflow.db"
+    save_run_id(path, "abc123", tracking_uri=uri)
+    assert "sqlite_from_run_file" not in json.loads(path.read_text(encoding="utf-8"))
+    assert load_run_id(path, tracking_uri=uri) == "abc123"
+    assert load_run_id(path, tracking_uri=f"sqlite:///{tmp_path}/other.db") is None
 
 
 def test_a_moved_repository_keeps_its_link_to_the_training_run(tmp_path, monkeypatch) -> None:
