@@ -71,9 +71,13 @@ def test_the_rdrop_preset_is_multi30k_with_rdrop_alone():
 
 
 def test_the_half_rdrop_preset_is_multi30k_rdrop_on_half_of_each_batch():
+    """multi30k_rdrop_half is multi30k_rdrop on half of each batch, with less label smoothing
+    (chosen for the AVX512-BF16 hour); nothing else differs."""
     full = yaml.safe_load(compose(REPO / "conf", "multi30k_rdrop", []))
     half = yaml.safe_load(compose(REPO / "conf", "multi30k_rdrop_half", []))
     assert full["train"].pop("rdrop_fraction") == 1 and half["train"].pop("rdrop_fraction") == 0.5
+    assert full["train"].pop("label_smoothing") == 0.3
+    assert half["train"].pop("label_smoothing") == 0.2
     assert half == full
 
 
@@ -446,7 +450,7 @@ def test_yes_no_and_true_false_are_not_numbers(tmp_path):
     ("amx", "multi30k_rdrop_half", False, "INFO", "`aiayn params multi30k_rdrop`"),
     ("amx", "multi30k_rdrop_half", False, "INFO", "42.40 against 42.50"),
     ("bf16", "multi30k_rdrop_half", True, "INFO", "without AMX"),
-    ("bf16", "multi30k", False, "INFO", "41.28 against 40.87"),
+    ("bf16", "multi30k", False, "INFO", "41.98 against 40.87"),
     ("bf16", "multi30k", False, "INFO", "`aiayn params multi30k_rdrop_half`"),
     ("bf16", "multi30k_rdrop", False, "WARNING", "`aiayn params multi30k_rdrop_half`"),
     ("fp32", "multi30k_rdrop", False, "WARNING", "31.72 against 38.19-39.52"),
