@@ -224,9 +224,11 @@ def test_the_gpu_pages_multinode_command_trains_as_one_machine_and_only_rank0_wr
 
 # SLURM's commands as docs/train.sbatch calls them, standing in for a cluster on one machine:
 # `scontrol show hostnames LIST` names the nodes, `srun [options] CMD` starts CMD once per node.
+# The second host name comes in a later write, as a long node list does from the real
+# scontrol: a reader that stops after the first line must not fail the script.
 FAKE_SCONTROL = """#!/bin/sh
 [ "$1 $2" = "show hostnames" ] || { echo "scontrol stand-in: $*" >&2; exit 2; }
-echo 127.0.0.1; echo 127.0.0.2
+echo 127.0.0.1; sleep 0.5; echo 127.0.0.2
 """
 FAKE_SRUN = """#!/bin/bash
 while [[ "$1" == --* ]]; do shift; done
