@@ -113,8 +113,8 @@ RDROP_COST_ORDER = ("multi30k_rdrop", "multi30k_rdrop_half", "multi30k")
 RDROP_RECORD = "docs/results/multi30k/bf16-amx-rdrop/README.md"
 RDROP_HALF_RECORD = "docs/results/multi30k/rdrop-share-screen/README.md"
 RDROP_HALF_AMX_RECORD = "docs/results/multi30k/bf16-amx-rdrop-half/README.md"
-RDROP_HALF_AVX512_RECORD = "docs/results/multi30k/bf16-avx512-rdrop-half/README.md"
 RDROP_HALF_LS_RECORD = "docs/results/multi30k/rdrop-half-less-reg-screen/README.md"
+RDROP_HALF_LS_HOUR_RECORD = "docs/results/multi30k/bf16-avx512-rdrop-half-ls0.2/README.md"
 CPU_KIND_ADVICE = {
     "amx": ("this CPU has AMX: on such a CPU `multi30k_rdrop` scored +2.2 test2016 BLEU over "
             f"`multi30k` in the hour (mean of 2 seeds; {RDROP_RECORD}), and R-Drop on half of "
@@ -122,11 +122,11 @@ CPU_KIND_ADVICE = {
             f"against 42.50 ({RDROP_HALF_AMX_RECORD})"),
     "bf16": ("this CPU has native bf16 without AMX (e.g. AVX512-BF16): there R-Drop on the "
              "whole batch costs ~2x a plain step and tied `multi30k` on valid; on half of "
-             "each batch (~1.5x) and with label smoothing 0.2 it scored valid 41.98 against "
-             "40.87 for `multi30k` and test2016 40.38 against 38.91 in the steps of such a "
-             f"CPU's hour (2 seeds; {RDROP_HALF_LS_RECORD}; at label smoothing 0.3 its hour "
-             f"scored valid 41.28: {RDROP_HALF_AVX512_RECORD}), the share chosen in step "
-             f"budgets ({RDROP_HALF_RECORD})"),
+             "each batch (~1.5x) and with label smoothing 0.2 it scored valid 41.96 against "
+             "40.87 for `multi30k` and test2016 40.30 against 38.91 in such a CPU's hour "
+             f"(2 seeds; {RDROP_HALF_LS_HOUR_RECORD}; label smoothing 0.2 chosen over 0.3 in "
+             f"the hour's steps: {RDROP_HALF_LS_RECORD}; the share chosen in step budgets: "
+             f"{RDROP_HALF_RECORD})"),
     "fp32": ("this CPU has no native bf16 (e.g. AVX2 only), so training computes in fp32: "
              "there R-Drop's step runs at 0.51x the plain one's tokens/s, and its hour scored "
              f"test2016 31.72 against 38.19-39.52 for `multi30k` ({RDROP_RECORD}); on a "
